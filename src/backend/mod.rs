@@ -1,0 +1,204 @@
+//! The compute backends. Every op a backend offers takes named dimensions; the CPU backend is
+//! the reference the GPU backends are checked against and the default where no GPU is present.
+
+pub mod cpu;
+pub mod cuda;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::ops::gemm::{GemmDims, GemmSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+    Rocm,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Rocm => "rocm",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `--backend`: a named backend, or `auto` (a GPU backend when one is present, else the CPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BackendChoice {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+    Rocm,
+}
+
+/// What a profile records about the machine it was made on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub backend: BackendKind,
+    pub ordinal: usize,
+    /// As the driver reports it, e.g. "NVIDIA H100 80GB HBM3".
+    pub name: String,
+    /// Normalized name used in paths, e.g. "nvidia-h100-80gb-hbm3".
+    pub slug: String,
+    /// "sm_90", "gfx90a", or the CPU's target features summary.
+    pub arch: String,
+    /// SMs, CUs or CPU threads.
+    pub compute_units: u32,
+    pub memory_bytes: u64,
+    pub l2_bytes: u64,
+    pub driver_version: Option<String>,
+    pub runtime_version: Option<String>,
+}
+
+/// Lowercase, alphanumerics kept, every other run of characters becomes one '-'.
+pub fn slugify(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+        }
+    }
+    while out.ends_with('-') {
+        out.pop();
+    }
+    out
+}
+
+/// A device buffer of 16-bit elements.
+pub trait DeviceBuffer {
+    fn len(&self) -> usize;
+    fn dtype(&self) -> DType;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub trait Backend {
+    type Buffer: DeviceBuffer;
+
+    fn info(&self) -> &DeviceInfo;
+
+    /// A hash of the kernel sources this backend compiles (profiles made with other kernels are
+    /// refused). The CPU backend hashes its own version string.
+    fn kernel_hash(&self) -> String;
+
+    /// Uninitialised (or poisoned) buffer of `len` elements.
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Self::Buffer>;
+    fn upload(&self, dtype: DType, bits: &[u16]) -> Result<Self::Buffer>;
+    fn download(&self, buf: &Self::Buffer) -> Result<Vec<u16>>;
+    /// Set every element to `bits` (used to poison outputs before a run).
+    fn fill(&self, buf: &mut Self::Buffer, bits: u16) -> Result<()>;
+
+    /// The GEMM candidates this backend offers for a [K, N] shape (every B_N for flat_gemm).
+    fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec>;
+
+    /// y = x · Wᵀ. A candidate that cannot run these dims returns `Unsupported` (it is skipped,
+    /// never a crash).
+    fn gemm(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        y: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    fn synchronize(&self) -> Result<()>;
+
+    /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
+    /// all runs back to back between events and synchronize once; the CPU times with the clock.
+    fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;
+}
+
+/// Availability of one backend on this machine, for `fdpp devices` and `--backend auto`.
+#[derive(Clone, Debug, Serialize)]
+pub struct BackendStatus {
+    pub backend: BackendKind,
+    pub available: bool,
+    /// Why not, when not available.
+    pub reason: Option<String>,
+    pub devices: Vec<DeviceInfo>,
+}
+
+pub fn probe_all() -> Vec<BackendStatus> {
+    vec![cpu::probe(), cuda::probe(), rocm_probe()]
+}
+
+fn rocm_probe() -> BackendStatus {
+    BackendStatus {
+        backend: BackendKind::Rocm,
+        available: false,
+        reason: Some("ROCm backend not built yet (issue #7)".into()),
+        devices: vec![],
+    }
+}
+
+/// An opened backend of any kind. Generic code is reached through [`with_backend!`].
+pub enum AnyBackend {
+    Cpu(cpu::CpuBackend),
+    Cuda(cuda::CudaBackend),
+}
+
+impl AnyBackend {
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            AnyBackend::Cpu(_) => BackendKind::Cpu,
+            AnyBackend::Cuda(_) => BackendKind::Cuda,
+        }
+    }
+}
+
+/// Run a generic expression with the concrete backend inside an [`AnyBackend`].
+#[macro_export]
+macro_rules! with_backend {
+    ($any:expr, $b:ident => $body:expr) => {
+        match $any {
+            $crate::backend::AnyBackend::Cpu($b) => $body,
+            $crate::backend::AnyBackend::Cuda($b) => $body,
+        }
+    };
+}
+
+/// Open the chosen backend. `Auto` takes CUDA when a device is present, else the CPU; the
+/// returned note says which and why, for the user.
+pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)> {
+    match choice {
+        BackendChoice::Cpu => Ok((
+            AnyBackend::Cpu(cpu::CpuBackend::new()),
+            "backend: cpu (asked for)".into(),
+        )),
+        BackendChoice::Cuda => Ok((
+            AnyBackend::Cuda(cuda::CudaBackend::open(device)?),
+            "backend: cuda (asked for)".into(),
+        )),
+        BackendChoice::Rocm => Err(FdppError::BackendUnavailable {
+            backend: "rocm",
+            reason: "the ROCm backend is not built yet (issue #7); use --backend cuda or cpu".into(),
+        }),
+        BackendChoice::Auto => match cuda::CudaBackend::open(device) {
+            Ok(b) => {
+                let note = format!("backend: cuda (auto: found {})", b.info().name);
+                Ok((AnyBackend::Cuda(b), note))
+            }
+            Err(e) => Ok((
+                AnyBackend::Cpu(cpu::CpuBackend::new()),
+                format!("backend: cpu (auto: {e})"),
+            )),
+        },
+    }
+}

@@ -1,0 +1,35 @@
+use clap::Args;
+
+use super::Format;
+use crate::backend::probe_all;
+
+#[derive(Args, Debug)]
+pub struct DevicesArgs {
+    #[arg(long, value_enum, default_value_t = Format::Md)]
+    pub format: Format,
+}
+
+pub fn run(a: DevicesArgs) -> anyhow::Result<()> {
+    let all = probe_all();
+    if a.format == Format::Json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(());
+    }
+    for s in &all {
+        match &s.reason {
+            None => println!("{}: available", s.backend),
+            Some(r) => println!("{}: unavailable: {r}", s.backend),
+        }
+        for d in &s.devices {
+            println!(
+                "  [{}] {} (arch {}, {} compute units, {:.1} GiB)",
+                d.ordinal,
+                d.name,
+                d.arch,
+                d.compute_units,
+                d.memory_bytes as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
+    Ok(())
+}

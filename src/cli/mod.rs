@@ -1,0 +1,41 @@
+//! Command-line entry: one file per subcommand.
+
+pub mod devices;
+pub mod shapes;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fdpp",
+    version,
+    about = "Benchmark and autotune LLM inference kernels (FlashDecoding++), and run prefill/decode with the tuned profile"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The four linear shapes [K, N] and the attention geometry of a model.
+    Shapes(shapes::ShapesArgs),
+    /// Every backend, whether it is available (and why not), and its devices.
+    Devices(devices::DevicesArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Shapes(a) => shapes::run(a),
+        Command::Devices(a) => devices::run(a),
+    }
+}
+
+/// Output format of tables on stdout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Format {
+    #[default]
+    Md,
+    Csv,
+    Json,
+}

@@ -1,0 +1,15 @@
+//! fdpp: benchmark and autotune the kernels of LLM inference (FlashDecoding++), keep what was
+//! learned in a tuning profile, and run prefill/decode with it.
+
+pub mod backend;
+pub mod cli;
+pub mod dtype;
+pub mod error;
+pub mod model;
+pub mod ops;
+pub mod reference;
+
+pub use error::{FdppError, Result};
+
+/// The version written into profiles and report rows.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,8 @@
+//! Model descriptions: what the engine needs to know to derive shapes and run a forward pass.
+
+pub mod config;
+pub mod presets;
+pub mod shapes;
+
+pub use config::{ModelArch, ModelConfig};
+pub use shapes::{AttentionGeometry, LinearKind, LinearShape, ModelShapes};

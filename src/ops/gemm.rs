@@ -1,0 +1,128 @@
+//! y[M, N] = x[M, K] · W[N, K]ᵀ, W stored [N, K] row-major as in HF checkpoints.
+//!
+//! Three implementations (FlashDecoding++ §4, "heuristic dataflow"):
+//! A `gemv` on CUDA cores, B `flat_gemm` on tensor cores with M padded to 8, C `gemm` (cuBLAS).
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum GemmImpl {
+    /// ImplA: CUDA-core GEMV, each weight reused for every row of x.
+    Gemv,
+    /// ImplB: flat GEMM, tensor cores, M padded to 8, tiles on N and K only.
+    FlatGemm,
+    /// ImplC: the vendor library (cuBLAS / hipBLAS) or a cache-blocked GEMM on the CPU.
+    Gemm,
+}
+
+impl GemmImpl {
+    pub const ALL: [GemmImpl; 3] = [GemmImpl::Gemv, GemmImpl::FlatGemm, GemmImpl::Gemm];
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmImpl::Gemv => "gemv",
+            GemmImpl::FlatGemm => "flat_gemm",
+            GemmImpl::Gemm => "gemm",
+        }
+    }
+    /// The paper's letter for it.
+    pub fn letter(self) -> char {
+        match self {
+            GemmImpl::Gemv => 'A',
+            GemmImpl::FlatGemm => 'B',
+            GemmImpl::Gemm => 'C',
+        }
+    }
+}
+
+impl std::fmt::Display for GemmImpl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One runnable candidate: an implementation and its compile-time configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GemmSpec {
+    pub imp: GemmImpl,
+    pub dtype: DType,
+    /// Tile width along N (flat_gemm); rows per block (gemv). None where it does not apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_n: Option<u32>,
+}
+
+impl GemmSpec {
+    pub fn new(imp: GemmImpl, dtype: DType) -> Self {
+        GemmSpec {
+            imp,
+            dtype,
+            block_n: None,
+        }
+    }
+    pub fn with_block_n(mut self, bn: u32) -> Self {
+        self.block_n = Some(bn);
+        self
+    }
+    /// A name that carries every compile-time parameter, e.g. `flat_gemm_f16_bn64`.
+    pub fn uri(&self) -> String {
+        match self.block_n {
+            Some(bn) => format!("{}_{}_bn{}", self.imp, self.dtype, bn),
+            None => format!("{}_{}", self.imp, self.dtype),
+        }
+    }
+}
+
+impl std::fmt::Display for GemmSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.uri())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GemmDims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl GemmDims {
+    pub fn new(m: usize, n: usize, k: usize) -> Result<Self> {
+        if m == 0 || n == 0 || k == 0 {
+            return Err(FdppError::InvalidArgument(format!(
+                "GEMM with a zero dimension: M={m} N={n} K={k}"
+            )));
+        }
+        Ok(GemmDims { m, n, k })
+    }
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+    /// The fewest bytes the op must move: W and x read once, y written once (16-bit types).
+    pub fn min_bytes(&self) -> f64 {
+        2.0 * (self.n * self.k + self.m * self.k + self.m * self.n) as f64
+    }
+    pub fn label(&self) -> String {
+        format!("M={} N={} K={}", self.m, self.n, self.k)
+    }
+    /// Element counts the buffers must hold.
+    pub fn check_lens(&self, spec: &GemmSpec, x: usize, w: usize, y: usize) -> Result<()> {
+        let want = [
+            ("x", self.m * self.k, x),
+            ("w", self.n * self.k, w),
+            ("y", self.m * self.n, y),
+        ];
+        for (name, need, have) in want {
+            if have < need {
+                return Err(FdppError::Shape {
+                    what: format!("{spec} {name} at {}", self.label()),
+                    expected: format!(">= {need} elements"),
+                    found: have.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,3 @@
+//! Op descriptions: parameters, FLOP and byte counts, validation. One file per op family.
+
+pub mod gemm;

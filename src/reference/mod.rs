@@ -1,0 +1,3 @@
+//! Slow, obviously correct oracles with f64 accumulation. Every fast path is checked against these.
+
+pub mod gemm;
