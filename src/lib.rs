@@ -2,12 +2,15 @@
 //! learned in a tuning profile, and run prefill/decode with it.
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod dtype;
 pub mod error;
 pub mod model;
 pub mod ops;
+pub mod provenance;
 pub mod reference;
+pub mod report;
 
 pub use error::{FdppError, Result};
 

@@ -1,0 +1,6 @@
+//! Measuring device work: warm-up, many runs, median; inputs rotated so that weights are not
+//! served from L2. Benchmarks report; tests assert.
+
+pub mod timer;
+
+pub use timer::{GemmInputs, Stats, TimingOpts};

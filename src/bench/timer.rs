@@ -1,0 +1,121 @@
+//! Timing of one GEMM candidate on any backend.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::dtype::{random_bits, DType};
+use crate::error::Result;
+use crate::ops::gemm::{GemmDims, GemmSpec};
+
+#[derive(Clone, Copy, Debug)]
+pub struct TimingOpts {
+    pub warmup: usize,
+    pub reps: usize,
+}
+
+impl Default for TimingOpts {
+    fn default() -> Self {
+        TimingOpts { warmup: 5, reps: 30 }
+    }
+}
+
+/// Summary of the timed runs, in microseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub samples: usize,
+    pub median_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+}
+
+impl Stats {
+    /// From per-run milliseconds. Returns None for an empty slice.
+    pub fn from_ms(ms: &[f64]) -> Option<Stats> {
+        if ms.is_empty() {
+            return None;
+        }
+        let mut v: Vec<f64> = ms.iter().map(|t| t * 1e3).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            0.5 * (v[n / 2 - 1] + v[n / 2])
+        };
+        Some(Stats {
+            samples: n,
+            median_us: median,
+            min_us: v[0],
+            max_us: v[n - 1],
+        })
+    }
+}
+
+/// Random inputs for one [K, N] shape at the largest M of a sweep, in several copies so that a
+/// timed run does not find the weights in L2 (H100: 50 MB). Smaller M reuse the leading rows.
+pub struct GemmInputs<B: Backend> {
+    pub dtype: DType,
+    pub n: usize,
+    pub k: usize,
+    pub max_m: usize,
+    pub xs: Vec<B::Buffer>,
+    pub ws: Vec<B::Buffer>,
+    /// Host copies of the first x and W, for verification against the reference.
+    pub x0: Vec<u16>,
+    pub w0: Vec<u16>,
+    pub y: B::Buffer,
+}
+
+impl<B: Backend> GemmInputs<B> {
+    /// `cache_bytes`: the last-level cache to defeat (device L2, or a CPU's LLC estimate).
+    pub fn new(b: &B, dtype: DType, n: usize, k: usize, max_m: usize, cache_bytes: u64, seed: u64) -> Result<Self> {
+        let w_bytes = (n * k * 2) as u64;
+        // Enough copies that the set being cycled through is at least 3x the cache.
+        let copies = (3 * cache_bytes).div_ceil(w_bytes.max(1)).clamp(1, 8) as usize;
+        // Scale x by 1/sqrt(K) so outputs stay O(1) in fp16 at any K.
+        let xs_scale = 1.0 / (k as f32).sqrt();
+        let mut xs = Vec::with_capacity(copies);
+        let mut ws = Vec::with_capacity(copies);
+        let mut x0 = Vec::new();
+        let mut w0 = Vec::new();
+        for c in 0..copies {
+            let x = random_bits(dtype, max_m * k, xs_scale, seed.wrapping_add(2 * c as u64));
+            let w = random_bits(dtype, n * k, 1.0, seed.wrapping_add(2 * c as u64 + 1));
+            xs.push(b.upload(dtype, &x)?);
+            ws.push(b.upload(dtype, &w)?);
+            if c == 0 {
+                x0 = x;
+                w0 = w;
+            }
+        }
+        let y = b.alloc(dtype, max_m * n)?;
+        Ok(GemmInputs {
+            dtype,
+            n,
+            k,
+            max_m,
+            xs,
+            ws,
+            x0,
+            w0,
+            y,
+        })
+    }
+
+    pub fn copies(&self) -> usize {
+        self.ws.len()
+    }
+
+    /// Time `spec` at M rows: warm-up, then `opts.reps` runs rotating over the copies.
+    pub fn time(&mut self, b: &B, spec: &GemmSpec, m: usize, opts: TimingOpts) -> Result<Stats> {
+        let dims = GemmDims::new(m, self.n, self.k)?;
+        let c = self.copies();
+        for i in 0..opts.warmup {
+            b.gemm(spec, dims, &self.xs[i % c], &self.ws[i % c], &mut self.y)?;
+        }
+        let (xs, ws, y) = (&self.xs, &self.ws, &mut self.y);
+        let ms = b.time_each(opts.reps.max(1), &mut |i| b.gemm(spec, dims, &xs[i % c], &ws[i % c], y))?;
+        Stats::from_ms(&ms)
+            .ok_or_else(|| crate::error::FdppError::device("timer", format!("{spec}: no timed runs came back")))
+    }
+}
