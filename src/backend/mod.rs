@@ -120,6 +120,10 @@ pub trait Backend {
 
     fn synchronize(&self) -> Result<()>;
 
+    /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
+    /// buffer-to-buffer copy, median of several). The memory roofline of every report.
+    fn copy_gbps(&self) -> Result<f64>;
+
     /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
     /// all runs back to back between events and synchronize once; the CPU times with the clock.
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;

@@ -119,6 +119,23 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_gbps(&self) -> Result<f64> {
+        // 256 MiB, well past any LLC; copied in parallel chunks as the kernels read.
+        let len = 128 << 20;
+        let src = vec![1u16; len];
+        let mut dst = vec![0u16; len];
+        let ms = self.time_each(5, &mut |_| {
+            dst.par_chunks_mut(1 << 16)
+                .zip(src.par_chunks(1 << 16))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            Ok(())
+        })?;
+        let med = crate::bench::Stats::from_ms(&ms)
+            .map(|s| s.median_us)
+            .unwrap_or(f64::NAN);
+        Ok((4 * len) as f64 / (med * 1e-6) / 1e9)
+    }
+
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
         let mut out = Vec::with_capacity(reps);
         for i in 0..reps {

@@ -81,6 +81,9 @@ impl Backend for CudaBackend {
     fn synchronize(&self) -> Result<()> {
         Err(unavailable())
     }
+    fn copy_gbps(&self) -> Result<f64> {
+        Err(unavailable())
+    }
     fn time_each(&self, _reps: usize, _f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
         Err(unavailable())
     }
