@@ -1,6 +1,7 @@
 //! Command-line entry: one file per subcommand.
 
 pub mod devices;
+pub mod kernels;
 pub mod shapes;
 
 use clap::{Parser, Subcommand};
@@ -22,12 +23,15 @@ pub enum Command {
     Shapes(shapes::ShapesArgs),
     /// Every backend, whether it is available (and why not), and its devices.
     Devices(devices::DevicesArgs),
+    /// Compile-check and list the GPU kernels (needs NVRTC, not a GPU).
+    Kernels(kernels::KernelsArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),
+        Command::Kernels(a) => kernels::run(a),
     }
 }
 

@@ -1,0 +1,196 @@
+// ImplB `flat_gemm` (FlashDecoding++ §4, "flat GEMM"): tensor cores for small M without padding
+// M to 64. We compute Yᵀ[N, M] = W[N, K] · xᵀ[K, M] with mma.sync m16n8k16 so that N fills the
+// 16-row side and M (padded to 8, not 64) the 8-column side. Tiles on N (B_N) and K (B_K) only;
+// K runs sequentially inside a block (no atomics, no split-K across blocks); W and x tiles are
+// staged in shared memory by cp.async with FDPP_STAGES buffers (2 = the paper's double buffering).
+//
+// Operand loading uses a permutation of K inside each 32-wide chunk: a product summed over K does
+// not depend on the order of K, so each thread may read 8 consecutive elements (one 16-byte
+// shared-memory load) and feed them to two m16n8k16 steps, provided A (W) and B (x) use the same
+// permutation. This avoids ldmatrix and keeps every access 16 bytes wide.
+#include "common.cuh"
+
+#ifndef FDPP_BN
+#define FDPP_BN 64
+#endif
+#ifndef FDPP_STAGES
+#define FDPP_STAGES 2
+#endif
+
+constexpr int BN = FDPP_BN;            // rows of W per block
+constexpr int STAGES = FDPP_STAGES;
+constexpr int BK = 16384 / BN;         // K columns per stage: a 32 KiB W tile whatever B_N
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int WN = (BN / 16) < WARPS ? (BN / 16) : WARPS;  // warps along N
+constexpr int WK = WARPS / WN;                              // warps splitting a stage along K
+constexpr int WROWS = BN / WN;                              // W rows per warp (multiple of 16)
+constexpr int MT16 = WROWS / 16;                            // m16 tiles per warp
+constexpr int WKCOLS = BK / WK;                             // K columns per warp per stage
+constexpr int CH = BK / 8;                                  // 16-byte chunks per tile row
+
+static_assert(BN % 16 == 0 && BN >= 32 && BN <= 256, "B_N must be 32, 64, 128 or 256");
+static_assert(WKCOLS % 32 == 0, "each warp needs whole 32-wide K chunks");
+
+// XOR swizzle of the 16-byte chunk index by the row's parity: a quarter-warp reading rows r and
+// r+1 at the same column then hits disjoint 64-byte halves of the 128-byte bank window.
+__device__ __forceinline__ int swz(int row, int chunk) { return chunk ^ ((row & 1) << 2); }
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if FDPP_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Stage one K tile of W (BN rows) and x (8·MT rows) into shared memory.
+template <int MT, bool VEC>
+__device__ __forceinline__ void load_tile(u16* sw, u16* sx, const u16* __restrict__ x, const u16* __restrict__ w,
+                                          int M, int N, int K, int n0, int m0, int kt) {
+    const int k0 = kt * BK;
+    if (VEC) {
+        for (int i = threadIdx.x; i < BN * CH; i += THREADS) {
+            const int row = i / CH, ch = i % CH;
+            const int n = n0 + row, k = k0 + ch * 8;
+            const bool ok = n < N && k < K;
+            cp_async16(smem_addr(sw + row * BK + swz(row, ch) * 8), ok ? (const void*)(w + (size_t)n * K + k) : (const void*)w,
+                       ok ? 16 : 0);
+        }
+        for (int i = threadIdx.x; i < 8 * MT * CH; i += THREADS) {
+            const int row = i / CH, ch = i % CH;
+            const int m = m0 + row, k = k0 + ch * 8;
+            const bool ok = m < M && k < K;
+            cp_async16(smem_addr(sx + row * BK + swz(row, ch) * 8), ok ? (const void*)(x + (size_t)m * K + k) : (const void*)x,
+                       ok ? 16 : 0);
+        }
+    } else {
+        // Any K (rows not 16-byte aligned): element by element, synchronously. Correct, slow.
+        for (int i = threadIdx.x; i < BN * BK; i += THREADS) {
+            const int row = i / BK, col = i % BK;
+            const int n = n0 + row, k = k0 + col;
+            sw[row * BK + swz(row, col / 8) * 8 + col % 8] = (n < N && k < K) ? w[(size_t)n * K + k] : (u16)0;
+        }
+        for (int i = threadIdx.x; i < 8 * MT * BK; i += THREADS) {
+            const int row = i / BK, col = i % BK;
+            const int m = m0 + row, k = k0 + col;
+            sx[row * BK + swz(row, col / 8) * 8 + col % 8] = (m < M && k < K) ? x[(size_t)m * K + k] : (u16)0;
+        }
+    }
+}
+
+template <int MT, bool VEC>
+__device__ __forceinline__ void flat_gemm(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y,
+                                          int M, int N, int K) {
+    extern __shared__ __align__(16) u16 smem[];
+    u16* sw = smem;                               // [STAGES][BN][BK]
+    u16* sx = smem + STAGES * BN * BK;            // [STAGES][8·MT][BK]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wn = warp % WN, wk = warp / WN;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * 8 * MT;
+    const int KT = (K + BK - 1) / BK;
+
+    float acc[MT16][MT][4];
+#pragma unroll
+    for (int i = 0; i < MT16; ++i)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile<MT, VEC>(sw + s * BN * BK, sx + s * 8 * MT * BK, x, w, M, N, K, n0, m0, s);
+        cp_async_commit();
+    }
+
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt visible to all; everyone is done with the slot we refill next
+        {
+            const int nk = kt + STAGES - 1;
+            const int slot = nk % STAGES;
+            if (nk < KT) load_tile<MT, VEC>(sw + slot * BN * BK, sx + slot * 8 * MT * BK, x, w, M, N, K, n0, m0, nk);
+            cp_async_commit();
+        }
+        const u16* tw = sw + (kt % STAGES) * BN * BK;
+        const u16* tx = sx + (kt % STAGES) * 8 * MT * BK;
+#pragma unroll
+        for (int c32 = 0; c32 < WKCOLS / 32; ++c32) {
+            const int ch = (wk * WKCOLS + 32 * c32) / 8 + t;  // this thread's 16-byte chunk in the 32-wide K chunk
+            uint4 b[MT];
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                const int row = 8 * j + g;
+                b[j] = *reinterpret_cast<const uint4*>(tx + row * BK + swz(row, ch) * 8);
+            }
+#pragma unroll
+            for (int i = 0; i < MT16; ++i) {
+                const int r0 = wn * WROWS + 16 * i + g;
+                const uint4 p = *reinterpret_cast<const uint4*>(tw + r0 * BK + swz(r0, ch) * 8);
+                const uint4 q = *reinterpret_cast<const uint4*>(tw + (r0 + 8) * BK + swz(r0 + 8, ch) * 8);
+#pragma unroll
+                for (int j = 0; j < MT; ++j) {
+                    mma16816(acc[i][j], p.x, q.x, p.y, q.y, b[j].x, b[j].y);
+                    mma16816(acc[i][j], p.z, q.z, p.w, q.w, b[j].z, b[j].w);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    if (WK > 1) {
+        // Sum the K-split partials of warps that share rows (through the now idle stage buffers).
+        __syncthreads();
+        float* red = reinterpret_cast<float*>(smem);
+        constexpr int PER = MT16 * MT * 4;
+        if (wk > 0) {
+#pragma unroll
+            for (int i = 0; i < MT16; ++i)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        red[(((wk - 1) * WN + wn) * 32 + lane) * PER + (i * MT + j) * 4 + e] = acc[i][j][e];
+        }
+        __syncthreads();
+        if (wk > 0) return;
+        for (int s = 1; s < WK; ++s)
+#pragma unroll
+            for (int i = 0; i < MT16; ++i)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[i][j][e] += red[(((s - 1) * WN + wn) * 32 + lane) * PER + (i * MT + j) * 4 + e];
+    }
+
+    // Accumulator layout of m16n8: c0,c1 at (row g, cols 2t, 2t+1), c2,c3 at (row g+8, same cols);
+    // rows are n, columns are m.
+#pragma unroll
+    for (int i = 0; i < MT16; ++i)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = n0 + wn * WROWS + 16 * i + g + (e >= 2 ? 8 : 0);
+                const int m = m0 + 8 * j + 2 * t + (e & 1);
+                if (n < N && m < M) y[(size_t)m * N + n] = from_f32(acc[i][j][e]);
+            }
+}
+
+#define FDPP_FLAT_ENTRY(MT, VEC, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                             \
+        flat_gemm_mt##MT##_##SUFFIX(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y, \
+                                    int M, int N, int K) {                                            \
+        flat_gemm<MT, VEC>(x, w, y, M, N, K);                                                         \
+    }
+FDPP_FLAT_ENTRY(1, true, v)
+FDPP_FLAT_ENTRY(2, true, v)
+FDPP_FLAT_ENTRY(4, true, v)
+FDPP_FLAT_ENTRY(1, false, s)
+FDPP_FLAT_ENTRY(2, false, s)
+FDPP_FLAT_ENTRY(4, false, s)

@@ -1,0 +1,148 @@
+//! Launching the three GEMM implementations on CUDA.
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{sys, LaunchConfig, PushKernelArg};
+
+use super::sources::{self, flat_smem_bytes, FLAT_THREADS, GEMV_WARPS};
+use super::{drv, CudaBackend, CudaBuffer};
+use crate::backend::DeviceBuffer;
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+
+/// The 16-byte vector paths need every row of x and W to start on a 16-byte boundary.
+fn vec_ok(d: &GemmDims) -> bool {
+    d.k % 8 == 0
+}
+
+fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
+    i32::try_from(v).map_err(|_| FdppError::Unsupported { spec: spec.uri(), what: format!("{what} = {v} (over i32)") })
+}
+
+pub fn run(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+    d.check_lens(spec, x.len(), w.len(), y.len())?;
+    if x.dtype() != spec.dtype || w.dtype() != spec.dtype || y.dtype() != spec.dtype {
+        return Err(FdppError::InvalidArgument(format!("{spec}: buffers are not all {}", spec.dtype)));
+    }
+    match spec.imp {
+        GemmImpl::Gemv => gemv(b, spec, d, x, w, y),
+        GemmImpl::FlatGemm => flat(b, spec, d, x, w, y),
+        GemmImpl::Gemm => cublas(b, spec, d, x, w, y),
+    }?;
+    b.check_launch(&format!("{spec} at {}", d.label()))
+}
+
+fn gemv(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+    let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
+    let rows_per_block = spec.block_n.unwrap_or(8).max(GEMV_WARPS);
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let cfg = LaunchConfig {
+        grid_dim: (d.n.div_ceil(rows_per_block as usize) as u32, 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
+    // The kernels hold M rows of accumulators in registers: M is taken 8 rows at a time.
+    let mut m0 = 0;
+    while m0 < d.m {
+        let mm = (d.m - m0).min(8);
+        let xo = xp + (2 * m0 * d.k) as u64;
+        let yo = yp + (2 * m0 * d.n) as u64;
+        if vec_ok(&d) {
+            let f = b.function(&src, &format!("gemv_m{mm}"), 0)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&xo).arg(&wp).arg(&yo).arg(&n).arg(&k);
+            // SAFETY: pointers cover [M, K], [N, K], [M, N] (checked above); grid matches the kernel.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
+        } else {
+            let f = b.function(&src, "gemv_scalar", 0)?;
+            let mm32 = mm as i32;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&xo).arg(&wp).arg(&yo).arg(&mm32).arg(&n).arg(&k);
+            // SAFETY: as above.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
+        }
+        m0 += mm;
+    }
+    Ok(())
+}
+
+fn flat(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+    let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
+    let bn = spec.block_n.unwrap_or(64);
+    // M padded to 8 (FlashDecoding++ §4): 1, 2 or 4 n8-tiles per block; larger M takes more
+    // blocks along y (each re-reads W, so B stops paying there and the tuner's M2 shows it).
+    let mt: u32 = if d.m <= 8 {
+        1
+    } else if d.m <= 16 {
+        2
+    } else {
+        4
+    };
+    let smem = flat_smem_bytes(bn, mt);
+    let name = format!("flat_gemm_mt{mt}_{}", if vec_ok(&d) { "v" } else { "s" });
+    let f = b.function(&src, &name, smem)?;
+    let (m, n, k) = (i32_of(d.m, "M", spec)?, i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let cfg = LaunchConfig {
+        grid_dim: (d.n.div_ceil(bn as usize) as u32, d.m.div_ceil(8 * mt as usize) as u32, 1),
+        block_dim: (FLAT_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
+    let mut l = b.stream().launch_builder(&f);
+    l.arg(&xp).arg(&wp).arg(&yp).arg(&m).arg(&n).arg(&k);
+    // SAFETY: pointers cover [M, K], [N, K], [M, N]; smem matches the kernel's layout.
+    unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
+    Ok(())
+}
+
+/// ImplC: cublasGemmEx, fp32 accumulation. Row-major y[M,N] = x[M,K]·W[N,K]ᵀ is, in cuBLAS's
+/// column-major terms, yᵀ[N,M] = W·xᵀ: op(A) = Aᵀ with A = W (K×N, ld K), B = x (K×M, ld K).
+fn cublas(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+    let ty = match spec.dtype {
+        DType::F16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16F),
+        DType::Bf16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16BF),
+    };
+    let (m, n, k) = (i32_of(d.m, "M", spec)?, i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let (alpha, beta) = (1f32, 0f32);
+    let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
+    // SAFETY: pointers cover the operands (checked in run); scalars are host f32 as the compute
+    // type requires.
+    unsafe {
+        blas::gemm_ex(
+            *b.blas().handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            n,
+            m,
+            k,
+            &alpha as *const f32 as *const _,
+            wp as *const _,
+            ty,
+            k,
+            xp as *const _,
+            ty,
+            k,
+            &beta as *const f32 as *const _,
+            yp as *mut _,
+            ty,
+            n,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| FdppError::device("cuda", format!("cublasGemmEx {spec} at {}: {e:?}", d.label())))
+}
+
+fn sys_dt(t: blas_sys::cudaDataType_t) -> blas_sys::cudaDataType {
+    t
+}
+
+/// Raise a kernel's dynamic shared-memory limit past the 48 KiB default.
+pub(crate) fn set_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
+    if bytes > 48 * 1024 {
+        f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .map_err(drv("cuFuncSetAttribute(max dynamic smem)"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! The CUDA kernel sources, embedded in the binary, and the compile-time specialisations of each.
+//!
+//! A [`KernelSource`] names the file and the `-D` definitions of one specialisation; its URI
+//! (e.g. `flat_gemm_f16_bn64`) names every compile-time parameter, as the on-disk cache key does.
+
+use sha2::{Digest, Sha256};
+
+use crate::dtype::DType;
+use crate::ops::gemm::{GemmImpl, GemmSpec};
+
+const COMMON: &str = include_str!("../../../kernels_cuda/common.cuh");
+const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
+const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
+
+/// Every (file, text) pair that goes into a compile; their hash is the profiles' kernel hash.
+const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("flat_gemm.cu", FLAT_GEMM)];
+
+/// Rows per warp offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N is
+/// chosen per shape by the tuner).
+pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
+pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
+/// cp.async buffers per flat_gemm block: 2 is the paper's double buffering.
+pub const FLAT_STAGES: u32 = 2;
+/// Warps per block of both kernels (must match WARPS in the sources).
+pub const GEMV_WARPS: u32 = 4;
+pub const FLAT_THREADS: u32 = 128;
+
+/// SHA-256 over all kernel sources, hex, first 16 digits.
+pub fn kernel_hash() -> String {
+    let mut h = Sha256::new();
+    for (name, text) in FILES {
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(text.as_bytes());
+        h.update([0]);
+    }
+    hex16(&h.finalize())
+}
+
+pub fn hex16(bytes: &[u8]) -> String {
+    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSource {
+    pub uri: String,
+    /// The file with `#include "common.cuh"` expanded in place (NVRTC gets one string).
+    pub text: String,
+    pub defines: Vec<(String, String)>,
+}
+
+fn expand(file: &str) -> String {
+    file.replace("#include \"common.cuh\"", COMMON)
+}
+
+fn dtype_define(dt: DType) -> (String, String) {
+    ("FDPP_BF16".into(), if dt == DType::Bf16 { "1" } else { "0" }.into())
+}
+
+/// The source to compile for a GEMM spec, or None for ImplC (a library, nothing to compile).
+pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
+    match spec.imp {
+        GemmImpl::Gemv => {
+            let rows = spec.block_n.unwrap_or(8) / GEMV_WARPS;
+            Some(KernelSource {
+                uri: spec.uri(),
+                text: expand(GEMV),
+                defines: vec![dtype_define(spec.dtype), ("FDPP_ROWS".into(), rows.max(1).to_string())],
+            })
+        }
+        GemmImpl::FlatGemm => Some(KernelSource {
+            uri: spec.uri(),
+            text: expand(FLAT_GEMM),
+            defines: vec![
+                dtype_define(spec.dtype),
+                ("FDPP_BN".into(), spec.block_n.unwrap_or(64).to_string()),
+                ("FDPP_STAGES".into(), FLAT_STAGES.to_string()),
+            ],
+        }),
+        GemmImpl::Gemm => None,
+    }
+}
+
+/// The compiled GEMM candidates (every B_N, both dtypes), for `fdpp kernels check`.
+pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
+    let mut v: Vec<GemmSpec> = GEMV_ROWS
+        .iter()
+        .map(|r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r * GEMV_WARPS))
+        .collect();
+    v.extend(FLAT_BN.iter().map(|&bn| GemmSpec::new(GemmImpl::FlatGemm, dtype).with_block_n(bn)));
+    v
+}
+
+/// Every kernel source fdpp compiles.
+pub fn all_sources() -> Vec<KernelSource> {
+    [DType::F16, DType::Bf16]
+        .iter()
+        .flat_map(|&dt| all_gemm_specs(dt))
+        .filter_map(|s| gemm_source(&s))
+        .collect()
+}
+
+/// Shared memory a flat_gemm block needs for MT n8-tiles of M (must match the kernel's layout).
+pub fn flat_smem_bytes(bn: u32, mt: u32) -> u32 {
+    let bk = 16384 / bn;
+    FLAT_STAGES * (bn * bk + 8 * mt * bk) * 2
+}
