@@ -1,9 +1,13 @@
 //! The model configuration, from a preset or an HF config.json.
 //!
-//! Field names follow HF's LlamaConfig; other families' names are mapped onto them by the parser.
+//! Field names follow HF's LlamaConfig; other families' names are mapped onto them by the parser
+//! in `hf.rs`.
+
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::{hf, presets};
 use crate::error::{FdppError, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -14,6 +18,33 @@ pub enum ModelArch {
     Qwen2,
     Opt,
     ChatGlm,
+}
+
+impl ModelArch {
+    pub const ALL: [ModelArch; 5] = [
+        ModelArch::Llama,
+        ModelArch::Mistral,
+        ModelArch::Qwen2,
+        ModelArch::Opt,
+        ModelArch::ChatGlm,
+    ];
+
+    /// The lower-case name, as serialized and as HF's `model_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelArch::Llama => "llama",
+            ModelArch::Mistral => "mistral",
+            ModelArch::Qwen2 => "qwen2",
+            ModelArch::Opt => "opt",
+            ModelArch::ChatGlm => "chatglm",
+        }
+    }
+}
+
+impl std::fmt::Display for ModelArch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -29,16 +60,68 @@ pub struct ModelConfig {
     pub intermediate_size: usize,
     pub vocab_size: usize,
     pub max_position_embeddings: usize,
+    /// RoPE base. OPT has learned absolute positions and no RoPE: there it is the unused default.
     pub rope_theta: f64,
+    /// Epsilon of the RMSNorm (LayerNorm for OPT).
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
-    /// Bias on the Q, K and V projections (Qwen1.5/Qwen2).
+    /// Bias on the Q, K and V projections (Qwen1.5/Qwen2, ChatGLM2, OPT).
     pub qkv_bias: bool,
     /// Gated FFN (gate and up projections, SiLU): Llama family. OPT has a single up projection.
     pub gated_ffn: bool,
 }
 
+/// Upper bounds that no real model comes near. They exist so that a corrupted config is rejected
+/// with a message instead of overflowing the byte counts derived from it.
+const MAX_WIDTH: usize = 1 << 20;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_LAYERS: usize = 1 << 14;
+
 impl ModelConfig {
+    /// `--model` argument: a preset name, a path to an HF config.json, or a directory holding one.
+    ///
+    /// Presets win over paths of the same name; an argument that is neither gives the list of
+    /// presets (for a bare word) or a missing-file error naming the path (for a path).
+    pub fn resolve(arg: &str) -> Result<ModelConfig> {
+        if presets::PRESET_NAMES.contains(&arg) {
+            return presets::preset(arg);
+        }
+        let path = Path::new(arg);
+        if path.exists() {
+            return Self::from_hf_path(path);
+        }
+        if looks_like_path(arg) {
+            return Err(FdppError::Config {
+                path: path.to_path_buf(),
+                msg: "no such file or directory; give a preset name, an HF config.json, or a \
+                      directory holding config.json"
+                    .into(),
+            });
+        }
+        presets::preset(arg)
+    }
+
+    /// Read an HF config.json, given the file or the directory holding it.
+    pub fn from_hf_path(path: &Path) -> Result<ModelConfig> {
+        let file: PathBuf = if path.is_dir() {
+            let f = path.join("config.json");
+            if !f.exists() {
+                return Err(FdppError::Config {
+                    path: path.to_path_buf(),
+                    msg: "directory holds no config.json (expected an HF model directory)".into(),
+                });
+            }
+            f
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file).map_err(|e| FdppError::Config {
+            path: file.clone(),
+            msg: format!("cannot read: {e}"),
+        })?;
+        hf::parse(&text, &file, model_name_for(&file))
+    }
+
     /// Reject sizes the engine cannot run, naming the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| {
@@ -65,6 +148,64 @@ impl ModelConfig {
         if self.num_layers == 0 || self.vocab_size == 0 {
             return bad("num_hidden_layers and vocab_size must be positive".into());
         }
+        if self.max_position_embeddings == 0 {
+            return bad("max_position_embeddings must be positive".into());
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!(
+                "rope_theta must be a positive number, found {}",
+                self.rope_theta
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!(
+                "rms_norm_eps must be a positive number, found {}",
+                self.rms_norm_eps
+            ));
+        }
+        let q_width = self.num_heads.saturating_mul(self.head_dim);
+        for (field, value, limit) in [
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_attention_heads × head_dim", q_width, MAX_WIDTH),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
+        ] {
+            if value > limit {
+                return bad(format!(
+                    "{field} ({value}) exceeds {limit}, far beyond any real model; is the config corrupted?"
+                ));
+            }
+        }
         Ok(())
     }
+
+    /// Query heads per KV head (1 for multi-head attention, `num_heads` for multi-query).
+    pub fn gqa_ratio(&self) -> usize {
+        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(0)
+    }
+}
+
+/// A bare word such as `llama2-7x` is a mistyped preset; anything with a separator or a `.json`
+/// ending was meant as a path.
+fn looks_like_path(arg: &str) -> bool {
+    arg.contains('/') || arg.contains(std::path::MAIN_SEPARATOR) || arg.ends_with(".json")
+}
+
+/// `.../Llama-2-7b-hf/config.json` is called `Llama-2-7b-hf`; `fixtures/qwen2.json` is `qwen2`.
+fn model_name_for(file: &Path) -> String {
+    let stem = file.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    if stem != "config" {
+        return stem.to_string();
+    }
+    let parent = file
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::current_dir().ok());
+    parent
+        .as_deref()
+        .and_then(|p| p.canonicalize().ok().or_else(|| Some(p.to_path_buf())))
+        .and_then(|p| p.file_name().and_then(|n| n.to_str()).map(str::to_string))
+        .unwrap_or_else(|| stem.to_string())
 }

@@ -1,0 +1,385 @@
+//! Parse a Hugging Face `config.json` into a [`ModelConfig`].
+//!
+//! Each family spells the same quantities differently (OPT's `ffn_dim`, ChatGLM's
+//! `multi_query_group_num`, `kv_channels`, `padded_vocab_size`, `seq_length`); the table in
+//! [`Keys::of`] maps them onto HF LlamaConfig's names. Absent optional fields take the default
+//! of the family's HF config class, so that a config parses to what transformers would build.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use super::config::{ModelArch, ModelConfig};
+use crate::error::{FdppError, Result};
+
+/// `architectures[0]` values we accept, and the family each maps to.
+const ARCHITECTURES: &[(&str, ModelArch)] = &[
+    ("LlamaForCausalLM", ModelArch::Llama),
+    ("MistralForCausalLM", ModelArch::Mistral),
+    ("Qwen2ForCausalLM", ModelArch::Qwen2),
+    ("OPTForCausalLM", ModelArch::Opt),
+    ("ChatGLMModel", ModelArch::ChatGlm),
+    ("ChatGLMForConditionalGeneration", ModelArch::ChatGlm),
+];
+
+/// The keys one family uses for each quantity, the preferred spelling first.
+struct Keys {
+    layers: &'static [&'static str],
+    /// Empty: the family has no grouped KV heads (KV heads = query heads).
+    kv_heads: &'static [&'static str],
+    /// Empty: always hidden / heads.
+    head_dim: &'static [&'static str],
+    intermediate: &'static [&'static str],
+    vocab: &'static [&'static str],
+    max_positions: &'static [&'static str],
+    eps: &'static [&'static str],
+    default_max_positions: usize,
+    default_eps: f64,
+    default_tie: bool,
+}
+
+impl Keys {
+    fn of(arch: ModelArch) -> Keys {
+        // Defaults are those of transformers' LlamaConfig, MistralConfig, Qwen2Config, OPTConfig
+        // and THUDM's ChatGLMConfig.
+        let llama_like = |default_max_positions| Keys {
+            layers: &["num_hidden_layers"],
+            kv_heads: &["num_key_value_heads"],
+            head_dim: &["head_dim"],
+            intermediate: &["intermediate_size"],
+            vocab: &["vocab_size"],
+            max_positions: &["max_position_embeddings"],
+            eps: &["rms_norm_eps"],
+            default_max_positions,
+            default_eps: 1e-6,
+            default_tie: false,
+        };
+        match arch {
+            ModelArch::Llama => llama_like(2048),
+            ModelArch::Mistral => llama_like(4096 * 32),
+            ModelArch::Qwen2 => llama_like(32768),
+            ModelArch::Opt => Keys {
+                layers: &["num_hidden_layers"],
+                kv_heads: &[],
+                head_dim: &[],
+                intermediate: &["ffn_dim"],
+                vocab: &["vocab_size"],
+                max_positions: &["max_position_embeddings"],
+                eps: &[],
+                default_max_positions: 2048,
+                // torch.nn.LayerNorm's default: OPT's config does not carry one.
+                default_eps: 1e-5,
+                // OPTForCausalLM ties lm_head to embed_tokens unless told otherwise.
+                default_tie: true,
+            },
+            ModelArch::ChatGlm => Keys {
+                layers: &["num_layers", "num_hidden_layers"],
+                kv_heads: &["multi_query_group_num", "num_key_value_heads"],
+                head_dim: &["kv_channels", "head_dim"],
+                intermediate: &["ffn_hidden_size", "intermediate_size"],
+                // The embedding and output layer are sized by the padded vocabulary.
+                vocab: &["padded_vocab_size", "vocab_size"],
+                max_positions: &["seq_length", "max_position_embeddings"],
+                eps: &["layernorm_epsilon"],
+                default_max_positions: 2048,
+                default_eps: 1e-5,
+                default_tie: false,
+            },
+        }
+    }
+}
+
+/// Parse the text of `path` (used in messages only); `name` becomes `ModelConfig::name`.
+pub fn parse(text: &str, path: &Path, name: String) -> Result<ModelConfig> {
+    let err = |msg: String| FdppError::Config {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        // serde_json appends the position itself; say it once, up front.
+        let full = e.to_string();
+        let suffix = format!(" at line {} column {}", e.line(), e.column());
+        let what = full.strip_suffix(&suffix).unwrap_or(&full);
+        err(format!(
+            "malformed JSON at line {}, column {}: {what}",
+            e.line(),
+            e.column()
+        ))
+    })?;
+    let Value::Object(obj) = &value else {
+        return Err(err(format!(
+            "expected a JSON object at the top level, found {}",
+            describe(&value)
+        )));
+    };
+    let f = Fields { obj, path };
+    let arch = detect_arch(&f)?;
+    let keys = Keys::of(arch);
+
+    let hidden_size = f.usize_req(&["hidden_size"])?;
+    let num_layers = f.usize_req(keys.layers)?;
+    let num_heads = f.usize_req(&["num_attention_heads"])?;
+    if num_heads == 0 {
+        return Err(err(
+            "field 'num_attention_heads' is 0: a model needs at least one attention head".into(),
+        ));
+    }
+
+    // ChatGLM only groups KV heads when multi_query_attention is on; otherwise it is plain MHA.
+    let grouped = arch != ModelArch::ChatGlm || f.bool_opt("multi_query_attention")?.unwrap_or(false);
+    let kv = if grouped { f.usize_opt(keys.kv_heads)? } else { None };
+    let num_kv_heads = match kv {
+        Some((key, 0)) => {
+            return Err(err(format!(
+                "field '{key}' is 0: a model needs at least one key/value head"
+            )))
+        }
+        Some((key, n)) if !num_heads.is_multiple_of(n) => {
+            return Err(err(format!(
+                "field '{key}' ({n}) does not divide num_attention_heads ({num_heads}): each KV \
+                 head must serve a whole group of query heads"
+            )))
+        }
+        Some((_, n)) => n,
+        None => num_heads,
+    };
+
+    let head_dim = match f.usize_opt(keys.head_dim)? {
+        Some((_, d)) => d,
+        None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
+        None => {
+            return Err(err(format!(
+                "hidden_size ({hidden_size}) is not divisible by num_attention_heads \
+                 ({num_heads}) and no head_dim is given, so the head dimension is undefined"
+            )))
+        }
+    };
+
+    if arch == ModelArch::Opt {
+        // OPT-350m projects embeddings to a narrower width (project_in/project_out); the LM head
+        // and the byte counts here assume it is hidden_size.
+        if let Some((key, proj)) = f.usize_opt(&["word_embed_proj_dim"])? {
+            if proj != hidden_size {
+                return Err(err(format!(
+                    "field '{key}' ({proj}) differs from hidden_size ({hidden_size}): OPT's \
+                     project_in/project_out layers are not supported"
+                )));
+            }
+        }
+    }
+
+    let rope_theta = rope_theta(&f, arch)?;
+    let qkv_bias = match arch {
+        ModelArch::Llama => f.bool_opt("attention_bias")?.unwrap_or(false),
+        ModelArch::Mistral => false,
+        // Qwen2Attention always builds q/k/v with bias=True; there is no switch in the config.
+        ModelArch::Qwen2 => true,
+        ModelArch::Opt => f.bool_opt("enable_bias")?.unwrap_or(true),
+        ModelArch::ChatGlm => f.bool_opt("add_qkv_bias")?.unwrap_or(false),
+    };
+
+    let cfg = ModelConfig {
+        name,
+        arch,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size: f.usize_req(keys.intermediate)?,
+        vocab_size: f.usize_req(keys.vocab)?,
+        max_position_embeddings: f
+            .usize_opt(keys.max_positions)?
+            .map_or(keys.default_max_positions, |(_, n)| n),
+        rope_theta,
+        rms_norm_eps: f.f64_opt(keys.eps)?.unwrap_or(keys.default_eps),
+        tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(keys.default_tie),
+        qkv_bias,
+        gated_ffn: arch != ModelArch::Opt,
+    };
+    // validate() speaks of the model; here the user needs to know which file to fix.
+    cfg.validate().map_err(|e| match e {
+        FdppError::InvalidModel { msg, .. } => err(msg),
+        other => other,
+    })?;
+    Ok(cfg)
+}
+
+/// The family from `architectures[0]`, else from `model_type`.
+fn detect_arch(f: &Fields) -> Result<ModelArch> {
+    let architecture = match f.obj.get("architectures") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => match items.first() {
+            None => None,
+            Some(Value::String(s)) => Some(s.as_str()),
+            Some(other) => {
+                return Err(f.err(format!(
+                    "field 'architectures' must hold strings, found {}",
+                    describe(other)
+                )))
+            }
+        },
+        Some(other) => {
+            return Err(f.err(format!(
+                "field 'architectures' must be an array of strings, found {}",
+                describe(other)
+            )))
+        }
+    };
+    let model_type = f.str_opt("model_type")?;
+    if let Some(arch) = architecture
+        .and_then(|a| ARCHITECTURES.iter().find(|(name, _)| *name == a))
+        .map(|(_, arch)| *arch)
+    {
+        return Ok(arch);
+    }
+    if let Some(arch) = model_type.and_then(|t| ModelArch::ALL.into_iter().find(|a| a.name() == t)) {
+        return Ok(arch);
+    }
+    let supported = format!(
+        "supported: {} (model_type {})",
+        ARCHITECTURES
+            .iter()
+            .map(|(name, _)| *name)
+            .collect::<Vec<_>>()
+            .join(", "),
+        ModelArch::ALL.map(ModelArch::name).join(", ")
+    );
+    Err(f.err(match (architecture, model_type) {
+        (Some(a), Some(t)) => format!("unsupported architecture '{a}' (model_type '{t}'); {supported}"),
+        (Some(a), None) => format!("unsupported architecture '{a}'; {supported}"),
+        (None, Some(t)) => format!("unsupported model_type '{t}'; {supported}"),
+        (None, None) => format!(
+            "neither 'architectures' nor 'model_type' is given, so the model family is unknown; \
+             {supported}"
+        ),
+    }))
+}
+
+fn rope_theta(f: &Fields, arch: ModelArch) -> Result<f64> {
+    const DEFAULT: f64 = 10000.0;
+    if arch == ModelArch::ChatGlm {
+        // ChatGLM scales the fixed base 10000 by rope_ratio (50 in chatglm3-6b-32k).
+        return Ok(DEFAULT * f.f64_opt(&["rope_ratio"])?.unwrap_or(1.0));
+    }
+    if let Some(theta) = f.f64_opt(&["rope_theta"])? {
+        return Ok(theta);
+    }
+    // transformers 5 moves rope_theta into a rope_parameters object.
+    if let Some(params) = f.obj.get("rope_parameters") {
+        if let Value::Object(inner) = params {
+            let sub = Fields {
+                obj: inner,
+                path: f.path,
+            };
+            if let Some(theta) = sub.f64_opt(&["rope_theta"])? {
+                return Ok(theta);
+            }
+        } else if !params.is_null() {
+            return Err(f.err(format!(
+                "field 'rope_parameters' must be an object, found {}",
+                describe(params)
+            )));
+        }
+    }
+    Ok(DEFAULT)
+}
+
+/// Typed access to the fields of one config object; every error names the file and the field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn err(&self, msg: String) -> FdppError {
+        FdppError::Config {
+            path: self.path.to_path_buf(),
+            msg,
+        }
+    }
+
+    /// The first of `keys` that is present and not null.
+    fn first<'k>(&self, keys: &[&'k str]) -> Option<(&'k str, &Value)> {
+        keys.iter()
+            .find_map(|k| self.obj.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)))
+    }
+
+    fn usize_opt<'k>(&self, keys: &[&'k str]) -> Result<Option<(&'k str, usize)>> {
+        let Some((key, v)) = self.first(keys) else {
+            return Ok(None);
+        };
+        v.as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(|n| Some((key, n)))
+            .ok_or_else(|| {
+                self.err(format!(
+                    "field '{key}' must be a non-negative integer, found {}",
+                    describe(v)
+                ))
+            })
+    }
+
+    fn usize_req(&self, keys: &[&str]) -> Result<usize> {
+        match self.usize_opt(keys)? {
+            Some((_, n)) => Ok(n),
+            None => Err(self.err(missing(keys))),
+        }
+    }
+
+    fn f64_opt(&self, keys: &[&str]) -> Result<Option<f64>> {
+        let Some((key, v)) = self.first(keys) else {
+            return Ok(None);
+        };
+        v.as_f64()
+            .map(Some)
+            .ok_or_else(|| self.err(format!("field '{key}' must be a number, found {}", describe(v))))
+    }
+
+    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        let Some((key, v)) = self.first(&[key]) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| self.err(format!("field '{key}' must be true or false, found {}", describe(v))))
+    }
+
+    fn str_opt(&self, key: &str) -> Result<Option<&str>> {
+        let Some((key, v)) = self.first(&[key]) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(Some)
+            .ok_or_else(|| self.err(format!("field '{key}' must be a string, found {}", describe(v))))
+    }
+}
+
+fn missing(keys: &[&str]) -> String {
+    match keys {
+        [] => "missing required field".into(),
+        [only] => format!("missing required field '{only}'"),
+        [first, rest @ ..] => format!(
+            "missing required field '{first}' (also accepted: {})",
+            rest.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ")
+        ),
+    }
+}
+
+/// A short description of a JSON value for type errors: its kind and, when short, the value.
+fn describe(v: &Value) -> String {
+    let kind = match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    };
+    let text = v.to_string();
+    if text.len() <= 40 && !matches!(v, Value::Null) {
+        format!("{kind} ({text})")
+    } else {
+        kind.to_string()
+    }
+}
