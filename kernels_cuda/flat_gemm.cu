@@ -16,10 +16,13 @@
 #ifndef FDPP_STAGES
 #define FDPP_STAGES 2
 #endif
+#ifndef FDPP_STAGE_KB
+#define FDPP_STAGE_KB 32
+#endif
 
 constexpr int BN = FDPP_BN;            // rows of W per block
 constexpr int STAGES = FDPP_STAGES;
-constexpr int BK = 16384 / BN;         // K columns per stage: a 32 KiB W tile whatever B_N
+constexpr int BK = FDPP_STAGE_KB * 512 / BN;  // K columns per stage: the W tile is FDPP_STAGE_KB KiB whatever B_N
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int WN = (BN / 16) < WARPS ? (BN / 16) : WARPS;  // warps along N

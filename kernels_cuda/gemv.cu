@@ -8,10 +8,14 @@
 #define FDPP_ROWS 2
 #endif
 
+#ifndef FDPP_INFLIGHT
+#define FDPP_INFLIGHT 8
+#endif
+
 constexpr int ROWS = FDPP_ROWS;
 constexpr int WARPS = 4;
-// 16-byte weight loads in flight per lane: ROWS × UNROLL = 8 (enough to cover HBM latency).
-constexpr int UNROLL = 8 / ROWS > 0 ? 8 / ROWS : 1;
+// 16-byte weight loads in flight per lane: ROWS × UNROLL = FDPP_INFLIGHT (covers HBM latency).
+constexpr int UNROLL = FDPP_INFLIGHT / ROWS > 0 ? FDPP_INFLIGHT / ROWS : 1;
 
 // Vector path: K % 8 == 0 and 16-byte aligned rows.
 template <int M>
