@@ -1,5 +1,6 @@
 //! Command-line entry: one file per subcommand.
 
+pub mod bench;
 pub mod devices;
 pub mod shapes;
 
@@ -22,12 +23,15 @@ pub enum Command {
     Shapes(shapes::ShapesArgs),
     /// Every backend, whether it is available (and why not), and its devices.
     Devices(devices::DevicesArgs),
+    /// Side-by-side benchmarks with tables, CSV/JSON and SVG charts.
+    Bench(bench::BenchArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
 
