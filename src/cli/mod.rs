@@ -1,5 +1,6 @@
 //! Command-line entry: one file per subcommand.
 
+pub mod bench;
 pub mod devices;
 pub mod kernels;
 pub mod shapes;
@@ -25,6 +26,8 @@ pub enum Command {
     Devices(devices::DevicesArgs),
     /// Compile-check and list the GPU kernels (needs NVRTC, not a GPU).
     Kernels(kernels::KernelsArgs),
+    /// Side-by-side benchmarks with tables, CSV/JSON and SVG charts.
+    Bench(bench::BenchArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -32,6 +35,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),
         Command::Kernels(a) => kernels::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
 

@@ -1,13 +1,20 @@
 //! Report writers: self-describing CSV rows, a JSON copy, markdown tables, SVG charts.
 //! Every tune and bench run writes its files through [`write_gemm_report`].
 
+pub mod annotate;
+pub mod chart;
+pub mod csv;
+pub mod json;
+pub mod md;
 pub mod record;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
+pub use annotate::{annotate, roofline_us};
 pub use record::{GemmRecord, RunContext};
 
+use crate::backend::slugify;
 use crate::cli::Format;
 use crate::error::{FdppError, Result};
 
@@ -25,8 +32,72 @@ pub struct ReportFiles {
     pub svgs: Vec<PathBuf>,
 }
 
+impl ReportFiles {
+    pub fn all(&self) -> Vec<&Path> {
+        let mut v = vec![self.csv.as_path(), self.json.as_path()];
+        v.extend(self.svgs.iter().map(|p| p.as_path()));
+        v
+    }
+}
+
+/// The rows of one problem shape (one model on one device), in the order shapes first appear.
+#[derive(Clone, Debug)]
+pub struct ShapeGroup<'a> {
+    pub model: &'a str,
+    pub device: &'a str,
+    pub shape: &'a str,
+    pub k: usize,
+    pub n: usize,
+    pub rows: Vec<&'a GemmRecord>,
+}
+
+pub fn shape_groups(records: &[GemmRecord]) -> Vec<ShapeGroup<'_>> {
+    let mut groups: Vec<ShapeGroup<'_>> = Vec::new();
+    for r in records {
+        let found = groups
+            .iter_mut()
+            .find(|g| g.model == r.model && g.device == r.device && g.shape == r.shape && g.k == r.k && g.n == r.n);
+        match found {
+            Some(g) => g.rows.push(r),
+            None => groups.push(ShapeGroup {
+                model: &r.model,
+                device: &r.device,
+                shape: &r.shape,
+                k: r.k,
+                n: r.n,
+                rows: vec![r],
+            }),
+        }
+    }
+    groups
+}
+
+/// Order of the implementation families: the paper's A, B, C.
+pub fn imp_rank(imp: &str) -> usize {
+    match imp {
+        "gemv" => 0,
+        "flat_gemm" => 1,
+        "gemm" => 2,
+        _ => 3,
+    }
+}
+
+/// Write through a sibling temporary file and rename, so that a reader never sees half a
+/// report and an interrupted run leaves the previous file intact.
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
+    let mut tmp_name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    std::fs::write(&tmp, contents).map_err(|e| FdppError::io(path, format!("cannot write: {e}")))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        FdppError::io(path, format!("cannot replace: {e}"))
+    })
+}
+
 /// Writes `<dir>/<stem>.csv`, `<dir>/<stem>.json` and one `<dir>/<stem>-<shape>.svg` per shape
 /// (time against M, one line per implementation, `marks[shape]` drawn as vertical lines).
+/// `title` is drawn under each chart's own caption (model, shape, [K, N], device).
 pub fn write_gemm_report(
     dir: &Path,
     stem: &str,
@@ -34,37 +105,43 @@ pub fn write_gemm_report(
     records: &[GemmRecord],
     marks: &BTreeMap<String, Vec<Mark>>,
 ) -> Result<ReportFiles> {
-    let _ = (title, marks);
-    std::fs::create_dir_all(dir).map_err(|e| FdppError::io(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| FdppError::io(dir, format!("cannot create the report directory: {e}")))?;
     let csv_path = dir.join(format!("{stem}.csv"));
     let json_path = dir.join(format!("{stem}.json"));
-    let mut w = csv::Writer::from_path(&csv_path).map_err(|e| FdppError::io(&csv_path, e))?;
-    for r in records {
-        w.serialize(r).map_err(|e| FdppError::io(&csv_path, e))?;
+    write_atomic(&csv_path, csv::to_csv_string(records)?.as_bytes())?;
+    write_atomic(&json_path, json::to_json_string(records)?.as_bytes())?;
+
+    let mut svgs = Vec::new();
+    let mut used = HashSet::new();
+    for g in shape_groups(records) {
+        // Two groups with one shape name (several models or devices in one table) must not
+        // overwrite each other's chart.
+        let mut name = format!("{stem}-{}", slugify(g.shape));
+        if !used.insert(name.clone()) {
+            name = format!("{name}-{}-{}", slugify(g.model), slugify(g.device));
+            used.insert(name.clone());
+        }
+        let path = dir.join(format!("{name}.svg"));
+        let shape_marks = marks.get(g.shape).map(Vec::as_slice).unwrap_or(&[]);
+        let svg = chart::shape_chart_svg(title, &g, shape_marks).map_err(|e| FdppError::io(&path, e))?;
+        if let Some(svg) = svg {
+            write_atomic(&path, svg.as_bytes())?;
+            svgs.push(path);
+        }
     }
-    w.flush().map_err(|e| FdppError::io(&csv_path, e))?;
-    let json = serde_json::to_string_pretty(records).map_err(|e| FdppError::io(&json_path, e))?;
-    std::fs::write(&json_path, json).map_err(|e| FdppError::io(&json_path, e))?;
     Ok(ReportFiles {
         csv: csv_path,
         json: json_path,
-        svgs: vec![],
+        svgs,
     })
 }
 
-/// The records as a table for stdout.
+/// The records as a table for stdout: markdown grouped by shape and M, or the full CSV, or a
+/// pretty JSON array.
 pub fn gemm_table(records: &[GemmRecord], format: Format) -> Result<String> {
     match format {
-        Format::Json => serde_json::to_string_pretty(records).map_err(|e| FdppError::InvalidArgument(e.to_string())),
-        Format::Csv | Format::Md => {
-            let mut s = String::from("shape,m,implementation,median_us,gbps\n");
-            for r in records {
-                s.push_str(&format!(
-                    "{},{},{},{:.2},{:.1}\n",
-                    r.shape, r.m, r.implementation, r.median_us, r.gbps
-                ));
-            }
-            Ok(s)
-        }
+        Format::Md => Ok(md::to_markdown(records)),
+        Format::Csv => csv::to_csv_string(records),
+        Format::Json => json::to_json_string(records),
     }
 }

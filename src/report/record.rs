@@ -30,6 +30,15 @@ pub struct GemmRecord {
     pub gflops: f64,
     /// NMSE against the f64 reference (sampled columns in the tuner).
     pub nmse: f64,
+    /// Memory roofline time (minimum bytes / measured copy bandwidth) as a percentage of the
+    /// median: 100 means the candidate moves its bytes as fast as a plain copy. Filled by
+    /// [`crate::report::annotate`]; None when no copy bandwidth was measured.
+    #[serde(default)]
+    pub roofline_pct: Option<f64>,
+    /// Median of the fastest `gemm` candidate at the same shape and M over this median: above 1
+    /// this candidate beats the vendor GEMM. Filled by [`crate::report::annotate`].
+    #[serde(default)]
+    pub speedup_vs_gemm: Option<f64>,
 }
 
 /// Context shared by every row of one run.
@@ -63,6 +72,8 @@ impl GemmRecord {
             gbps: dims.min_bytes() / secs / 1e9,
             gflops: dims.flops() / secs / 1e9,
             nmse,
+            roofline_pct: None,
+            speedup_vs_gemm: None,
         }
     }
 }

@@ -1,0 +1,548 @@
+//! `fdpp bench ...`: the implementations of one op side by side on a model's shapes, each
+//! verified against the f64 reference before it is timed, with its memory roofline beside it.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+
+use super::Format;
+use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
+use crate::bench::{GemmInputs, TimingOpts};
+use crate::dtype::DType;
+use crate::error::FdppError;
+use crate::model::{presets, LinearKind, LinearShape, ModelConfig, ModelShapes};
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::provenance::BuildInfo;
+use crate::reference::gemm::{gemm_ref_cols, nmse};
+use crate::report::{self, GemmRecord, RunContext};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: BenchCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Every GEMM implementation on the model's linear shapes, at each M.
+    Gemm(GemmBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct GemmBenchArgs {
+    /// Preset name (see `fdpp shapes`).
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Device ordinal within the backend.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, value_enum, default_value_t = DType::F16)]
+    pub dtype: DType,
+    /// Rows of x to measure, e.g. 1,2,4,8. Default: 1,2,4,...,128 on a GPU, 1,2,4,8,16 on the CPU.
+    #[arg(long, value_delimiter = ',')]
+    pub m: Vec<usize>,
+    /// Implementations to measure: any of gemv, flat_gemm, gemm (default all), or `auto`
+    /// (what select() picks from --profile).
+    #[arg(long = "impl", value_delimiter = ',')]
+    pub impls: Vec<String>,
+    /// Linear shapes to measure: any of qkv, o, ffn1, ffn2 (default all four).
+    #[arg(long, value_delimiter = ',')]
+    pub shape: Vec<String>,
+    /// Timed runs per candidate and M (the median is reported).
+    #[arg(long, default_value_t = TimingOpts::default().reps)]
+    pub reps: usize,
+    /// Untimed runs before the timed ones.
+    #[arg(long, default_value_t = TimingOpts::default().warmup)]
+    pub warmup: usize,
+    /// Tuning profile (for `--impl auto`).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Directory for the CSV, JSON and SVG files. Default: reports/bench/<device-slug>.
+    #[arg(long)]
+    pub report_dir: Option<PathBuf>,
+    /// Format of the table on stdout.
+    #[arg(long, value_enum, default_value_t = Format::Md)]
+    pub format: Format,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0x5eed)]
+    pub seed: u64,
+}
+
+pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    match a.what {
+        BenchCommand::Gemm(g) => run_gemm(g),
+    }
+}
+
+/// `--model`: a preset today; the one place to change when config.json paths are accepted.
+pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
+    let cfg = presets::preset(arg)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// `--impl`: None = every implementation.
+fn parse_impls(list: &[String]) -> anyhow::Result<Option<Vec<GemmImpl>>> {
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    for s in list {
+        let s = s.trim().to_ascii_lowercase().replace('-', "_");
+        if s == "auto" {
+            bail!("--impl auto needs --profile support from select(), not available in this build");
+        }
+        match GemmImpl::ALL.iter().find(|i| i.name() == s) {
+            Some(i) if !out.contains(i) => out.push(*i),
+            Some(_) => {}
+            None => bail!("--impl: unknown implementation '{s}'; known: gemv, flat_gemm, gemm, auto"),
+        }
+    }
+    Ok(Some(out))
+}
+
+fn pick_shapes(all: &[LinearShape], list: &[String]) -> anyhow::Result<Vec<LinearShape>> {
+    if list.is_empty() {
+        return Ok(all.to_vec());
+    }
+    let mut kinds = Vec::new();
+    for s in list {
+        let s = s.trim().to_ascii_lowercase();
+        match LinearKind::ALL.iter().find(|k| k.name() == s) {
+            Some(k) => kinds.push(*k),
+            None => bail!("--shape: unknown shape '{s}'; known: qkv, o, ffn1, ffn2"),
+        }
+    }
+    Ok(all.iter().filter(|l| kinds.contains(&l.kind)).copied().collect())
+}
+
+fn m_list(given: &[usize], kind: BackendKind) -> anyhow::Result<Vec<usize>> {
+    let mut ms: Vec<usize> = if given.is_empty() {
+        // The CPU's naive paths are slow enough that M past 16 only adds minutes.
+        match kind {
+            BackendKind::Cpu => vec![1, 2, 4, 8, 16],
+            _ => vec![1, 2, 4, 8, 16, 32, 64, 128],
+        }
+    } else {
+        given.to_vec()
+    };
+    if ms.contains(&0) {
+        bail!("--m: M must be at least 1 (got {given:?})");
+    }
+    ms.sort_unstable();
+    ms.dedup();
+    Ok(ms)
+}
+
+/// Output columns compared with the reference: both ends, an even spread, and a few random
+/// ones (so a tiling bug at an unlucky stride is still likely to be hit).
+fn sample_columns(n: usize, seed: u64) -> Vec<usize> {
+    let spread = n.min(48);
+    let mut cols: Vec<usize> = (0..spread).map(|i| i * (n - 1) / (spread - 1).max(1)).collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    cols.extend((0..16).map(|_| rng.gen_range(0..n)));
+    cols.sort_unstable();
+    cols.dedup();
+    cols
+}
+
+/// A candidate that was not timed, and why.
+struct Rejected {
+    what: String,
+    reason: String,
+    wrong: bool,
+}
+
+fn run_gemm(a: GemmBenchArgs) -> anyhow::Result<()> {
+    let imps = parse_impls(&a.impls)?;
+    if let Some(p) = &a.profile {
+        bail!(
+            "--profile {}: reading tuning profiles is not available in this build; run without --profile",
+            p.display()
+        );
+    }
+    let cfg = load_model(&a.model)?;
+    let shapes = pick_shapes(&ModelShapes::of(&cfg).linears, &a.shape)?;
+    let (any, note) = backend::open(a.backend, a.device)?;
+    eprintln!("{note}");
+    crate::with_backend!(&any, b => bench_gemm(b, &a, &cfg, &shapes, imps.as_deref()))
+}
+
+fn bench_gemm<B: Backend>(
+    b: &B,
+    a: &GemmBenchArgs,
+    cfg: &ModelConfig,
+    shapes: &[LinearShape],
+    imps: Option<&[GemmImpl]>,
+) -> anyhow::Result<()> {
+    let info = b.info().clone();
+    let ms = m_list(&a.m, info.backend)?;
+    let opts = TimingOpts {
+        warmup: a.warmup,
+        reps: a.reps.max(1),
+    };
+    // Weights must not be served from cache between timed runs; the CPU backend reports no
+    // L2, so assume a large LLC.
+    let cache_bytes = if info.l2_bytes > 0 { info.l2_bytes } else { 32 << 20 };
+
+    let mut plan: Vec<(LinearShape, Vec<GemmSpec>)> = Vec::new();
+    for s in shapes {
+        let cands: Vec<GemmSpec> = b
+            .gemm_candidates(a.dtype, s.n, s.k)
+            .into_iter()
+            .filter(|c| imps.is_none_or(|l| l.contains(&c.imp)))
+            .collect();
+        if cands.is_empty() {
+            bail!(
+                "{} backend offers no {} candidate for {} {}; try --impl gemv,flat_gemm,gemm",
+                info.backend,
+                a.dtype,
+                cfg.name,
+                s.label()
+            );
+        }
+        plan.push((*s, cands));
+    }
+
+    eprintln!("measuring copy bandwidth (memory roofline) on {} ...", info.name);
+    let copy_gbps = match b.copy_gbps() {
+        Ok(g) if g.is_finite() && g > 0.0 => {
+            eprintln!("copy bandwidth: {g:.1} GB/s (read + write)");
+            Some(g)
+        }
+        Ok(g) => {
+            eprintln!("warning: copy bandwidth measured as {g}; the roofline column is left empty");
+            None
+        }
+        Err(e) => {
+            eprintln!("warning: copy bandwidth not measured ({e}); the roofline column is left empty");
+            None
+        }
+    };
+
+    let ctx = RunContext {
+        build: BuildInfo::current(),
+        device: info.name.clone(),
+        backend: info.backend.name().to_string(),
+        model: cfg.name.clone(),
+    };
+    let steps: usize = plan.iter().map(|(_, c)| c.len() * ms.len()).sum();
+    let pb = ProgressBar::new(steps as u64);
+    if let Ok(style) = ProgressStyle::with_template("{bar:32} {pos}/{len} [{elapsed_precise}] {msg}") {
+        pb.set_style(style);
+    }
+
+    let sweep_opts = SweepOpts {
+        dtype: a.dtype,
+        ms: &ms,
+        timing: opts,
+        cache_bytes,
+        seed: a.seed,
+    };
+    let (mut records, rejected) = sweep(b, &ctx, &plan, &sweep_opts, &pb)?;
+    pb.finish_and_clear();
+
+    report::annotate(&mut records, copy_gbps);
+    let machine_readable = a.format != Format::Md;
+    print!("{}", report::gemm_table(&records, a.format)?);
+    if !rejected.is_empty() {
+        eprintln!("\nnot timed ({}):", rejected.len());
+        for r in &rejected {
+            eprintln!("  {}: {}", r.what, r.reason);
+        }
+    }
+
+    let dir = a
+        .report_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("reports").join("bench").join(&info.slug));
+    let stem = format!("gemm-{}", slugify(&cfg.name));
+    let title = format!(
+        "fdpp bench gemm, {} {}, fdpp {} ({}), median of {} runs{}",
+        info.backend,
+        a.dtype,
+        ctx.build.fdpp_version,
+        ctx.build.git_commit,
+        opts.reps,
+        copy_gbps.map(|g| format!(", copy {g:.0} GB/s")).unwrap_or_default()
+    );
+    let files = report::write_gemm_report(&dir, &stem, &title, &records, &BTreeMap::new())?;
+    let listing: String = files.all().iter().map(|p| format!("  {}\n", p.display())).collect();
+    // Keep stdout parseable when it carries CSV or JSON.
+    if machine_readable {
+        eprint!("report files:\n{listing}");
+    } else {
+        print!("\nreport files:\n{listing}");
+    }
+
+    let wrong = rejected.iter().filter(|r| r.wrong).count();
+    if wrong > 0 {
+        bail!("{wrong} candidate(s) gave wrong results (listed above); they were not timed and are not in the report");
+    }
+    Ok(())
+}
+
+struct SweepOpts<'a> {
+    dtype: DType,
+    ms: &'a [usize],
+    timing: TimingOpts,
+    cache_bytes: u64,
+    seed: u64,
+}
+
+/// Every (shape, M, candidate) of the plan: verify against the reference, then time. Wrong or
+/// failing candidates are collected, never timed, never reported as valid rows.
+fn sweep<B: Backend>(
+    b: &B,
+    ctx: &RunContext,
+    plan: &[(LinearShape, Vec<GemmSpec>)],
+    o: &SweepOpts<'_>,
+    pb: &ProgressBar,
+) -> anyhow::Result<(Vec<GemmRecord>, Vec<Rejected>)> {
+    let max_m = o.ms.iter().copied().max().unwrap_or(1);
+    let mut records: Vec<GemmRecord> = Vec::new();
+    let mut rejected: Vec<Rejected> = Vec::new();
+    for (s, cands) in plan {
+        pb.set_message(format!("{}: uploading inputs", s.label()));
+        let mut inputs = GemmInputs::new(b, o.dtype, s.n, s.k, max_m, o.cache_bytes, o.seed)
+            .with_context(|| format!("inputs for {} {}", ctx.model, s.label()))?;
+        let cols = sample_columns(s.n, o.seed ^ s.n as u64);
+        for &m in o.ms {
+            let dims = GemmDims::new(m, s.n, s.k)?;
+            let reference = gemm_ref_cols(o.dtype, dims, &inputs.x0, &inputs.w0, &cols);
+            for spec in cands {
+                pb.set_message(format!("{} M={m} {spec}", s.kind));
+                let what = format!("{spec} at {} M={m}", s.label());
+                match verify(b, &mut inputs, spec, dims, &cols, &reference)? {
+                    Err(e) => rejected.push(Rejected {
+                        what,
+                        wrong: matches!(e, FdppError::WrongResult { .. }),
+                        reason: e.to_string(),
+                    }),
+                    Ok(err) => match inputs.time(b, spec, m, o.timing) {
+                        Ok(stats) => records.push(GemmRecord::new(ctx, s.kind.name(), spec, dims, stats, err)),
+                        Err(e) => rejected.push(Rejected {
+                            what,
+                            wrong: false,
+                            reason: format!("timing failed: {e}"),
+                        }),
+                    },
+                }
+                pb.inc(1);
+            }
+        }
+    }
+    Ok((records, rejected))
+}
+
+/// Run `spec` once into a poisoned output and compare the sampled columns with the reference.
+/// Outer error: the backend itself failed (abort the run). Inner error: this candidate is
+/// rejected (unsupported, failed to run, or wrong). Ok(Ok(nmse)) when it passes.
+fn verify<B: Backend>(
+    b: &B,
+    inputs: &mut GemmInputs<B>,
+    spec: &GemmSpec,
+    dims: GemmDims,
+    cols: &[usize],
+    reference: &[f64],
+) -> anyhow::Result<Result<f64, FdppError>> {
+    b.fill(&mut inputs.y, spec.dtype.poison())?;
+    if let Err(e) = b.gemm(spec, dims, &inputs.xs[0], &inputs.ws[0], &mut inputs.y) {
+        return Ok(Err(e));
+    }
+    b.synchronize()?;
+    let y = b.download(&inputs.y)?;
+    if y.len() < dims.m * dims.n {
+        return Ok(Err(FdppError::Shape {
+            what: format!("{spec} output at {}", dims.label()),
+            expected: format!(">= {} elements", dims.m * dims.n),
+            found: y.len().to_string(),
+        }));
+    }
+    let mut out = Vec::with_capacity(dims.m * cols.len());
+    for m in 0..dims.m {
+        for &c in cols {
+            out.push(spec.dtype.to_f32(y[m * dims.n + c]) as f64);
+        }
+    }
+    let err = nmse(&out, reference);
+    let limit = spec.dtype.nmse_limit();
+    if err.is_finite() && err <= limit {
+        Ok(Ok(err))
+    } else {
+        Ok(Err(FdppError::WrongResult {
+            spec: spec.uri(),
+            shape: dims.label(),
+            nmse: err,
+            limit,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn impl_list_parses_names_and_rejects_others() {
+        assert_eq!(parse_impls(&[]).unwrap(), None);
+        assert_eq!(
+            parse_impls(&strings(&["gemm", "flat-gemm", "gemv", "gemm"])).unwrap(),
+            Some(vec![GemmImpl::Gemm, GemmImpl::FlatGemm, GemmImpl::Gemv])
+        );
+        assert!(parse_impls(&strings(&["gemv", "auto"])).is_err());
+        assert!(parse_impls(&strings(&["tensor"])).is_err());
+    }
+
+    #[test]
+    fn shape_filter_keeps_model_order() {
+        let all = ModelShapes::of(&presets::preset("llama2-7b").unwrap()).linears;
+        let got = pick_shapes(&all, &strings(&["ffn2", "qkv"])).unwrap();
+        assert_eq!(
+            got.iter().map(|s| s.kind).collect::<Vec<_>>(),
+            [LinearKind::Qkv, LinearKind::Ffn2]
+        );
+        assert_eq!(pick_shapes(&all, &[]).unwrap(), all);
+        assert!(pick_shapes(&all, &strings(&["down"])).is_err());
+    }
+
+    #[test]
+    fn m_list_defaults_per_backend_and_is_sorted() {
+        assert_eq!(m_list(&[], BackendKind::Cpu).unwrap(), [1, 2, 4, 8, 16]);
+        assert_eq!(m_list(&[], BackendKind::Cuda).unwrap().last(), Some(&128));
+        assert_eq!(m_list(&[8, 1, 8, 3], BackendKind::Cuda).unwrap(), [1, 3, 8]);
+        assert!(m_list(&[0], BackendKind::Cpu).is_err());
+    }
+
+    #[test]
+    fn sampled_columns_cover_both_ends_and_stay_in_range() {
+        for n in [1, 7, 1000, 11008] {
+            let seed = rand::random();
+            let c = sample_columns(n, seed);
+            assert_eq!(c.first(), Some(&0));
+            assert_eq!(c.last(), Some(&(n - 1)));
+            assert!(c.windows(2).all(|w| w[0] < w[1]));
+            assert!(c.len() <= 64 && c.len() >= n.min(48));
+        }
+    }
+
+    /// The CPU backend with two bugs planted: gemv's outputs are 5% off, and flat_gemm refuses
+    /// M > 1. The sweep must time neither where they fail.
+    struct Faulty(crate::backend::cpu::CpuBackend);
+
+    impl Backend for Faulty {
+        type Buffer = crate::backend::cpu::CpuBuffer;
+        fn info(&self) -> &crate::backend::DeviceInfo {
+            self.0.info()
+        }
+        fn kernel_hash(&self) -> String {
+            self.0.kernel_hash()
+        }
+        fn alloc(&self, dtype: DType, len: usize) -> crate::Result<Self::Buffer> {
+            self.0.alloc(dtype, len)
+        }
+        fn upload(&self, dtype: DType, bits: &[u16]) -> crate::Result<Self::Buffer> {
+            self.0.upload(dtype, bits)
+        }
+        fn download(&self, buf: &Self::Buffer) -> crate::Result<Vec<u16>> {
+            self.0.download(buf)
+        }
+        fn fill(&self, buf: &mut Self::Buffer, bits: u16) -> crate::Result<()> {
+            self.0.fill(buf, bits)
+        }
+        fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
+            self.0.gemm_candidates(dtype, n, k)
+        }
+        fn gemm(
+            &self,
+            spec: &GemmSpec,
+            dims: GemmDims,
+            x: &Self::Buffer,
+            w: &Self::Buffer,
+            y: &mut Self::Buffer,
+        ) -> crate::Result<()> {
+            if spec.imp == GemmImpl::FlatGemm && dims.m > 1 {
+                return Err(FdppError::Unsupported {
+                    spec: spec.uri(),
+                    what: format!("M={}", dims.m),
+                });
+            }
+            self.0.gemm(spec, dims, x, w, y)?;
+            if spec.imp == GemmImpl::Gemv {
+                for v in &mut y.data[..dims.m * dims.n] {
+                    *v = spec.dtype.from_f32(spec.dtype.to_f32(*v) * 1.05);
+                }
+            }
+            Ok(())
+        }
+        fn synchronize(&self) -> crate::Result<()> {
+            Ok(())
+        }
+        fn copy_gbps(&self) -> crate::Result<f64> {
+            Ok(1.0)
+        }
+        fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> crate::Result<()>) -> crate::Result<Vec<f64>> {
+            self.0.time_each(reps, f)
+        }
+    }
+
+    #[test]
+    fn wrong_and_unsupported_candidates_are_rejected_not_timed() {
+        let b = Faulty(crate::backend::cpu::CpuBackend::new());
+        let ctx = RunContext {
+            build: BuildInfo::current(),
+            device: "faulty".into(),
+            backend: "cpu".into(),
+            model: "tiny".into(),
+        };
+        let shape = LinearShape {
+            kind: LinearKind::O,
+            k: 97,
+            n: 130,
+        };
+        for dtype in [DType::F16, DType::Bf16] {
+            let plan = vec![(shape, b.gemm_candidates(dtype, shape.n, shape.k))];
+            let o = SweepOpts {
+                dtype,
+                ms: &[1, 3],
+                timing: TimingOpts { warmup: 0, reps: 2 },
+                cache_bytes: 1 << 16,
+                seed: rand::random(),
+            };
+            let (records, rejected) = sweep(&b, &ctx, &plan, &o, &ProgressBar::hidden()).unwrap();
+            let timed: Vec<(GemmImpl, usize)> = records
+                .iter()
+                .map(|r| (plan[0].1.iter().find(|s| s.uri() == r.implementation).unwrap().imp, r.m))
+                .collect();
+            assert_eq!(
+                timed,
+                [(GemmImpl::FlatGemm, 1), (GemmImpl::Gemm, 1), (GemmImpl::Gemm, 3)],
+                "{dtype}"
+            );
+            assert!(records.iter().all(|r| r.nmse <= dtype.nmse_limit()));
+            assert_eq!(rejected.len(), 3);
+            let wrong: Vec<&Rejected> = rejected.iter().filter(|r| r.wrong).collect();
+            assert_eq!(wrong.len(), 2, "gemv at M=1 and M=3");
+            assert!(wrong
+                .iter()
+                .all(|r| r.what.starts_with("gemv") && r.reason.contains("wrong result")));
+            let unsupported = rejected.iter().find(|r| !r.wrong).unwrap();
+            assert!(unsupported.what.starts_with("flat_gemm") && unsupported.what.ends_with("M=3"));
+            assert!(
+                unsupported.reason.contains("does not support M=3"),
+                "{}",
+                unsupported.reason
+            );
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! `fdpp bench gemm` through the binary, on the CPU backend.
+
+use std::process::Command;
+
+use fdpp::report::{csv, json, GemmRecord};
+
+fn fdpp() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fdpp"))
+}
+
+#[test]
+fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    let seed: u32 = rand::random();
+    let out = fdpp()
+        .args([
+            "bench",
+            "gemm",
+            "--model",
+            "llama2-7b",
+            "--backend",
+            "cpu",
+            "--shape",
+            "o",
+        ])
+        .args(["--m", "2,1", "--reps", "2", "--warmup", "0", "--format", "json"])
+        .args(["--seed", &seed.to_string(), "--report-dir"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stderr:\n{stderr}");
+
+    // stdout is pure JSON (paths and notes go to stderr), the same rows as the file.
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let printed: Vec<GemmRecord> = serde_json::from_str(&stdout).unwrap();
+    let csv_path = out_dir.join("gemm-llama2-7b.csv");
+    let json_path = out_dir.join("gemm-llama2-7b.json");
+    let svg_path = out_dir.join("gemm-llama2-7b-o.svg");
+    for p in [&csv_path, &json_path, &svg_path] {
+        assert!(p.is_file(), "missing {}", p.display());
+        assert!(
+            stderr.contains(&p.display().to_string()),
+            "path not printed: {}",
+            p.display()
+        );
+    }
+    let from_csv = csv::read_csv(&csv_path).unwrap();
+    let from_json = json::read_json(&json_path).unwrap();
+    assert_eq!(from_csv.len(), 6, "3 implementations × 2 M");
+    assert_eq!(from_json.len(), 6);
+    assert_eq!(printed.len(), 6);
+
+    let mut seen = Vec::new();
+    for r in &from_csv {
+        assert_eq!(
+            (r.model.as_str(), r.shape.as_str(), r.k, r.n),
+            ("llama2-7b", "o", 4096, 4096)
+        );
+        assert_eq!(r.backend, "cpu");
+        assert_eq!(r.fdpp_version, fdpp::VERSION);
+        assert!(!r.git_commit.is_empty() && !r.device.is_empty());
+        assert_eq!(r.samples, 2);
+        assert!(
+            r.min_us > 0.0 && r.min_us <= r.median_us && r.median_us <= r.max_us,
+            "{r:?}"
+        );
+        assert!(
+            r.nmse.is_finite() && r.nmse <= fdpp::dtype::DType::F16.nmse_limit(),
+            "{r:?}"
+        );
+        assert!(r.gbps > 0.0 && r.gflops > 0.0);
+        assert!(r.roofline_pct.is_some_and(|p| p > 0.0), "{r:?}");
+        assert!(r.speedup_vs_gemm.is_some_and(|s| s > 0.0), "{r:?}");
+        if r.imp == "gemm" {
+            assert!(r.speedup_vs_gemm.is_some_and(|s| (s - 1.0).abs() < 1e-12));
+        }
+        seen.push((r.imp.clone(), r.m));
+    }
+    seen.sort();
+    let mut want: Vec<(String, usize)> = ["flat_gemm", "gemm", "gemv"]
+        .iter()
+        .flat_map(|i| [1, 2].map(|m| (i.to_string(), m)))
+        .collect();
+    want.sort();
+    assert_eq!(seen, want);
+
+    let svg = std::fs::read_to_string(&svg_path).unwrap();
+    assert!(svg.starts_with("<svg"));
+    assert!(svg.contains("llama2-7b o [K=4096, N=4096] on CPU"));
+}
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = fdpp().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(stderr.contains(needle), "{args:?}: stderr {stderr:?} lacks {needle:?}");
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let base = ["bench", "gemm", "--model", "llama2-7b", "--backend", "cpu"];
+    let with = |extra: &[&'static str]| base.iter().copied().chain(extra.iter().copied()).collect::<Vec<_>>();
+    fails_with(
+        &with(&["--impl", "auto"]),
+        "auto needs --profile support from select(), not available in this build",
+    );
+    fails_with(&with(&["--impl", "gemv,cutlass"]), "unknown implementation 'cutlass'");
+    fails_with(&with(&["--shape", "lm_head"]), "unknown shape 'lm_head'");
+    fails_with(&with(&["--m", "0,4"]), "M must be at least 1");
+    fails_with(
+        &["bench", "gemm", "--model", "no-such-model", "--backend", "cpu"],
+        "unknown model preset 'no-such-model'",
+    );
+    fails_with(
+        &with(&["--profile", "/nonexistent/p.json"]),
+        "--profile /nonexistent/p.json",
+    );
+}
