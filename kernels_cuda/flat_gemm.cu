@@ -34,6 +34,7 @@ constexpr int CH = BK / 8;                                  // 16-byte chunks pe
 
 static_assert(BN % 16 == 0 && BN >= 32 && BN <= 256, "B_N must be 32, 64, 128 or 256");
 static_assert(WKCOLS % 32 == 0, "each warp needs whole 32-wide K chunks");
+static_assert(CH >= 8, "the swizzle permutes 16-byte chunks within 128-byte groups: B_K must be >= 64");
 
 // XOR swizzle of the 16-byte chunk index by the row's parity: a quarter-warp reading rows r and
 // r+1 at the same column then hits disjoint 64-byte halves of the 128-byte bank window.

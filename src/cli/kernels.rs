@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
+use rayon::prelude::*;
 
 use crate::backend::cuda::{jit, sources};
 
@@ -46,25 +47,41 @@ fn check(archs: &[String]) -> anyhow::Result<()> {
              and put its nvidia/cu13/lib on LD_LIBRARY_PATH"
         );
     }
-    println!("NVRTC {}; kernel source hash {}", jit::nvrtc_version().unwrap_or_default(), sources::kernel_hash());
+    println!(
+        "NVRTC {}; kernel source hash {}",
+        jit::nvrtc_version().unwrap_or_default(),
+        sources::kernel_hash()
+    );
     let srcs = sources::all_sources();
+    let jobs: Vec<(&String, &sources::KernelSource)> =
+        archs.iter().flat_map(|a| srcs.iter().map(move |s| (a, s))).collect();
+    // NVRTC compiles are independent: one per core.
+    let results: Vec<_> = jobs
+        .par_iter()
+        .map(|(arch, s)| {
+            let t = Instant::now();
+            (arch, s, jit::compile_cubin(s, arch), t.elapsed().as_secs_f64())
+        })
+        .collect();
     let mut failed = vec![];
     println!("| arch | spec | result | cubin bytes | seconds |\n|---|---|---|---|---|");
-    for arch in archs {
-        for s in &srcs {
-            let t = Instant::now();
-            match jit::compile_cubin(s, arch) {
-                Ok(c) => println!("| {arch} | {} | ok | {} | {:.2} |", s.uri, c.len(), t.elapsed().as_secs_f64()),
-                Err(e) => {
-                    println!("| {arch} | {} | FAILED | - | {:.2} |", s.uri, t.elapsed().as_secs_f64());
-                    eprintln!("{e}");
-                    failed.push(format!("{} on {arch}", s.uri));
-                }
+    for (arch, s, r, secs) in results {
+        match r {
+            Ok(c) => println!("| {arch} | {} | ok | {} | {secs:.2} |", s.uri, c.len()),
+            Err(e) => {
+                println!("| {arch} | {} | FAILED | - | {secs:.2} |", s.uri);
+                eprintln!("{e}");
+                failed.push(format!("{} on {arch}", s.uri));
             }
         }
     }
     if !failed.is_empty() {
-        bail!("{} of {} kernel compiles failed: {}", failed.len(), srcs.len() * archs.len(), failed.join(", "));
+        bail!(
+            "{} of {} kernel compiles failed: {}",
+            failed.len(),
+            srcs.len() * archs.len(),
+            failed.join(", ")
+        );
     }
     println!("all {} kernel compiles succeeded", srcs.len() * archs.len());
     Ok(())

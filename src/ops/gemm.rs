@@ -52,6 +52,9 @@ pub struct GemmSpec {
     /// Tile width along N (flat_gemm); rows per block (gemv). None where it does not apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_n: Option<u32>,
+    /// cp.async pipeline depth (flat_gemm): 2 is the paper's double buffering.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<u32>,
 }
 
 impl GemmSpec {
@@ -60,18 +63,27 @@ impl GemmSpec {
             imp,
             dtype,
             block_n: None,
+            stages: None,
         }
     }
     pub fn with_block_n(mut self, bn: u32) -> Self {
         self.block_n = Some(bn);
         self
     }
-    /// A name that carries every compile-time parameter, e.g. `flat_gemm_f16_bn64`.
+    pub fn with_stages(mut self, stages: u32) -> Self {
+        self.stages = Some(stages);
+        self
+    }
+    /// A name that carries every compile-time parameter, e.g. `flat_gemm_f16_bn64_s2`.
     pub fn uri(&self) -> String {
-        match self.block_n {
-            Some(bn) => format!("{}_{}_bn{}", self.imp, self.dtype, bn),
-            None => format!("{}_{}", self.imp, self.dtype),
+        let mut s = format!("{}_{}", self.imp, self.dtype);
+        if let Some(bn) = self.block_n {
+            s.push_str(&format!("_bn{bn}"));
         }
+        if let Some(st) = self.stages {
+            s.push_str(&format!("_s{st}"));
+        }
+        s
     }
 }
 

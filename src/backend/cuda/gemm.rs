@@ -3,7 +3,7 @@
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{sys, LaunchConfig, PushKernelArg};
 
-use super::sources::{self, flat_smem_bytes, FLAT_THREADS, GEMV_WARPS};
+use super::sources::{self, flat_smem_bytes, flat_stages, FLAT_THREADS, GEMV_WARPS};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
 use crate::dtype::DType;
@@ -16,13 +16,26 @@ fn vec_ok(d: &GemmDims) -> bool {
 }
 
 fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
-    i32::try_from(v).map_err(|_| FdppError::Unsupported { spec: spec.uri(), what: format!("{what} = {v} (over i32)") })
+    i32::try_from(v).map_err(|_| FdppError::Unsupported {
+        spec: spec.uri(),
+        what: format!("{what} = {v} (over i32)"),
+    })
 }
 
-pub fn run(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+pub fn run(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
     d.check_lens(spec, x.len(), w.len(), y.len())?;
     if x.dtype() != spec.dtype || w.dtype() != spec.dtype || y.dtype() != spec.dtype {
-        return Err(FdppError::InvalidArgument(format!("{spec}: buffers are not all {}", spec.dtype)));
+        return Err(FdppError::InvalidArgument(format!(
+            "{spec}: buffers are not all {}",
+            spec.dtype
+        )));
     }
     match spec.imp {
         GemmImpl::Gemv => gemv(b, spec, d, x, w, y),
@@ -32,7 +45,14 @@ pub fn run(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &Cu
     b.check_launch(&format!("{spec} at {}", d.label()))
 }
 
-fn gemv(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+fn gemv(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
     let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
     let rows_per_block = spec.block_n.unwrap_or(8).max(GEMV_WARPS);
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
@@ -67,7 +87,14 @@ fn gemv(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaB
     Ok(())
 }
 
-fn flat(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+fn flat(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
     let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
     let bn = spec.block_n.unwrap_or(64);
     // M padded to 8 (FlashDecoding++ §4): 1, 2 or 4 n8-tiles per block; larger M takes more
@@ -79,12 +106,20 @@ fn flat(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaB
     } else {
         4
     };
-    let smem = flat_smem_bytes(bn, mt);
+    let smem = flat_smem_bytes(bn, mt, flat_stages(spec));
     let name = format!("flat_gemm_mt{mt}_{}", if vec_ok(&d) { "v" } else { "s" });
     let f = b.function(&src, &name, smem)?;
-    let (m, n, k) = (i32_of(d.m, "M", spec)?, i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let (m, n, k) = (
+        i32_of(d.m, "M", spec)?,
+        i32_of(d.n, "N", spec)?,
+        i32_of(d.k, "K", spec)?,
+    );
     let cfg = LaunchConfig {
-        grid_dim: (d.n.div_ceil(bn as usize) as u32, d.m.div_ceil(8 * mt as usize) as u32, 1),
+        grid_dim: (
+            d.n.div_ceil(bn as usize) as u32,
+            d.m.div_ceil(8 * mt as usize) as u32,
+            1,
+        ),
         block_dim: (FLAT_THREADS, 1, 1),
         shared_mem_bytes: smem,
     };
@@ -98,12 +133,23 @@ fn flat(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaB
 
 /// ImplC: cublasGemmEx, fp32 accumulation. Row-major y[M,N] = x[M,K]·W[N,K]ᵀ is, in cuBLAS's
 /// column-major terms, yᵀ[N,M] = W·xᵀ: op(A) = Aᵀ with A = W (K×N, ld K), B = x (K×M, ld K).
-fn cublas(b: &CudaBackend, spec: &GemmSpec, d: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+fn cublas(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
     let ty = match spec.dtype {
         DType::F16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16F),
         DType::Bf16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16BF),
     };
-    let (m, n, k) = (i32_of(d.m, "M", spec)?, i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let (m, n, k) = (
+        i32_of(d.m, "M", spec)?,
+        i32_of(d.n, "N", spec)?,
+        i32_of(d.k, "K", spec)?,
+    );
     let (alpha, beta) = (1f32, 0f32);
     let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
     // SAFETY: pointers cover the operands (checked in run); scalars are host f32 as the compute
@@ -141,8 +187,11 @@ fn sys_dt(t: blas_sys::cudaDataType_t) -> blas_sys::cudaDataType {
 /// Raise a kernel's dynamic shared-memory limit past the 48 KiB default.
 pub(crate) fn set_smem(f: &cudarc::driver::CudaFunction, bytes: u32) -> Result<()> {
     if bytes > 48 * 1024 {
-        f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-            .map_err(drv("cuFuncSetAttribute(max dynamic smem)"))?;
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(drv("cuFuncSetAttribute(max dynamic smem)"))?;
     }
     Ok(())
 }

@@ -50,12 +50,18 @@ pub fn cache_root() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("XDG_CACHE_HOME") {
         return Some(Path::new(&p).join("fdpp"));
     }
-    std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("fdpp"))
+    std::env::var("HOME")
+        .ok()
+        .map(|h| Path::new(&h).join(".cache").join("fdpp"))
 }
 
 /// NVRTC options for a source on an arch ("sm_90a").
 fn options(src: &KernelSource, arch: &str) -> Vec<String> {
-    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
+    let mut o = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".into(),
+        "-lineinfo".into(),
+    ];
     for (k, v) in &src.defines {
         o.push(format!("-D{k}={v}"));
     }
@@ -81,7 +87,9 @@ fn compile_key(src: &KernelSource, arch: &str) -> String {
 
 pub fn cache_path(src: &KernelSource, arch: &str) -> Option<PathBuf> {
     cache_root().map(|r| {
-        r.join(crate::VERSION).join(arch).join(format!("{}-{}.cubin", src.uri, compile_key(src, arch)))
+        r.join(crate::VERSION)
+            .join(arch)
+            .join(format!("{}-{}.cubin", src.uri, compile_key(src, arch)))
     })
 }
 
@@ -93,7 +101,11 @@ pub fn compile_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>> {
             reason: "NVRTC library (libnvrtc.so) not found; install the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and add its lib directory to LD_LIBRARY_PATH".into(),
         });
     }
-    let fail = |log: String| FdppError::Compile { spec: src.uri.clone(), arch: arch.to_string(), log };
+    let fail = |log: String| FdppError::Compile {
+        spec: src.uri.clone(),
+        arch: arch.to_string(),
+        log,
+    };
     let text = CString::new(src.text.as_str()).map_err(|e| fail(e.to_string()))?;
     let name = CString::new(format!("{}.cu", src.uri)).map_err(|e| fail(e.to_string()))?;
     let prog = nvrtc::create_program(&text, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
@@ -163,7 +175,10 @@ pub fn cubin_cached(src: &KernelSource, arch: &str, warn: &mut dyn FnMut(String)
     match write_atomic(&p, &cubin) {
         Ok(()) => Ok((cubin, CacheUse::Compiled)),
         Err(e) => {
-            warn(format!("kernel cache {} not writable ({e}); compiled in memory", p.display()));
+            warn(format!(
+                "kernel cache {} not writable ({e}); compiled in memory",
+                p.display()
+            ));
             Ok((cubin, CacheUse::CompiledUncached))
         }
     }
@@ -172,7 +187,11 @@ pub fn cubin_cached(src: &KernelSource, arch: &str, warn: &mut dyn FnMut(String)
 fn write_atomic(p: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = p.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.tmp{}", p.file_name().and_then(|s| s.to_str()).unwrap_or("k"), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        p.file_name().and_then(|s| s.to_str()).unwrap_or("k"),
+        std::process::id()
+    ));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, p)
 }

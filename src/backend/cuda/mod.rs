@@ -82,7 +82,8 @@ impl CudaBackend {
                 reason: "cuBLAS (libcublas.so) not found: ImplC needs it".into(),
             });
         }
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| FdppError::device("cuda", format!("cublasCreate: {e:?}")))?;
+        let blas =
+            CudaBlas::new(stream.clone()).map_err(|e| FdppError::device("cuda", format!("cublasCreate: {e:?}")))?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -103,7 +104,10 @@ impl CudaBackend {
             return Ok(m.clone());
         }
         let (cubin, _) = jit::cubin_cached(src, &self.info.arch, &mut |w| eprintln!("warning: {w}"))?;
-        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(drv(&format!("loading {}", src.uri)))?;
+        let module = self
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .map_err(drv(&format!("loading {}", src.uri)))?;
         self.modules.borrow_mut().insert(src.uri.clone(), module.clone());
         Ok(module)
     }
@@ -116,7 +120,10 @@ impl CudaBackend {
                 return Ok(f.clone());
             }
         }
-        let f = self.module(src)?.load_function(name).map_err(drv(&format!("{}: function {name}", src.uri)))?;
+        let f = self
+            .module(src)?
+            .load_function(name)
+            .map_err(drv(&format!("{}: function {name}", src.uri)))?;
         gemm::set_smem(&f, smem)?;
         self.functions.borrow_mut().insert(key, (f.clone(), smem));
         Ok(f)
@@ -199,8 +206,12 @@ impl Backend for CudaBackend {
         for _ in 0..2 {
             s.memcpy_dtod(&src.slice, &mut dst.slice).map_err(drv("copy"))?;
         }
-        let ms = self.time_each(10, &mut |_| s.memcpy_dtod(&src.slice, &mut dst.slice).map_err(drv("copy")))?;
-        let med = crate::bench::Stats::from_ms(&ms).map(|s| s.median_us).unwrap_or(f64::NAN);
+        let ms = self.time_each(10, &mut |_| {
+            s.memcpy_dtod(&src.slice, &mut dst.slice).map_err(drv("copy"))
+        })?;
+        let med = crate::bench::Stats::from_ms(&ms)
+            .map(|s| s.median_us)
+            .unwrap_or(f64::NAN);
         Ok((4 * len) as f64 / (med * 1e-6) / 1e9)
     }
 
@@ -221,7 +232,11 @@ impl Backend for CudaBackend {
         self.check_launch("timed runs")?;
         let mut out = Vec::with_capacity(reps);
         for i in 0..reps {
-            out.push(events[i].elapsed_ms(&events[i + 1]).map_err(drv("cuEventElapsedTime"))? as f64);
+            out.push(
+                events[i]
+                    .elapsed_ms(&events[i + 1])
+                    .map_err(drv("cuEventElapsedTime"))? as f64,
+            );
         }
         Ok(out)
     }

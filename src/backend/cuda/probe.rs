@@ -59,13 +59,21 @@ pub fn device_info(ctx: &CudaContext) -> Result<DeviceInfo> {
 }
 
 pub fn probe() -> BackendStatus {
-    let mut st = BackendStatus { backend: BackendKind::Cuda, available: false, reason: None, devices: vec![] };
+    let mut st = BackendStatus {
+        backend: BackendKind::Cuda,
+        available: false,
+        reason: None,
+        devices: vec![],
+    };
     match device_count() {
         Err(e) => st.reason = Some(reason_of(e)),
         Ok(0) => st.reason = Some("the CUDA driver reports no devices".into()),
         Ok(n) => {
             for i in 0..n {
-                match CudaContext::new(i).map_err(|e| format!("{e:?}")).and_then(|c| device_info(&c).map_err(|e| e.to_string())) {
+                match CudaContext::new(i)
+                    .map_err(|e| format!("{e:?}"))
+                    .and_then(|c| device_info(&c).map_err(|e| e.to_string()))
+                {
                     Ok(d) => st.devices.push(d),
                     Err(e) => st.reason = Some(format!("device {i}: {e}")),
                 }

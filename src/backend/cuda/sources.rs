@@ -19,27 +19,14 @@ const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("fl
 /// chosen per shape by the tuner).
 pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
 pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
-/// cp.async buffers per flat_gemm block: 2 is the paper's double buffering.
-pub const FLAT_STAGES: u32 = 2;
-/// KiB of W per stage.
+/// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; 3 keeps
+/// two W tiles in flight, which pays where one block per SM must stream all of K (N = 4096).
+pub const FLAT_STAGES: &[u32] = &[2, 3];
+/// KiB of W per pipeline stage (B_K = this / (2·B_N)); measured against 16 KiB on the H100,
+/// see reports/NOTES.md.
 pub const FLAT_STAGE_KB: u32 = 32;
 /// 16-byte weight loads in flight per gemv lane.
 pub const GEMV_INFLIGHT: u32 = 8;
-
-/// Development override of a tuning constant through the environment (FDPP_DEV_*), so that
-/// variants can be compared in one session without a rebuild. Unset in normal use.
-fn dev_u32(name: &str, default: u32) -> u32 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-pub fn flat_stages() -> u32 {
-    dev_u32("FDPP_DEV_FLAT_STAGES", FLAT_STAGES)
-}
-pub fn flat_stage_kb() -> u32 {
-    dev_u32("FDPP_DEV_FLAT_STAGE_KB", FLAT_STAGE_KB)
-}
-pub fn gemv_inflight() -> u32 {
-    dev_u32("FDPP_DEV_GEMV_INFLIGHT", GEMV_INFLIGHT)
-}
 /// Warps per block of both kernels (must match WARPS in the sources).
 pub const GEMV_WARPS: u32 = 4;
 pub const FLAT_THREADS: u32 = 128;
@@ -87,7 +74,7 @@ pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
                 defines: vec![
                     dtype_define(spec.dtype),
                     ("FDPP_ROWS".into(), rows.max(1).to_string()),
-                    ("FDPP_INFLIGHT".into(), gemv_inflight().to_string()),
+                    ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
                 ],
             })
         }
@@ -97,8 +84,8 @@ pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
             defines: vec![
                 dtype_define(spec.dtype),
                 ("FDPP_BN".into(), spec.block_n.unwrap_or(64).to_string()),
-                ("FDPP_STAGES".into(), flat_stages().to_string()),
-                ("FDPP_STAGE_KB".into(), flat_stage_kb().to_string()),
+                ("FDPP_STAGES".into(), flat_stages(spec).to_string()),
+                ("FDPP_STAGE_KB".into(), FLAT_STAGE_KB.to_string()),
             ],
         }),
         GemmImpl::Gemm => None,
@@ -111,7 +98,15 @@ pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
         .iter()
         .map(|r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r * GEMV_WARPS))
         .collect();
-    v.extend(FLAT_BN.iter().map(|&bn| GemmSpec::new(GemmImpl::FlatGemm, dtype).with_block_n(bn)));
+    for &bn in FLAT_BN {
+        for &st in FLAT_STAGES {
+            v.push(
+                GemmSpec::new(GemmImpl::FlatGemm, dtype)
+                    .with_block_n(bn)
+                    .with_stages(st),
+            );
+        }
+    }
     v
 }
 
@@ -125,7 +120,11 @@ pub fn all_sources() -> Vec<KernelSource> {
 }
 
 /// Shared memory a flat_gemm block needs for MT n8-tiles of M (must match the kernel's layout).
-pub fn flat_smem_bytes(bn: u32, mt: u32) -> u32 {
-    let bk = flat_stage_kb() * 512 / bn;
-    flat_stages() * (bn * bk + 8 * mt * bk) * 2
+pub fn flat_smem_bytes(bn: u32, mt: u32, stages: u32) -> u32 {
+    let bk = FLAT_STAGE_KB * 512 / bn;
+    stages * (bn * bk + 8 * mt * bk) * 2
+}
+
+pub fn flat_stages(spec: &GemmSpec) -> u32 {
+    spec.stages.unwrap_or(FLAT_STAGES[0])
 }
