@@ -12,7 +12,7 @@ use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 
 /// The 16-byte vector paths need every row of x and W to start on a 16-byte boundary.
 fn vec_ok(d: &GemmDims) -> bool {
-    d.k % 8 == 0
+    d.k.is_multiple_of(8)
 }
 
 fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
