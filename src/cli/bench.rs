@@ -14,7 +14,7 @@ use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::{GemmInputs, TimingOpts};
 use crate::dtype::DType;
 use crate::error::FdppError;
-use crate::model::{presets, LinearKind, LinearShape, ModelConfig, ModelShapes};
+use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::provenance::BuildInfo;
 use crate::reference::gemm::{gemm_ref_cols, nmse};
@@ -82,9 +82,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
 
 /// `--model`: a preset today; the one place to change when config.json paths are accepted.
 pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
-    let cfg = presets::preset(arg)?;
-    cfg.validate()?;
-    Ok(cfg)
+    Ok(ModelConfig::resolve(arg)?)
 }
 
 /// `--impl`: None = every implementation.
