@@ -112,14 +112,18 @@ __device__ __forceinline__ void flat_gemm(const u16* __restrict__ x, const u16* 
     }
 
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt visible to all; everyone is done with the slot we refill next
+        // Refill the slot of tile kt-1 before waiting for tile kt, so that STAGES tiles (not
+        // STAGES-1) are in flight while this block waits: the kernel is latency-bound on
+        // memory, and bytes in flight per SM is what sets its bandwidth.
+        if (kt > 0) __syncthreads();  // every warp is done reading tile kt-1's slot
         {
             const int nk = kt + STAGES - 1;
             const int slot = nk % STAGES;
             if (nk < KT) load_tile<MT, VEC>(sw + slot * BN * BK, sx + slot * 8 * MT * BK, x, w, M, N, K, n0, m0, nk);
             cp_async_commit();
         }
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();  // tile kt (all threads' copies) visible to every warp
         const u16* tw = sw + (kt % STAGES) * BN * BK;
         const u16* tx = sx + (kt % STAGES) * 8 * MT * BK;
 #pragma unroll

@@ -107,6 +107,17 @@ fn flat(
         4
     };
     let smem = flat_smem_bytes(bn, mt, flat_stages(spec));
+    if smem > b.max_smem_per_block() {
+        return Err(FdppError::Unsupported {
+            spec: spec.uri(),
+            what: format!(
+                "M = {} ({} KiB of shared memory, the device allows {} KiB)",
+                d.m,
+                smem >> 10,
+                b.max_smem_per_block() >> 10
+            ),
+        });
+    }
     let name = format!("flat_gemm_mt{mt}_{}", if vec_ok(&d) { "v" } else { "s" });
     let f = b.function(&src, &name, smem)?;
     let (m, n, k) = (

@@ -51,6 +51,7 @@ pub struct CudaBackend {
     modules: RefCell<HashMap<String, Arc<CudaModule>>>,
     /// Loaded functions by (spec uri, name), with the shared-memory limit already raised.
     functions: RefCell<HashMap<(String, String), (CudaFunction, u32)>>,
+    max_smem: u32,
 }
 
 impl CudaBackend {
@@ -82,6 +83,9 @@ impl CudaBackend {
                 reason: "cuBLAS (libcublas.so) not found: ImplC needs it".into(),
             });
         }
+        let max_smem = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("device attribute"))? as u32;
         let blas =
             CudaBlas::new(stream.clone()).map_err(|e| FdppError::device("cuda", format!("cublasCreate: {e:?}")))?;
         Ok(CudaBackend {
@@ -91,6 +95,7 @@ impl CudaBackend {
             blas,
             modules: RefCell::new(HashMap::new()),
             functions: RefCell::new(HashMap::new()),
+            max_smem,
         })
     }
 
@@ -132,6 +137,11 @@ impl CudaBackend {
     pub(crate) fn ptr(&self, b: &CudaBuffer) -> u64 {
         let (p, _sync) = b.slice.device_ptr(&self.stream);
         p
+    }
+
+    /// Opt-in dynamic shared memory per block (227 KiB on Hopper).
+    pub(crate) fn max_smem_per_block(&self) -> u32 {
+        self.max_smem
     }
 
     pub(crate) fn blas(&self) -> &CudaBlas {

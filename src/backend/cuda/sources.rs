@@ -19,8 +19,9 @@ const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("fl
 /// chosen per shape by the tuner).
 pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
 pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
-/// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; 3 keeps
-/// two W tiles in flight, which pays where one block per SM must stream all of K (N = 4096).
+/// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; deeper
+/// pipelines keep more W tiles in flight, which pays where one block per SM must stream all of K
+/// (N = 4096). A depth whose shared memory does not fit the device is skipped at run time.
 pub const FLAT_STAGES: &[u32] = &[2, 3];
 /// KiB of W per pipeline stage (B_K = this / (2·B_N)); measured against 16 KiB on the H100,
 /// see reports/NOTES.md.
