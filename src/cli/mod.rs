@@ -1,5 +1,6 @@
 //! Command-line entry: one file per subcommand.
 
+pub mod check;
 pub mod devices;
 pub mod shapes;
 
@@ -22,12 +23,15 @@ pub enum Command {
     Shapes(shapes::ShapesArgs),
     /// Every backend, whether it is available (and why not), and its devices.
     Devices(devices::DevicesArgs),
+    /// Check every kernel of a backend against the f64 reference (poison, guard, NMSE).
+    Check(check::CheckArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),
+        Command::Check(a) => check::run(a),
     }
 }
 
