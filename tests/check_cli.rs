@@ -2,16 +2,12 @@
 
 use std::process::Command;
 
-fn fdpp(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_fdpp"))
-        .args(args)
-        .output()
-        .expect("run fdpp")
-}
-
 #[test]
 fn quick_cpu_check_passes_and_prints_every_row() {
-    let out = fdpp(&["check", "--backend", "cpu", "--quick", "--format", "json"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args(["check", "--backend", "cpu", "--quick", "--format", "json"])
+        .output()
+        .expect("run fdpp");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "fdpp check failed: {stderr}");
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
@@ -29,7 +25,10 @@ fn quick_cpu_check_passes_and_prints_every_row() {
 
 #[test]
 fn an_unavailable_backend_is_a_clear_error() {
-    let out = fdpp(&["check", "--backend", "rocm", "--quick"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args(["check", "--backend", "rocm", "--quick"])
+        .output()
+        .expect("run fdpp");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("rocm backend unavailable"), "{stderr}");

@@ -162,3 +162,59 @@ fn render(rows: &[CheckRow], format: Format) -> anyhow::Result<String> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::check::Status;
+    use crate::dtype::DType;
+    use crate::ops::gemm::GemmDims;
+
+    fn rows() -> Vec<CheckRow> {
+        let row = |spec: &str, status| CheckRow {
+            backend: BackendKind::Cpu,
+            op: "gemm".into(),
+            spec: spec.into(),
+            dims: GemmDims { m: 3, n: 1000, k: 4097 },
+            dtype: DType::F16,
+            nmse: Some(2.5e-8),
+            max_rel_err: Some(1e-3),
+            status,
+        };
+        vec![
+            row("gemv_f16", Status::Pass),
+            row("flat_gemm_f16_bn8", Status::Fail("NMSE 1e-2 > 1e-5, a|b".into())),
+            row("gemm_f16", Status::Skipped("M too large".into())),
+        ]
+    }
+
+    #[test]
+    fn csv_has_a_header_and_one_line_per_row() {
+        let s = render(&rows(), Format::Csv).expect("csv");
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "backend,op,spec,m,n,k,dtype,nmse,max_rel_err,status,reason");
+        assert_eq!(lines[1], "cpu,gemm,gemv_f16,3,1000,4097,f16,2.500e-8,1.000e-3,pass,");
+        assert!(lines[2].ends_with(",fail,\"NMSE 1e-2 > 1e-5, a|b\""), "{}", lines[2]);
+        assert!(lines[3].ends_with(",skipped,M too large"), "{}", lines[3]);
+        assert_eq!(lines.len(), 4);
+    }
+
+    #[test]
+    fn markdown_keeps_one_cell_per_column() {
+        let s = render(&rows(), Format::Md).expect("md");
+        for line in s.lines() {
+            // 10 columns: 11 pipes, even when a reason holds one.
+            assert_eq!(line.matches('|').count(), 11, "{line}");
+        }
+        assert!(s.contains("fail: NMSE"));
+    }
+
+    #[test]
+    fn json_rows_are_flat() {
+        let v: serde_json::Value = serde_json::from_str(&render(&rows(), Format::Json).expect("json")).expect("parse");
+        assert_eq!(v[1]["status"], "fail");
+        assert_eq!(v[1]["m"], 3);
+        assert!(v[1]["reason"].as_str().is_some_and(|r| r.starts_with("NMSE")));
+        assert!(v[0].get("reason").is_none());
+    }
+}

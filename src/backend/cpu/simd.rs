@@ -30,6 +30,13 @@ pub(super) trait Vf32: Copy {
     fn widen(dt: DType, src: &[u16], dst: &mut [f32]);
 }
 
+/// `FDPP_CPU_ISA=portable` forces the portable build on any CPU, so that it can be checked (and
+/// timed) on machines that would otherwise always take the AVX2 one.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn portable_requested() -> bool {
+    std::env::var("FDPP_CPU_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("portable"))
+}
+
 fn pairwise_sum(v: [f32; LANES]) -> f32 {
     let a = [v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]];
     (a[0] + a[2]) + (a[1] + a[3])
@@ -84,9 +91,16 @@ mod x86 {
     use super::{pairwise_sum, Vf32, LANES};
     use crate::dtype::DType;
 
-    /// Whether the [`Avx2`] build can run here (checked once, then cached by std).
+    /// Whether the [`Avx2`] build runs: the CPU has the features and `FDPP_CPU_ISA` does not ask
+    /// for the portable build. Decided once per process.
     pub(in crate::backend::cpu) fn has_avx2_fma_f16c() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *USE.get_or_init(|| {
+            !super::portable_requested()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
     }
 
     /// One AVX register. Its methods use AVX2, FMA and F16C instructions, so they may only run
@@ -167,7 +181,7 @@ pub(super) fn kernel_isa() -> &'static str {
         if has_avx2_fma_f16c() {
             return "avx2+fma+f16c";
         }
-        "sse2"
+        "portable"
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
