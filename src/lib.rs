@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod check;
 pub mod cli;
 pub mod dtype;
 pub mod error;

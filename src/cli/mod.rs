@@ -1,6 +1,7 @@
 //! Command-line entry: one file per subcommand.
 
 pub mod bench;
+pub mod check;
 pub mod devices;
 pub mod kernels;
 pub mod shapes;
@@ -28,6 +29,8 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// Side-by-side benchmarks with tables, CSV/JSON and SVG charts.
     Bench(bench::BenchArgs),
+    /// Check every kernel of a backend against the f64 reference (poison, guard, NMSE).
+    Check(check::CheckArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -36,6 +39,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Devices(a) => devices::run(a),
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Check(a) => check::run(a),
     }
 }
 

@@ -1,4 +1,16 @@
 //! The CPU backend: the reference for every device kernel and the default without a GPU.
+//!
+//! The three GEMM implementations of FlashDecoding++ §4 have real, multithreaded CPU versions
+//! (one file each) so that the selection logic, the tuner and the engine run end to end without
+//! a GPU. All three share the same frame: x is widened to f32 once, every implementation writes
+//! fp32 sums into y transposed ([N, M], so that a task owning a run of rows of W owns a
+//! contiguous run of the output), and the result is narrowed into y at the end.
+
+mod flat_gemm;
+mod gemm;
+mod gemv;
+mod info;
+mod simd;
 
 use std::time::Instant;
 
@@ -35,24 +47,7 @@ impl Default for CpuBackend {
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { info: cpu_info() }
-    }
-}
-
-fn cpu_info() -> DeviceInfo {
-    let threads = rayon::current_num_threads() as u32;
-    let name = format!("CPU {} ({} threads)", std::env::consts::ARCH, threads);
-    DeviceInfo {
-        backend: BackendKind::Cpu,
-        ordinal: 0,
-        slug: format!("cpu-{}", std::env::consts::ARCH),
-        name,
-        arch: std::env::consts::ARCH.to_string(),
-        compute_units: threads,
-        memory_bytes: 0,
-        l2_bytes: 0,
-        driver_version: None,
-        runtime_version: None,
+        CpuBackend { info: info::cpu_info() }
     }
 }
 
@@ -61,7 +56,7 @@ pub fn probe() -> BackendStatus {
         backend: BackendKind::Cpu,
         available: true,
         reason: None,
-        devices: vec![cpu_info()],
+        devices: vec![info::cpu_info()],
     }
 }
 
@@ -73,7 +68,7 @@ impl Backend for CpuBackend {
     }
 
     fn kernel_hash(&self) -> String {
-        format!("cpu-{}", env!("CARGO_PKG_VERSION"))
+        kernel_source_hash()
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
@@ -100,18 +95,30 @@ impl Backend for CpuBackend {
     }
 
     fn gemm_candidates(&self, dtype: DType, _n: usize, _k: usize) -> Vec<GemmSpec> {
-        GemmImpl::ALL.iter().map(|&i| GemmSpec::new(i, dtype)).collect()
+        // Every implementation runs every shape on the CPU; flat_gemm is offered with two B_N
+        // (wider B_N reuse each x vector more; narrower give more tasks and fewer streams).
+        vec![
+            GemmSpec::new(GemmImpl::Gemv, dtype),
+            GemmSpec::new(GemmImpl::FlatGemm, dtype).with_block_n(FLAT_GEMM_NARROW_BLOCK_N),
+            GemmSpec::new(GemmImpl::FlatGemm, dtype).with_block_n(flat_gemm::DEFAULT_BLOCK_N as u32),
+            GemmSpec::new(GemmImpl::Gemm, dtype),
+        ]
     }
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
         dims.check_lens(spec, x.len(), w.len(), y.len())?;
         if x.dtype != spec.dtype || w.dtype != spec.dtype || y.dtype != spec.dtype {
             return Err(FdppError::InvalidArgument(format!(
-                "{spec}: buffers are not all {}",
+                "{spec} at {}: buffers are x {}, w {}, y {}; all must be {}",
+                dims.label(),
+                x.dtype,
+                w.dtype,
+                y.dtype,
                 spec.dtype
             )));
         }
-        naive_gemm(spec.dtype, dims, &x.data, &w.data, &mut y.data);
+        let block = block_rows(spec, dims)?;
+        run_gemm(spec, dims, block, &x.data, &w.data, &mut y.data);
         Ok(())
     }
 
@@ -147,23 +154,73 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Placeholder kernel shared by the three paths until each gets its own.
-fn naive_gemm(dt: DType, d: GemmDims, x: &[u16], w: &[u16], y: &mut [u16]) {
-    let mut xf = vec![0f32; d.m * d.k];
-    dt.widen(&x[..d.m * d.k], &mut xf);
-    let cols: Vec<Vec<f32>> = (0..d.n)
-        .into_par_iter()
-        .map(|n| {
-            let mut row = vec![0f32; d.k];
-            dt.widen(&w[n * d.k..(n + 1) * d.k], &mut row);
-            (0..d.m)
-                .map(|m| xf[m * d.k..(m + 1) * d.k].iter().zip(&row).map(|(a, b)| a * b).sum())
-                .collect()
-        })
-        .collect();
-    for (n, col) in cols.iter().enumerate() {
-        for (m, v) in col.iter().enumerate() {
-            y[m * d.n + n] = dt.from_f32(*v);
-        }
+/// SHA-256 (first 16 hex digits) of the kernel sources compiled into this binary, so that a
+/// profile timed with other CPU kernels is recognised as such.
+fn kernel_source_hash() -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for src in [
+        include_str!("simd.rs"),
+        include_str!("gemv.rs"),
+        include_str!("flat_gemm.rs"),
+        include_str!("gemm.rs"),
+    ] {
+        h.update(src.as_bytes());
     }
+    let digest = h.finalize();
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("cpu-{hex}")
+}
+
+/// The narrow B_N offered besides [`flat_gemm::DEFAULT_BLOCK_N`]: twice the tasks, half the
+/// prefetch streams per task, which pays at M = 1 where the op only streams W.
+const FLAT_GEMM_NARROW_BLOCK_N: u32 = 8;
+
+/// Rows of W per task: the spec's block_n where it names one, else the implementation's default.
+fn block_rows(spec: &GemmSpec, dims: GemmDims) -> Result<usize> {
+    let default = match spec.imp {
+        GemmImpl::Gemv => gemv::DEFAULT_ROWS_PER_TASK,
+        GemmImpl::FlatGemm => flat_gemm::DEFAULT_BLOCK_N,
+        GemmImpl::Gemm => gemm::DEFAULT_BLOCK_ROWS,
+    };
+    match spec.block_n {
+        None => Ok(default.min(dims.n)),
+        Some(0) => Err(FdppError::InvalidArgument(format!(
+            "{spec}: block_n must be at least 1 (leave it out for the default of {default})"
+        ))),
+        // A block wider than N is one block of N rows.
+        Some(bn) => Ok((bn as usize).min(dims.n)),
+    }
+}
+
+/// y[..M·N] = narrow(x · Wᵀ) with the implementation the spec names; lengths already checked.
+fn run_gemm(spec: &GemmSpec, d: GemmDims, block: usize, x: &[u16], w: &[u16], y: &mut [u16]) {
+    let dt = spec.dtype;
+    let mut xf = vec![0f32; d.m * d.k];
+    simd::widen(dt, &x[..d.m * d.k], &mut xf);
+    let mut out_t = vec![0f32; d.n * d.m];
+    let w = &w[..d.n * d.k];
+    match spec.imp {
+        GemmImpl::Gemv => gemv::gemv(dt, d, &xf, w, &mut out_t, block),
+        GemmImpl::FlatGemm => flat_gemm::flat_gemm(dt, d, &xf, w, &mut out_t, block),
+        GemmImpl::Gemm => gemm::gemm(dt, d, &xf, w, &mut out_t, block),
+    }
+    narrow_transposed(dt, d, &out_t, &mut y[..d.m * d.n]);
+}
+
+/// y[m, n] = narrow(out_t[n, m]), one task per row of y.
+fn narrow_transposed(dt: DType, d: GemmDims, out_t: &[f32], y: &mut [u16]) {
+    if d.m == 1 {
+        dt.narrow(out_t, y);
+        return;
+    }
+    y.par_chunks_mut(d.n).enumerate().for_each_init(
+        || vec![0f32; d.n],
+        |row, (m, y_row)| {
+            for (v, col) in row.iter_mut().zip(out_t.chunks_exact(d.m)) {
+                *v = col[m];
+            }
+            dt.narrow(row, y_row);
+        },
+    );
 }

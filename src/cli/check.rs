@@ -1,0 +1,220 @@
+//! `fdpp check`: every kernel of every requested backend against the f64 reference.
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+
+use super::Format;
+use crate::backend::{open, probe_all, Backend, BackendChoice, BackendKind};
+use crate::check::{check_gemm, gemm_cases, gemm_cases_quick, tally, CheckRow};
+
+/// `--backend` of `fdpp check`: one backend, `auto`, or `all` present on this machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
+pub enum CheckBackend {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+    Rocm,
+    /// The CPU and every GPU backend found available.
+    All,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    #[arg(long, value_enum, default_value_t = CheckBackend::Auto)]
+    pub backend: CheckBackend,
+    /// Device ordinal of a GPU backend.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, value_enum, default_value_t = Format::Md)]
+    pub format: Format,
+    /// The reduced case list (odd sizes only) instead of the full one.
+    #[arg(long)]
+    pub quick: bool,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0x5EED)]
+    pub seed: u64,
+}
+
+pub fn run(a: CheckArgs) -> anyhow::Result<()> {
+    let choices = match a.backend {
+        CheckBackend::Auto => vec![BackendChoice::Auto],
+        CheckBackend::Cpu => vec![BackendChoice::Cpu],
+        CheckBackend::Cuda => vec![BackendChoice::Cuda],
+        CheckBackend::Rocm => vec![BackendChoice::Rocm],
+        CheckBackend::All => all_available(),
+    };
+    let cases = if a.quick { gemm_cases_quick() } else { gemm_cases() };
+    let mut rows = Vec::new();
+    for choice in choices {
+        let (any, note) = open(choice, a.device).context("fdpp check: opening the backend")?;
+        eprintln!("{note}");
+        let got = crate::with_backend!(&any, b => check_backend(b, &cases, a.seed))?;
+        rows.extend(got);
+    }
+    println!("{}", render(&rows, a.format)?);
+    let (passed, failed, skipped) = tally(&rows);
+    eprintln!("{passed} passed, {failed} failed, {skipped} skipped");
+    if failed > 0 {
+        bail!("{failed} of {} checks failed", passed + failed);
+    }
+    Ok(())
+}
+
+/// The CPU, then each GPU backend that `probe_all` reports available.
+fn all_available() -> Vec<BackendChoice> {
+    let mut out = vec![BackendChoice::Cpu];
+    for s in probe_all() {
+        match s.backend {
+            BackendKind::Cpu => {}
+            BackendKind::Cuda if s.available => out.push(BackendChoice::Cuda),
+            BackendKind::Rocm if s.available => out.push(BackendChoice::Rocm),
+            BackendKind::Cuda | BackendKind::Rocm => {
+                eprintln!(
+                    "{}: skipped ({})",
+                    s.backend,
+                    s.reason.as_deref().unwrap_or("unavailable")
+                )
+            }
+        }
+    }
+    out
+}
+
+/// Every case with the candidates the backend offers for its shape.
+fn check_backend<B: Backend>(b: &B, cases: &[crate::check::GemmCase], seed: u64) -> anyhow::Result<Vec<CheckRow>> {
+    let mut rows = Vec::new();
+    for case in cases {
+        let specs = b.gemm_candidates(case.dtype, case.dims.n, case.dims.k);
+        let got = check_gemm(b, &specs, std::slice::from_ref(case), seed)
+            .with_context(|| format!("{} gemm {} {}", b.info().backend, case.dtype, case.dims.label()))?;
+        for r in &got {
+            if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
+                eprintln!("FAIL {} {} {}: {reason}", r.spec, r.dtype, r.dims.label());
+            }
+        }
+        rows.extend(got);
+    }
+    Ok(rows)
+}
+
+fn render(rows: &[CheckRow], format: Format) -> anyhow::Result<String> {
+    let num = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
+    match format {
+        Format::Json => Ok(serde_json::to_string_pretty(rows)?),
+        Format::Csv => {
+            let mut w = csv::Writer::from_writer(Vec::new());
+            w.write_record([
+                "backend",
+                "op",
+                "spec",
+                "m",
+                "n",
+                "k",
+                "dtype",
+                "nmse",
+                "max_rel_err",
+                "status",
+                "reason",
+            ])?;
+            for r in rows {
+                w.write_record([
+                    r.backend.name(),
+                    &r.op,
+                    &r.spec,
+                    &r.dims.m.to_string(),
+                    &r.dims.n.to_string(),
+                    &r.dims.k.to_string(),
+                    r.dtype.name(),
+                    &num(r.nmse),
+                    &num(r.max_rel_err),
+                    r.status.label(),
+                    r.status.reason().unwrap_or(""),
+                ])?;
+            }
+            Ok(String::from_utf8(w.into_inner()?)?)
+        }
+        Format::Md => {
+            let mut s = String::from(
+                "| backend | op | spec | M | N | K | dtype | NMSE | max rel err | status |\n\
+                 |---|---|---|---:|---:|---:|---|---:|---:|---|\n",
+            );
+            for r in rows {
+                let status = match r.status.reason() {
+                    Some(reason) => format!("{}: {}", r.status.label(), reason.replace('|', "/")),
+                    None => r.status.label().to_string(),
+                };
+                s.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    r.backend,
+                    r.op,
+                    r.spec,
+                    r.dims.m,
+                    r.dims.n,
+                    r.dims.k,
+                    r.dtype,
+                    num(r.nmse),
+                    num(r.max_rel_err),
+                    status
+                ));
+            }
+            Ok(s.trim_end().to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::check::Status;
+    use crate::dtype::DType;
+    use crate::ops::gemm::GemmDims;
+
+    fn rows() -> Vec<CheckRow> {
+        let row = |spec: &str, status| CheckRow {
+            backend: BackendKind::Cpu,
+            op: "gemm".into(),
+            spec: spec.into(),
+            dims: GemmDims { m: 3, n: 1000, k: 4097 },
+            dtype: DType::F16,
+            nmse: Some(2.5e-8),
+            max_rel_err: Some(1e-3),
+            status,
+        };
+        vec![
+            row("gemv_f16", Status::Pass),
+            row("flat_gemm_f16_bn8", Status::Fail("NMSE 1e-2 > 1e-5, a|b".into())),
+            row("gemm_f16", Status::Skipped("M too large".into())),
+        ]
+    }
+
+    #[test]
+    fn csv_has_a_header_and_one_line_per_row() {
+        let s = render(&rows(), Format::Csv).expect("csv");
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "backend,op,spec,m,n,k,dtype,nmse,max_rel_err,status,reason");
+        assert_eq!(lines[1], "cpu,gemm,gemv_f16,3,1000,4097,f16,2.500e-8,1.000e-3,pass,");
+        assert!(lines[2].ends_with(",fail,\"NMSE 1e-2 > 1e-5, a|b\""), "{}", lines[2]);
+        assert!(lines[3].ends_with(",skipped,M too large"), "{}", lines[3]);
+        assert_eq!(lines.len(), 4);
+    }
+
+    #[test]
+    fn markdown_keeps_one_cell_per_column() {
+        let s = render(&rows(), Format::Md).expect("md");
+        for line in s.lines() {
+            // 10 columns: 11 pipes, even when a reason holds one.
+            assert_eq!(line.matches('|').count(), 11, "{line}");
+        }
+        assert!(s.contains("fail: NMSE"));
+    }
+
+    #[test]
+    fn json_rows_are_flat() {
+        let v: serde_json::Value = serde_json::from_str(&render(&rows(), Format::Json).expect("json")).expect("parse");
+        assert_eq!(v[1]["status"], "fail");
+        assert_eq!(v[1]["m"], 3);
+        assert!(v[1]["reason"].as_str().is_some_and(|r| r.starts_with("NMSE")));
+        assert!(v[0].get("reason").is_none());
+    }
+}
