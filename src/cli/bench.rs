@@ -404,7 +404,7 @@ mod tests {
 
     #[test]
     fn shape_filter_keeps_model_order() {
-        let all = ModelShapes::of(&presets::preset("llama2-7b").unwrap()).linears;
+        let all = ModelShapes::of(&crate::model::presets::preset("llama2-7b").unwrap()).linears;
         let got = pick_shapes(&all, &strings(&["ffn2", "qkv"])).unwrap();
         assert_eq!(
             got.iter().map(|s| s.kind).collect::<Vec<_>>(),
