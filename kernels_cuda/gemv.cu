@@ -12,19 +12,32 @@
 #define FDPP_INFLIGHT 8
 #endif
 
+#ifndef FDPP_KSPLIT
+#define FDPP_KSPLIT 1
+#endif
+
 constexpr int ROWS = FDPP_ROWS;
 constexpr int WARPS = 4;
+constexpr int KSPLIT = FDPP_KSPLIT;  // warps sharing one group of rows, each on a slice of K
+static_assert(WARPS % KSPLIT == 0, "KSPLIT must divide the warps of a block");
 // 16-byte weight loads in flight per lane: ROWS × UNROLL = FDPP_INFLIGHT (covers HBM latency).
 constexpr int UNROLL = FDPP_INFLIGHT / ROWS > 0 ? FDPP_INFLIGHT / ROWS : 1;
 
 // Vector path: K % 8 == 0 and 16-byte aligned rows.
+// KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
+// their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
+// leaves ~16 warps per SM, too few loads in flight to cover HBM latency; splitting K restores it.
 template <int M>
 __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* __restrict__ w,
                                          u16* __restrict__ y, int N, int K) {
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (row0 >= N) return;
+    __shared__ float red[WARPS][ROWS][M];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ks = warp % KSPLIT;
+    const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * ROWS;
+    const bool active = row0 < N;  // no early return: the K-split reduction below has a barrier
     const int K8 = K >> 3;
+    const int per = (K8 + KSPLIT - 1) / KSPLIT;
+    const int c_begin = ks * per, c_end = min(K8, c_begin + per);
     const uint4* wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, N - 1) * K);
@@ -36,17 +49,17 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-    for (int c0 = lane; c0 < K8; c0 += 32 * UNROLL) {
+    for (int c0 = c_begin + lane; active && c0 < c_end; c0 += 32 * UNROLL) {
         uint4 wv[UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
-                wv[u][r] = (c0 + 32 * u < K8) ? ld_stream16(wr[r] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+                wv[u][r] = (c0 + 32 * u < c_end) ? ld_stream16(wr[r] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + 32 * u;
-            if (c < K8) {
+            if (c < c_end) {
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     const uint4 xq = __ldg(xv + (size_t)m * K8 + c);
@@ -74,10 +87,27 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float v = warp_sum(acc[r][m]);
-            if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = from_f32(v);
-        }
+        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+    if (KSPLIT > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+        __syncthreads();
+        if (ks != 0) return;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+                for (int s2 = 1; s2 < KSPLIT; ++s2) acc[r][m] += red[warp + s2][r][m];
+    }
+    if (lane == 0 && active)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (row0 + r < N)
+#pragma unroll
+                for (int m = 0; m < M; ++m) y[(size_t)m * N + row0 + r] = from_f32(acc[r][m]);
 }
 
 #define FDPP_GEMV_ENTRY(MM)                                                                       \
@@ -98,10 +128,11 @@ FDPP_GEMV_ENTRY(8)
 // Scalar path for any K (K = 4097: rows are not 16-byte aligned) and any M ≤ 8: correct, not fast.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
     gemv_scalar(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y, int M, int N, int K) {
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    for (int r = 0; r < ROWS; ++r) {
-        const int n = row0 + r;
+    // Same rows per block as the vector path; the warps of a row group share its rows.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int base = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * ROWS;
+    for (int r = warp % KSPLIT; r < ROWS; r += KSPLIT) {
+        const int n = base + r;
         if (n >= N) return;
         const u16* wr = w + (size_t)n * K;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

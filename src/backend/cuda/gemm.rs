@@ -54,7 +54,8 @@ fn gemv(
     y: &mut CudaBuffer,
 ) -> Result<()> {
     let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
-    let rows_per_block = spec.block_n.unwrap_or(8).max(GEMV_WARPS);
+    let (rows, ksplit) = sources::gemv_layout(spec.block_n.unwrap_or(8));
+    let rows_per_block = rows * GEMV_WARPS / ksplit;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
     let cfg = LaunchConfig {
         grid_dim: (d.n.div_ceil(rows_per_block as usize) as u32, 1, 1),

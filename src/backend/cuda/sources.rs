@@ -17,7 +17,9 @@ const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("fl
 
 /// Rows per warp offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N is
 /// chosen per shape by the tuner).
-pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
+/// gemv rows per block (4 warps): 1 and 2 split K over 4 or 2 warps per row, 4..16 give each warp
+/// 1..4 whole rows.
+pub const GEMV_ROWS_PER_BLOCK: &[u32] = &[1, 2, 4, 8, 16];
 pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
 /// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; deeper
 /// pipelines keep more W tiles in flight, which pays where one block per SM must stream all of K
@@ -68,13 +70,14 @@ fn dtype_define(dt: DType) -> (String, String) {
 pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
     match spec.imp {
         GemmImpl::Gemv => {
-            let rows = spec.block_n.unwrap_or(8) / GEMV_WARPS;
+            let (rows, ksplit) = gemv_layout(spec.block_n.unwrap_or(8));
             Some(KernelSource {
                 uri: spec.uri(),
                 text: expand(GEMV),
                 defines: vec![
                     dtype_define(spec.dtype),
-                    ("FDPP_ROWS".into(), rows.max(1).to_string()),
+                    ("FDPP_ROWS".into(), rows.to_string()),
+                    ("FDPP_KSPLIT".into(), ksplit.to_string()),
                     ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
                 ],
             })
@@ -95,10 +98,8 @@ pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
 
 /// The compiled GEMM candidates (every B_N, both dtypes), for `fdpp kernels check`.
 pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
-    let mut v: Vec<GemmSpec> = GEMV_ROWS
-        .iter()
-        .map(|r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r * GEMV_WARPS))
-        .collect();
+    let mut v: Vec<GemmSpec> =
+        GEMV_ROWS_PER_BLOCK.iter().map(|&r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r)).collect();
     for &bn in FLAT_BN {
         for &st in FLAT_STAGES {
             v.push(
@@ -118,6 +119,16 @@ pub fn all_sources() -> Vec<KernelSource> {
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
         .collect()
+}
+
+/// (rows per warp, warps per row) of a gemv block with `rows_per_block` rows and GEMV_WARPS warps.
+pub fn gemv_layout(rows_per_block: u32) -> (u32, u32) {
+    let r = rows_per_block.clamp(1, 4 * GEMV_WARPS);
+    if r >= GEMV_WARPS {
+        (r / GEMV_WARPS, 1)
+    } else {
+        (1, GEMV_WARPS / r)
+    }
 }
 
 /// Shared memory a flat_gemm block needs for MT n8-tiles of M (must match the kernel's layout).
