@@ -1,7 +1,9 @@
 //! Command-line entry: one file per subcommand.
 
 pub mod devices;
+pub mod profile;
 pub mod shapes;
+pub mod tune;
 
 use clap::{Parser, Subcommand};
 
@@ -22,12 +24,18 @@ pub enum Command {
     Shapes(shapes::ShapesArgs),
     /// Every backend, whether it is available (and why not), and its devices.
     Devices(devices::DevicesArgs),
+    /// Sweep the GEMM implementations over M for a model's shapes; write a profile and a report.
+    Tune(tune::TuneArgs),
+    /// Show a tuning profile, or check it against this machine.
+    Profile(profile::ProfileArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Profile(a) => profile::run(a),
     }
 }
 
