@@ -35,10 +35,11 @@ pub struct SweepOpts {
 }
 
 /// Warm-up and repetitions per backend: many on a GPU (runs take microseconds), few on the CPU
-/// (a llama2-7b-sized GEMM takes tens of milliseconds there).
+/// (a llama2-7b-sized GEMM takes tens of milliseconds there, and the verification run just
+/// before the timed ones already warms the caches and the thread pool).
 pub fn default_timing(kind: BackendKind) -> TimingOpts {
     match kind {
-        BackendKind::Cpu => TimingOpts { warmup: 1, reps: 3 },
+        BackendKind::Cpu => TimingOpts { warmup: 0, reps: 3 },
         BackendKind::Cuda | BackendKind::Rocm => TimingOpts::default(),
     }
 }
