@@ -49,6 +49,9 @@ pub enum FdppError {
         nmse: f64,
         limit: f64,
     },
+
+    #[error("{spec} at {shape}: wrote outside its output ({what})")]
+    WroteOutside { spec: String, shape: String, what: String },
 }
 
 pub type Result<T, E = FdppError> = std::result::Result<T, E>;

@@ -9,9 +9,12 @@ pub mod dtype;
 pub mod error;
 pub mod model;
 pub mod ops;
+pub mod profile;
 pub mod provenance;
 pub mod reference;
 pub mod report;
+pub mod select;
+pub mod tune;
 
 pub use error::{FdppError, Result};
 

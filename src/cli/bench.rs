@@ -16,9 +16,11 @@ use crate::dtype::DType;
 use crate::error::FdppError;
 use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::profile::Profile;
 use crate::provenance::BuildInfo;
 use crate::reference::gemm::{gemm_ref_cols, nmse};
 use crate::report::{self, GemmRecord, RunContext};
+use crate::select::select;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -85,16 +87,26 @@ pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
     Ok(ModelConfig::resolve(arg)?)
 }
 
-/// `--impl`: None = every implementation.
-fn parse_impls(list: &[String]) -> anyhow::Result<Option<Vec<GemmImpl>>> {
+/// `--impl`: None = every implementation; `auto` alone = only what select() picks.
+struct ImplChoice {
+    imps: Option<Vec<GemmImpl>>,
+    auto: bool,
+}
+
+fn parse_impls(list: &[String]) -> anyhow::Result<ImplChoice> {
     if list.is_empty() {
-        return Ok(None);
+        return Ok(ImplChoice {
+            imps: None,
+            auto: false,
+        });
     }
     let mut out = Vec::new();
+    let mut auto = false;
     for s in list {
         let s = s.trim().to_ascii_lowercase().replace('-', "_");
         if s == "auto" {
-            bail!("--impl auto needs --profile support from select(), not available in this build");
+            auto = true;
+            continue;
         }
         match GemmImpl::ALL.iter().find(|i| i.name() == s) {
             Some(i) if !out.contains(i) => out.push(*i),
@@ -102,7 +114,14 @@ fn parse_impls(list: &[String]) -> anyhow::Result<Option<Vec<GemmImpl>>> {
             None => bail!("--impl: unknown implementation '{s}'; known: gemv, flat_gemm, gemm, auto"),
         }
     }
-    Ok(Some(out))
+    Ok(ImplChoice {
+        imps: if out.is_empty() && auto {
+            Some(vec![])
+        } else {
+            Some(out)
+        },
+        auto,
+    })
 }
 
 fn pick_shapes(all: &[LinearShape], list: &[String]) -> anyhow::Result<Vec<LinearShape>> {
@@ -158,18 +177,39 @@ struct Rejected {
 }
 
 fn run_gemm(a: GemmBenchArgs) -> anyhow::Result<()> {
-    let imps = parse_impls(&a.impls)?;
-    if let Some(p) = &a.profile {
-        bail!(
-            "--profile {}: reading tuning profiles is not available in this build; run without --profile",
-            p.display()
-        );
+    let choice = parse_impls(&a.impls)?;
+    if a.profile.is_some() && !choice.auto {
+        bail!("--profile is used by --impl auto; add `auto` to --impl (e.g. --impl auto,gemv,flat_gemm,gemm)");
     }
     let cfg = load_model(&a.model)?;
     let shapes = pick_shapes(&ModelShapes::of(&cfg).linears, &a.shape)?;
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
-    crate::with_backend!(&any, b => bench_gemm(b, &a, &cfg, &shapes, imps.as_deref()))
+    crate::with_backend!(&any, b => {
+        let profile = if choice.auto { Some(profile_for(b, &a, &cfg)?) } else { None };
+        bench_gemm(b, &a, &cfg, &shapes, choice.imps.as_deref(), profile.as_ref())
+    })
+}
+
+/// The profile `--impl auto` follows: --profile, else profiles/<device-slug>/<model>.json.
+fn profile_for<B: Backend>(b: &B, a: &GemmBenchArgs, cfg: &ModelConfig) -> anyhow::Result<Profile> {
+    let path = a
+        .profile
+        .clone()
+        .unwrap_or_else(|| crate::profile::default_path(&b.info().slug, &cfg.name));
+    if !path.exists() {
+        bail!(
+            "--impl auto: no profile at {}; run `fdpp tune --model {}` first or pass --profile",
+            path.display(),
+            a.model
+        );
+    }
+    let (p, warnings) = crate::profile::load_for_use(&path, cfg, b.info(), &b.kernel_hash())?;
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    eprintln!("--impl auto follows {}", path.display());
+    Ok(p)
 }
 
 fn bench_gemm<B: Backend>(
@@ -178,6 +218,7 @@ fn bench_gemm<B: Backend>(
     cfg: &ModelConfig,
     shapes: &[LinearShape],
     imps: Option<&[GemmImpl]>,
+    profile: Option<&Profile>,
 ) -> anyhow::Result<()> {
     let info = b.info().clone();
     let ms = m_list(&a.m, info.backend)?;
@@ -196,7 +237,7 @@ fn bench_gemm<B: Backend>(
             .into_iter()
             .filter(|c| imps.is_none_or(|l| l.contains(&c.imp)))
             .collect();
-        if cands.is_empty() {
+        if cands.is_empty() && profile.is_none() {
             bail!(
                 "{} backend offers no {} candidate for {} {}; try --impl gemv,flat_gemm,gemm",
                 info.backend,
@@ -230,7 +271,8 @@ fn bench_gemm<B: Backend>(
         backend: info.backend.name().to_string(),
         model: cfg.name.clone(),
     };
-    let steps: usize = plan.iter().map(|(_, c)| c.len() * ms.len()).sum();
+    let auto_steps = if profile.is_some() { plan.len() * ms.len() } else { 0 };
+    let steps: usize = plan.iter().map(|(_, c)| c.len() * ms.len()).sum::<usize>() + auto_steps;
     let pb = ProgressBar::new(steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{bar:32} {pos}/{len} [{elapsed_precise}] {msg}") {
         pb.set_style(style);
@@ -242,11 +284,15 @@ fn bench_gemm<B: Backend>(
         timing: opts,
         cache_bytes,
         seed: a.seed,
+        profile,
     };
     let (mut records, rejected) = sweep(b, &ctx, &plan, &sweep_opts, &pb)?;
     pb.finish_and_clear();
 
     report::annotate(&mut records, copy_gbps);
+    if profile.is_some() {
+        eprint!("{}", auto_summary(&records));
+    }
     let machine_readable = a.format != Format::Md;
     print!("{}", report::gemm_table(&records, a.format)?);
     if !rejected.is_empty() {
@@ -292,6 +338,8 @@ struct SweepOpts<'a> {
     timing: TimingOpts,
     cache_bytes: u64,
     seed: u64,
+    /// Time select()'s choice too (`--impl auto`).
+    profile: Option<&'a Profile>,
 }
 
 /// Every (shape, M, candidate) of the plan: verify against the reference, then time. Wrong or
@@ -314,7 +362,12 @@ fn sweep<B: Backend>(
         for &m in o.ms {
             let dims = GemmDims::new(m, s.n, s.k)?;
             let reference = gemm_ref_cols(o.dtype, dims, &inputs.x0, &inputs.w0, &cols);
-            for spec in cands {
+            let auto_spec = o.profile.map(|p| select(s, m, Some(p)).spec(o.dtype));
+            for (spec, is_auto) in cands
+                .iter()
+                .map(|c| (c, false))
+                .chain(auto_spec.iter().map(|c| (c, true)))
+            {
                 pb.set_message(format!("{} M={m} {spec}", s.kind));
                 let what = format!("{spec} at {} M={m}", s.label());
                 match verify(b, &mut inputs, spec, dims, &cols, &reference)? {
@@ -324,7 +377,14 @@ fn sweep<B: Backend>(
                         reason: e.to_string(),
                     }),
                     Ok(err) => match inputs.time(b, spec, m, o.timing) {
-                        Ok(stats) => records.push(GemmRecord::new(ctx, s.kind.name(), spec, dims, stats, err)),
+                        Ok(stats) => {
+                            let mut r = GemmRecord::new(ctx, s.kind.name(), spec, dims, stats, err);
+                            if is_auto {
+                                r.implementation = format!("auto={}", r.implementation);
+                                r.imp = "auto".into();
+                            }
+                            records.push(r)
+                        }
                         Err(e) => rejected.push(Rejected {
                             what,
                             wrong: false,
@@ -337,6 +397,34 @@ fn sweep<B: Backend>(
         }
     }
     Ok((records, rejected))
+}
+
+/// For each (shape, M): select()'s choice against the fastest candidate timed in the same run.
+fn auto_summary(records: &[GemmRecord]) -> String {
+    let mut out = String::from("\n--impl auto (profile's choice) vs the fastest implementation in this run:\n");
+    let mut worst: f64 = 0.0;
+    for r in records.iter().filter(|r| r.imp == "auto") {
+        let best = records
+            .iter()
+            .filter(|o| o.imp != "auto" && o.shape == r.shape && o.m == r.m)
+            .min_by(|x, y| x.median_us.total_cmp(&y.median_us));
+        if let Some(best) = best {
+            let over = r.median_us / best.median_us - 1.0;
+            worst = worst.max(over);
+            out.push_str(&format!(
+                "  {:5} M={:<5} {:32} {:8.2} µs   fastest {:28} {:8.2} µs   {:+.1}%\n",
+                r.shape,
+                r.m,
+                r.implementation,
+                r.median_us,
+                best.implementation,
+                best.median_us,
+                100.0 * over
+            ));
+        }
+    }
+    out.push_str(&format!("  worst: {:+.1}% over the fastest\n", 100.0 * worst));
+    out
 }
 
 /// Run `spec` once into a poisoned output and compare the sampled columns with the reference.
@@ -393,12 +481,18 @@ mod tests {
 
     #[test]
     fn impl_list_parses_names_and_rejects_others() {
-        assert_eq!(parse_impls(&[]).unwrap(), None);
+        let none = parse_impls(&[]).unwrap();
+        assert_eq!((none.imps, none.auto), (None, false));
+        let three = parse_impls(&strings(&["gemm", "flat-gemm", "gemv", "gemm"])).unwrap();
         assert_eq!(
-            parse_impls(&strings(&["gemm", "flat-gemm", "gemv", "gemm"])).unwrap(),
+            three.imps,
             Some(vec![GemmImpl::Gemm, GemmImpl::FlatGemm, GemmImpl::Gemv])
         );
-        assert!(parse_impls(&strings(&["gemv", "auto"])).is_err());
+        assert!(!three.auto);
+        let auto_only = parse_impls(&strings(&["auto"])).unwrap();
+        assert_eq!((auto_only.imps, auto_only.auto), (Some(vec![]), true));
+        let mixed = parse_impls(&strings(&["gemv", "auto"])).unwrap();
+        assert_eq!((mixed.imps, mixed.auto), (Some(vec![GemmImpl::Gemv]), true));
         assert!(parse_impls(&strings(&["tensor"])).is_err());
     }
 
@@ -509,13 +603,17 @@ mod tests {
             n: 130,
         };
         for dtype in [DType::F16, DType::Bf16] {
-            let plan = vec![(shape, b.gemm_candidates(dtype, shape.n, shape.k))];
+            // One candidate per implementation (the CPU offers several flat_gemm block sizes).
+            let mut one_each = b.gemm_candidates(dtype, shape.n, shape.k);
+            one_each.dedup_by_key(|s| s.imp);
+            let plan = vec![(shape, one_each)];
             let o = SweepOpts {
                 dtype,
                 ms: &[1, 3],
                 timing: TimingOpts { warmup: 0, reps: 2 },
                 cache_bytes: 1 << 16,
                 seed: rand::random(),
+                profile: None,
             };
             let (records, rejected) = sweep(&b, &ctx, &plan, &o, &ProgressBar::hidden()).unwrap();
             let timed: Vec<(GemmImpl, usize)> = records

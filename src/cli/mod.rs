@@ -4,7 +4,9 @@ pub mod bench;
 pub mod check;
 pub mod devices;
 pub mod kernels;
+pub mod profile;
 pub mod shapes;
+pub mod tune;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +33,10 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Check every kernel of a backend against the f64 reference (poison, guard, NMSE).
     Check(check::CheckArgs),
+    /// Sweep the GEMM implementations over M for a model's shapes; write a profile and a report.
+    Tune(tune::TuneArgs),
+    /// Show a tuning profile, or check it against this machine.
+    Profile(profile::ProfileArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -40,6 +46,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Check(a) => check::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Profile(a) => profile::run(a),
     }
 }
 

@@ -98,8 +98,10 @@ pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
 
 /// The compiled GEMM candidates (every B_N, both dtypes), for `fdpp kernels check`.
 pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
-    let mut v: Vec<GemmSpec> =
-        GEMV_ROWS_PER_BLOCK.iter().map(|&r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r)).collect();
+    let mut v: Vec<GemmSpec> = GEMV_ROWS_PER_BLOCK
+        .iter()
+        .map(|&r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r))
+        .collect();
     for &bn in FLAT_BN {
         for &st in FLAT_STAGES {
             v.push(

@@ -1,0 +1,371 @@
+//! `fdpp profile show|check`: read a tuning profile, or compare it with this machine.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use super::Format;
+use crate::backend::{self, Backend, BackendChoice, BackendKind};
+use crate::error::FdppError;
+use crate::ops::gemm::GemmImpl;
+use crate::profile::{classify_mismatches, Measurement, Mismatch, Profile, Severity, ShapeProfile};
+use crate::select::select_in;
+
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    #[command(subcommand)]
+    pub cmd: ProfileCmd,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ProfileCmd {
+    /// Provenance, M1/M2 per shape, and each implementation's best time per M with the choice.
+    Show(ShowArgs),
+    /// Compare the profile's machine with this one: refuse on a hard mismatch, warn on a soft one.
+    Check(CheckArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ShowArgs {
+    pub file: PathBuf,
+    #[arg(long, value_enum, default_value_t = Format::Md)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    pub file: PathBuf,
+    /// Backend to compare with [default: the profile's own].
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendChoice>,
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Also check that the profile was made for this model's shapes.
+    #[arg(long)]
+    pub model: Option<String>,
+}
+
+pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
+    match a.cmd {
+        ProfileCmd::Show(s) => {
+            let p = Profile::load(&s.file)?;
+            print!("{}", render(&p, s.format)?);
+            Ok(())
+        }
+        ProfileCmd::Check(c) => check(c),
+    }
+}
+
+fn check(c: CheckArgs) -> anyhow::Result<()> {
+    let p = Profile::load(&c.file)?;
+    if let Some(m) = &c.model {
+        p.check_model(&super::tune::load_model(m)?)?;
+    }
+    let choice = c.backend.unwrap_or(match p.provenance.backend {
+        BackendKind::Cpu => BackendChoice::Cpu,
+        BackendKind::Cuda => BackendChoice::Cuda,
+        BackendKind::Rocm => BackendChoice::Rocm,
+    });
+    let (any, note) = backend::open(choice, c.device)?;
+    eprintln!("{note}");
+    let (info, hash) = crate::with_backend!(&any, b => (b.info().clone(), b.kernel_hash()));
+    let mismatches = classify_mismatches(&p.provenance, &info, &hash);
+    let verdict = verdict(&mismatches);
+    for m in &mismatches {
+        let tag = match m.severity {
+            Severity::Hard => "mismatch",
+            Severity::Soft => "warning",
+        };
+        eprintln!("{tag}: {m}");
+    }
+    match verdict {
+        Verdict::Refuse(why) => Err(anyhow::anyhow!(
+            "{}: made on {} ({}) and does not fit this machine ({}): {why}; re-run `fdpp tune --model {}`",
+            c.file.display(),
+            p.provenance.device.name,
+            p.provenance.device.arch,
+            info.name,
+            p.model.name
+        )),
+        Verdict::Warn => {
+            println!("{}: usable here, with the warnings above", c.file.display());
+            Ok(())
+        }
+        Verdict::Ok => {
+            println!("{}: matches this machine ({})", c.file.display(), info.name);
+            Ok(())
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Ok,
+    Warn,
+    /// With the hard mismatches, joined.
+    Refuse(String),
+}
+
+/// Hard mismatches refuse; soft ones only warn.
+pub fn verdict(mismatches: &[Mismatch]) -> Verdict {
+    let hard: Vec<String> = mismatches
+        .iter()
+        .filter(|m| m.severity == Severity::Hard)
+        .map(|m| m.to_string())
+        .collect();
+    if !hard.is_empty() {
+        Verdict::Refuse(hard.join("; "))
+    } else if mismatches.is_empty() {
+        Verdict::Ok
+    } else {
+        Verdict::Warn
+    }
+}
+
+/// One row of `profile show`: each implementation's best time at a grid M and the choice.
+#[derive(Serialize, Debug)]
+struct Row {
+    m: usize,
+    gemv_us: Option<f64>,
+    flat_gemm_us: Option<f64>,
+    flat_gemm_block_n: Option<u32>,
+    gemm_us: Option<f64>,
+    /// "rejected" / "skipped" where an implementation has no time at this M.
+    gemv_note: Option<&'static str>,
+    flat_gemm_note: Option<&'static str>,
+    gemm_note: Option<&'static str>,
+    chosen: GemmImpl,
+    chosen_block_n: Option<u32>,
+    reason: String,
+}
+
+#[derive(Serialize, Debug)]
+struct ShapeView {
+    kind: String,
+    k: usize,
+    n: usize,
+    m1: Option<usize>,
+    m2: Option<usize>,
+    rows: Vec<Row>,
+}
+
+/// Why an implementation has no verified time at M, if any candidate says so.
+fn note(sp: &ShapeProfile, imp: GemmImpl, m: usize) -> Option<&'static str> {
+    let mut out = None;
+    for c in sp.candidates.iter().filter(|c| c.imp == imp) {
+        match c.results.iter().find(|r| r.m() == m) {
+            Some(Measurement::Rejected { .. }) => return Some("rejected"),
+            Some(Measurement::Skipped { .. }) => out = Some("skipped"),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn view(sp: &ShapeProfile) -> ShapeView {
+    let rows = sp
+        .m_grid
+        .iter()
+        .map(|&m| {
+            let best = sp.best_at(m);
+            let t = |imp| best.and_then(|b| b.get(imp)).map(|c| c.median_us);
+            let plan = select_in(sp, m);
+            Row {
+                m,
+                gemv_us: t(GemmImpl::Gemv),
+                flat_gemm_us: t(GemmImpl::FlatGemm),
+                flat_gemm_block_n: best.and_then(|b| b.get(GemmImpl::FlatGemm)).and_then(|c| c.block_n),
+                gemm_us: t(GemmImpl::Gemm),
+                gemv_note: t(GemmImpl::Gemv).map_or_else(|| note(sp, GemmImpl::Gemv, m), |_| None),
+                flat_gemm_note: t(GemmImpl::FlatGemm).map_or_else(|| note(sp, GemmImpl::FlatGemm, m), |_| None),
+                gemm_note: t(GemmImpl::Gemm).map_or_else(|| note(sp, GemmImpl::Gemm, m), |_| None),
+                chosen: plan.imp,
+                chosen_block_n: plan.block_n,
+                reason: plan.reason,
+            }
+        })
+        .collect();
+    ShapeView {
+        kind: sp.kind.name().into(),
+        k: sp.k,
+        n: sp.n,
+        m1: sp.m1,
+        m2: sp.m2,
+        rows,
+    }
+}
+
+fn point(v: Option<usize>) -> String {
+    v.map_or("never".into(), |x| x.to_string())
+}
+
+fn cell(t: Option<f64>, bn: Option<u32>, note: Option<&str>) -> String {
+    match (t, note) {
+        (Some(t), _) => match bn {
+            Some(bn) => format!("{t:.2} (bn{bn})"),
+            None => format!("{t:.2}"),
+        },
+        (None, Some(n)) => n.to_string(),
+        (None, None) => "-".into(),
+    }
+}
+
+fn chosen(r: &Row) -> String {
+    match r.chosen_block_n {
+        Some(bn) => format!("{} (bn{bn})", r.chosen),
+        None => r.chosen.to_string(),
+    }
+}
+
+/// The profile for people (md), spreadsheets (csv) or programs (json).
+pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
+    let shapes: Vec<ShapeView> = p.shapes.iter().map(view).collect();
+    let pv = &p.provenance;
+    let d = &pv.device;
+    match format {
+        Format::Json => {
+            #[derive(Serialize)]
+            struct Show<'a> {
+                provenance: &'a crate::profile::Provenance,
+                model: &'a str,
+                dtype: crate::dtype::DType,
+                rule: &'a str,
+                shapes: &'a [ShapeView],
+            }
+            let s = Show {
+                provenance: pv,
+                model: &p.model.name,
+                dtype: p.dtype,
+                rule: &p.timing.rule,
+                shapes: &shapes,
+            };
+            let mut j = serde_json::to_string_pretty(&s).map_err(|e| FdppError::InvalidArgument(e.to_string()))?;
+            j.push('\n');
+            Ok(j)
+        }
+        Format::Csv => {
+            let mut w = csv::Writer::from_writer(Vec::new());
+            let err = |e: csv::Error| FdppError::InvalidArgument(e.to_string());
+            w.write_record([
+                "shape",
+                "k",
+                "n",
+                "m1",
+                "m2",
+                "m",
+                "gemv_us",
+                "flat_gemm_us",
+                "flat_gemm_block_n",
+                "gemm_us",
+                "chosen",
+                "chosen_block_n",
+            ])
+            .map_err(err)?;
+            let f = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x:.3}"));
+            let u = |v: Option<usize>| v.map_or(String::new(), |x| x.to_string());
+            let b = |v: Option<u32>| v.map_or(String::new(), |x| x.to_string());
+            for s in &shapes {
+                for r in &s.rows {
+                    w.write_record([
+                        s.kind.clone(),
+                        s.k.to_string(),
+                        s.n.to_string(),
+                        u(s.m1),
+                        u(s.m2),
+                        r.m.to_string(),
+                        f(r.gemv_us),
+                        f(r.flat_gemm_us),
+                        b(r.flat_gemm_block_n),
+                        f(r.gemm_us),
+                        r.chosen.to_string(),
+                        b(r.chosen_block_n),
+                    ])
+                    .map_err(err)?;
+                }
+            }
+            let bytes = w.into_inner().map_err(|e| FdppError::InvalidArgument(e.to_string()))?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+        Format::Md => {
+            let mut s = format!("# Profile: {} on {} ({})\n\n", p.model.name, d.name, p.dtype);
+            s += &format!(
+                "- device: {} (slug {}), backend {}, arch {}, {} compute units, {:.1} GiB memory, L2 {:.1} MiB\n",
+                d.name,
+                d.slug,
+                pv.backend,
+                d.arch,
+                d.compute_units,
+                d.memory_bytes as f64 / (1u64 << 30) as f64,
+                d.l2_bytes as f64 / (1u64 << 20) as f64
+            );
+            s += &format!(
+                "- driver {}, runtime {}\n",
+                d.driver_version.as_deref().unwrap_or("-"),
+                d.runtime_version.as_deref().unwrap_or("-")
+            );
+            s += &format!(
+                "- fdpp {} (commit {}), kernel hash {}, created {}\n",
+                pv.fdpp_version, pv.git_commit, pv.kernel_hash, pv.created
+            );
+            s += &format!(
+                "- timing: {} warm-up, {} reps, {} verified columns; rule: {}\n",
+                p.timing.warmup, p.timing.reps, p.timing.verify_cols, p.timing.rule
+            );
+            for v in &shapes {
+                s += &format!(
+                    "\n## {} [K={}, N={}]: M1 = {}, M2 = {}\n\n",
+                    v.kind,
+                    v.k,
+                    v.n,
+                    point(v.m1),
+                    point(v.m2)
+                );
+                s += "| M | gemv µs | flat_gemm µs | gemm µs | chosen |\n|---:|---:|---:|---:|:---|\n";
+                for r in &v.rows {
+                    s += &format!(
+                        "| {} | {} | {} | {} | {} |\n",
+                        r.m,
+                        cell(r.gemv_us, None, r.gemv_note),
+                        cell(r.flat_gemm_us, r.flat_gemm_block_n, r.flat_gemm_note),
+                        cell(r.gemm_us, None, r.gemm_note),
+                        chosen(r)
+                    );
+                }
+            }
+            Ok(s)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mm(severity: Severity) -> Mismatch {
+        Mismatch {
+            severity,
+            field: "arch",
+            profile: "sm_90".into(),
+            current: "sm_80".into(),
+        }
+    }
+
+    #[test]
+    fn verdicts() {
+        assert_eq!(verdict(&[]), Verdict::Ok);
+        assert_eq!(verdict(&[mm(Severity::Soft)]), Verdict::Warn);
+        match verdict(&[mm(Severity::Soft), mm(Severity::Hard)]) {
+            Verdict::Refuse(why) => assert!(why.contains("sm_90") && why.contains("sm_80"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+    }
+
+    #[test]
+    fn cells() {
+        assert_eq!(cell(Some(1.234), Some(64), None), "1.23 (bn64)");
+        assert_eq!(cell(Some(1.0), None, None), "1.00");
+        assert_eq!(cell(None, None, Some("rejected")), "rejected");
+        assert_eq!(cell(None, None, None), "-");
+    }
+}

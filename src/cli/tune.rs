@@ -1,0 +1,218 @@
+//! `fdpp tune`: sweep the GEMM candidates for a model's shapes, write the profile and a report.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::Format;
+use crate::backend::{self, Backend, BackendChoice};
+use crate::bench::Stats;
+use crate::dtype::DType;
+use crate::error::FdppError;
+use crate::model::{ModelConfig, ModelShapes};
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::profile::{self, Measurement, Profile};
+use crate::report::{self, GemmRecord, Mark, ReportFiles, RunContext};
+use crate::tune::sweep::{self, SweepOpts};
+
+#[derive(Args, Debug, Clone)]
+pub struct TuneArgs {
+    /// Preset name, or a path to an HF config.json (or a directory holding one).
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Device ordinal on a GPU backend.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, value_enum, default_value_t = DType::F16)]
+    pub dtype: DType,
+    /// Largest M (rows) to tune for [default: 2048 on a GPU, 64 on the CPU].
+    #[arg(long)]
+    pub m_max: Option<usize>,
+    /// Timed runs per candidate and M [default: 30 on a GPU, 3 on the CPU].
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Profile path [default: profiles/<device-slug>/<model>.json].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Report directory [default: reports/tune/<device-slug>].
+    #[arg(long)]
+    pub report_dir: Option<PathBuf>,
+    /// Format of the table printed on stdout.
+    #[arg(long, value_enum, default_value_t = Format::Md)]
+    pub format: Format,
+}
+
+/// What a tune produced.
+pub struct TuneOutcome {
+    pub profile: Profile,
+    pub profile_path: PathBuf,
+    pub report: ReportFiles,
+    /// The per-candidate table in the requested format.
+    pub table: String,
+    /// One line per shape: M1, M2 and rejected candidates.
+    pub summary: Vec<String>,
+}
+
+/// `--model`: a preset or an HF config. The single place to switch to `ModelConfig::resolve`.
+pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
+    Ok(ModelConfig::resolve(arg)?)
+}
+
+pub fn run(a: TuneArgs) -> anyhow::Result<()> {
+    // Cheap checks first: a bad argument must not cost a backend start-up.
+    if a.m_max == Some(0) {
+        anyhow::bail!("--m-max must be at least 1 (it is the largest number of rows M to tune for)");
+    }
+    if a.reps == Some(0) {
+        anyhow::bail!("--reps must be at least 1");
+    }
+    let cfg = load_model(&a.model)?;
+    let (any, note) = backend::open(a.backend, a.device)?;
+    eprintln!("{note}");
+    let out = crate::with_backend!(&any, b => run_with_backend(b, &a, &cfg))?;
+    print!("{}", out.table);
+    for line in &out.summary {
+        eprintln!("{line}");
+    }
+    eprintln!("profile: {}", out.profile_path.display());
+    eprintln!("report: {}", out.report.csv.display());
+    eprintln!("report: {}", out.report.json.display());
+    for s in &out.report.svgs {
+        eprintln!("report: {}", s.display());
+    }
+    Ok(())
+}
+
+/// The whole tune on an opened backend: sweep, save the profile atomically, write the report.
+/// Nothing is written unless the sweep succeeds.
+pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> anyhow::Result<TuneOutcome> {
+    let info = b.info().clone();
+    let opts = SweepOpts::for_backend(info.backend, a.dtype, a.m_max, a.reps)?;
+    let profile_path = a
+        .out
+        .clone()
+        .unwrap_or_else(|| profile::default_path(&info.slug, &cfg.name));
+    let report_dir = a
+        .report_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("reports/tune").join(profile::file_stem(&info.slug)));
+    // Find an unwritable output before the sweep, not after it.
+    profile::check_writable(&profile_path)?;
+    std::fs::create_dir_all(&report_dir)
+        .map_err(|e| FdppError::io(&report_dir, format!("cannot create the report directory: {e}")))?;
+
+    let shapes = ModelShapes::of(cfg);
+    let bar = ProgressBar::new(sweep::count_steps(b, &shapes.linears, &opts));
+    if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let profile = sweep::tune(b, cfg, &opts, &mut |msg| {
+        bar.set_message(msg.to_string());
+        bar.inc(1);
+    })
+    .with_context(|| format!("tuning {} on {}", cfg.name, info.name))?;
+    bar.finish_and_clear();
+
+    profile.save(&profile_path)?;
+
+    let records = records_of(&profile, &cfg.name);
+    let marks = marks_of(&profile);
+    let title = format!("GEMM tune: {} on {} ({})", cfg.name, info.name, a.dtype);
+    let report = report::write_gemm_report(&report_dir, &profile::file_stem(&cfg.name), &title, &records, &marks)?;
+    let table = report::gemm_table(&records, a.format)?;
+    Ok(TuneOutcome {
+        summary: summary_of(&profile),
+        profile,
+        profile_path,
+        report,
+        table,
+    })
+}
+
+/// One report row per verified, timed (shape, M, candidate).
+pub fn records_of(p: &Profile, model: &str) -> Vec<GemmRecord> {
+    let ctx = RunContext {
+        build: crate::provenance::BuildInfo::current(),
+        device: p.provenance.device.name.clone(),
+        backend: p.provenance.backend.to_string(),
+        model: model.to_string(),
+    };
+    let mut out = Vec::new();
+    for sp in &p.shapes {
+        for c in &sp.candidates {
+            let spec = GemmSpec {
+                imp: c.imp,
+                dtype: p.dtype,
+                block_n: c.block_n,
+                stages: c.stages,
+            };
+            for r in &c.results {
+                if let Measurement::Ok {
+                    m,
+                    samples,
+                    median_us,
+                    min_us,
+                    max_us,
+                    nmse,
+                } = *r
+                {
+                    let dims = GemmDims { m, n: sp.n, k: sp.k };
+                    let stats = Stats {
+                        samples,
+                        median_us,
+                        min_us,
+                        max_us,
+                    };
+                    out.push(GemmRecord::new(&ctx, sp.kind.name(), &spec, dims, stats, nmse));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// M1 and M2 of each shape, keyed by shape name, for the charts.
+pub fn marks_of(p: &Profile) -> BTreeMap<String, Vec<Mark>> {
+    p.shapes
+        .iter()
+        .map(|sp| {
+            let marks = [("M1", sp.m1), ("M2", sp.m2)]
+                .into_iter()
+                .filter_map(|(label, m)| m.map(|m| Mark { label: label.into(), m }))
+                .collect();
+            (sp.kind.name().to_string(), marks)
+        })
+        .collect()
+}
+
+fn summary_of(p: &Profile) -> Vec<String> {
+    let show = |v: Option<usize>| v.map_or("never".to_string(), |x| x.to_string());
+    let mut out = Vec::new();
+    for sp in &p.shapes {
+        out.push(format!("{}: M1={} M2={}", sp.label(), show(sp.m1), show(sp.m2)));
+        for c in &sp.candidates {
+            let rejected: Vec<&Measurement> = c
+                .results
+                .iter()
+                .filter(|r| matches!(r, Measurement::Rejected { .. }))
+                .collect();
+            if let Some(Measurement::Rejected { reason, .. }) = rejected.first() {
+                out.push(format!(
+                    "  {} rejected at {} of {} M (first: {reason})",
+                    c.uri,
+                    rejected.len(),
+                    c.results.len()
+                ));
+            }
+        }
+        if GemmImpl::ALL.iter().all(|&i| sp.times(i).iter().all(|t| t.is_none())) {
+            out.push("  no candidate was verified for this shape: select() will use the vendor gemm".into());
+        }
+    }
+    out
+}

@@ -1,0 +1,801 @@
+//! Tuning profiles: what `fdpp tune` measured on one device for one model, kept as JSON.
+//!
+//! A profile holds every candidate's timings (not only the winner, so that later analysis and
+//! re-selection need no re-run), the best verified config per implementation and M, and the
+//! inflection points M1/M2 per shape (FlashDecoding++ §4). It says where it came from (device,
+//! driver, kernel source hash, fdpp version), and a profile made elsewhere is classified on load:
+//! hard mismatches are refused, soft ones warned about.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Backend, BackendKind, DeviceInfo};
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
+use crate::ops::gemm::GemmImpl;
+
+/// Bumped whenever a field changes meaning or a required field is added.
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub schema_version: u32,
+    pub provenance: Provenance,
+    pub model: ModelSection,
+    pub dtype: DType,
+    pub timing: TimingSection,
+    pub shapes: Vec<ShapeProfile>,
+    /// Unified-max softmax parameters (FlashDecoding++ §3); filled by softmax calibration.
+    #[serde(default)]
+    pub softmax: Option<SoftmaxSection>,
+}
+
+/// Where and with what a profile was made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Provenance {
+    pub device: DeviceInfo,
+    pub backend: BackendKind,
+    pub fdpp_version: String,
+    pub git_commit: String,
+    pub kernel_hash: String,
+    /// UTC, RFC 3339.
+    pub created: String,
+}
+
+impl Provenance {
+    pub fn of<B: Backend>(b: &B) -> Self {
+        let build = crate::provenance::BuildInfo::current();
+        Provenance {
+            device: b.info().clone(),
+            backend: b.info().backend,
+            fdpp_version: build.fdpp_version,
+            git_commit: build.git_commit,
+            kernel_hash: b.kernel_hash(),
+            created: crate::provenance::now_utc(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSection {
+    pub name: String,
+    pub config: ModelConfig,
+    pub shapes: Vec<LinearShape>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimingSection {
+    pub warmup: usize,
+    pub reps: usize,
+    /// Output columns checked against the f64 reference per candidate and M.
+    pub verify_cols: usize,
+    /// The noise margin of the inflection rule (0.02 = 2 %).
+    pub margin: f64,
+    /// The inflection and selection rule in words (see `tune::inflection`).
+    pub rule: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SoftmaxSection {
+    pub phi: f64,
+    pub a: f64,
+    pub b: f64,
+    /// Share of calibration inputs that stayed inside [a, b].
+    #[serde(default)]
+    pub coverage: Option<f64>,
+}
+
+/// Everything measured for one [K, N] shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShapeProfile {
+    pub kind: LinearKind,
+    pub k: usize,
+    pub n: usize,
+    pub m_grid: Vec<usize>,
+    /// Every candidate, with its outcome at every M of the grid.
+    pub candidates: Vec<CandidateResult>,
+    /// Per grid M, each implementation's fastest verified config.
+    pub best: Vec<BestAtM>,
+    /// flat_gemm from here (None = never).
+    pub m1: Option<usize>,
+    /// gemm from here (None = never).
+    pub m2: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CandidateResult {
+    /// Spec URI, e.g. `flat_gemm_f16_bn64`.
+    pub uri: String,
+    pub imp: GemmImpl,
+    #[serde(default)]
+    pub block_n: Option<u32>,
+    /// cp.async pipeline depth (flat_gemm).
+    #[serde(default)]
+    pub stages: Option<u32>,
+    pub results: Vec<Measurement>,
+}
+
+/// One candidate at one M: timed after passing verification, rejected (wrong result or an
+/// error; never selectable), or skipped (the candidate does not support these dims).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Measurement {
+    Ok {
+        m: usize,
+        samples: usize,
+        median_us: f64,
+        min_us: f64,
+        max_us: f64,
+        nmse: f64,
+    },
+    Rejected {
+        m: usize,
+        reason: String,
+    },
+    Skipped {
+        m: usize,
+        reason: String,
+    },
+}
+
+impl Measurement {
+    pub fn m(&self) -> usize {
+        match self {
+            Measurement::Ok { m, .. } | Measurement::Rejected { m, .. } | Measurement::Skipped { m, .. } => *m,
+        }
+    }
+    pub fn median_us(&self) -> Option<f64> {
+        match self {
+            Measurement::Ok { median_us, .. } => Some(*median_us),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BestConfig {
+    pub uri: String,
+    #[serde(default)]
+    pub block_n: Option<u32>,
+    #[serde(default)]
+    pub stages: Option<u32>,
+    pub median_us: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BestAtM {
+    pub m: usize,
+    pub gemv: Option<BestConfig>,
+    pub flat_gemm: Option<BestConfig>,
+    pub gemm: Option<BestConfig>,
+}
+
+impl BestAtM {
+    pub fn get(&self, imp: GemmImpl) -> Option<&BestConfig> {
+        match imp {
+            GemmImpl::Gemv => self.gemv.as_ref(),
+            GemmImpl::FlatGemm => self.flat_gemm.as_ref(),
+            GemmImpl::Gemm => self.gemm.as_ref(),
+        }
+    }
+    fn slot(&mut self, imp: GemmImpl) -> &mut Option<BestConfig> {
+        match imp {
+            GemmImpl::Gemv => &mut self.gemv,
+            GemmImpl::FlatGemm => &mut self.flat_gemm,
+            GemmImpl::Gemm => &mut self.gemm,
+        }
+    }
+}
+
+impl ShapeProfile {
+    /// Assemble a shape's entry from its measurements: best verified config per implementation
+    /// and M, then M1/M2 by the rule of `tune::inflection` with `margin`.
+    pub fn from_measurements(
+        kind: LinearKind,
+        k: usize,
+        n: usize,
+        m_grid: Vec<usize>,
+        candidates: Vec<CandidateResult>,
+        margin: f64,
+    ) -> Self {
+        let best = best_per_impl(&m_grid, &candidates);
+        let mut sp = ShapeProfile {
+            kind,
+            k,
+            n,
+            m_grid,
+            candidates,
+            best,
+            m1: None,
+            m2: None,
+        };
+        let inf = crate::tune::inflection::inflection_points(
+            &sp.m_grid,
+            &sp.times(GemmImpl::Gemv),
+            &sp.times(GemmImpl::FlatGemm),
+            &sp.times(GemmImpl::Gemm),
+            margin,
+        );
+        sp.m1 = inf.m1;
+        sp.m2 = inf.m2;
+        sp
+    }
+
+    /// The implementation's best verified median time at each grid M (None = none verified).
+    pub fn times(&self, imp: GemmImpl) -> Vec<Option<f64>> {
+        self.m_grid
+            .iter()
+            .map(|&m| self.best_at(m).and_then(|b| b.get(imp)).map(|c| c.median_us))
+            .collect()
+    }
+
+    pub fn best_at(&self, m: usize) -> Option<&BestAtM> {
+        self.best.iter().find(|b| b.m == m)
+    }
+
+    pub fn label(&self) -> String {
+        format!("{}[K={},N={}]", self.kind, self.k, self.n)
+    }
+}
+
+/// For each grid M and implementation, the fastest candidate that was verified and timed there.
+pub fn best_per_impl(m_grid: &[usize], candidates: &[CandidateResult]) -> Vec<BestAtM> {
+    m_grid
+        .iter()
+        .map(|&m| {
+            let mut row = BestAtM {
+                m,
+                gemv: None,
+                flat_gemm: None,
+                gemm: None,
+            };
+            for c in candidates {
+                let Some(t) = c.results.iter().find(|r| r.m() == m).and_then(|r| r.median_us()) else {
+                    continue;
+                };
+                let slot = row.slot(c.imp);
+                if slot.as_ref().is_none_or(|b| t < b.median_us) {
+                    *slot = Some(BestConfig {
+                        uri: c.uri.clone(),
+                        block_n: c.block_n,
+                        stages: c.stages,
+                        median_us: t,
+                    });
+                }
+            }
+            row
+        })
+        .collect()
+}
+
+/// `profiles/<device-slug>/<model>.json`.
+pub fn default_path(device_slug: &str, model_name: &str) -> PathBuf {
+    PathBuf::from("profiles")
+        .join(file_stem(device_slug))
+        .join(format!("{}.json", file_stem(model_name)))
+}
+
+/// A model or device name made safe as one path component ("meta-llama/Llama-2-7b" →
+/// "meta-llama-Llama-2-7b").
+pub fn file_stem(name: &str) -> String {
+    let s: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let s = s.trim_matches(|c| c == '-' || c == '.').to_string();
+    if s.is_empty() {
+        "unnamed".into()
+    } else {
+        s
+    }
+}
+
+impl Profile {
+    /// The entry for a shape: same K and N (preferring the same kind, as two kinds may share a
+    /// shape).
+    pub fn shape_for(&self, shape: &LinearShape) -> Option<&ShapeProfile> {
+        let same = |s: &&ShapeProfile| s.k == shape.k && s.n == shape.n;
+        self.shapes
+            .iter()
+            .filter(same)
+            .find(|s| s.kind == shape.kind)
+            .or_else(|| self.shapes.iter().find(same))
+    }
+
+    /// Refuse a profile made for a model with other linear shapes: its thresholds would be for
+    /// other GEMMs. (The name may differ: a preset and its HF directory are the same model.)
+    pub fn check_model(&self, cfg: &ModelConfig) -> Result<()> {
+        let want = ModelShapes::of(cfg);
+        let mut diffs = Vec::new();
+        for s in &want.linears {
+            match self.model.shapes.iter().find(|p| p.kind == s.kind) {
+                Some(p) if p.k == s.k && p.n == s.n => {}
+                Some(p) => diffs.push(format!(
+                    "{} is {} here but {} in the profile",
+                    s.kind,
+                    s.label(),
+                    p.label()
+                )),
+                None => diffs.push(format!("{} is missing from the profile", s.kind)),
+            }
+        }
+        if diffs.is_empty() {
+            return Ok(());
+        }
+        Err(FdppError::InvalidModel {
+            model: cfg.name.clone(),
+            msg: format!(
+                "the profile was made for model '{}' with other shapes ({}); re-run `fdpp tune --model {}`",
+                self.model.name,
+                diffs.join("; "),
+                cfg.name
+            ),
+        })
+    }
+
+    /// Read and validate a profile, with an error that names the file and what to do.
+    pub fn load(path: &Path) -> Result<Profile> {
+        let err = |msg: String| FdppError::Profile {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let text = match fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(err(
+                "no such file; make one with `fdpp tune --model <model>` (default path profiles/<device>/<model>.json)"
+                    .into(),
+            )),
+            Err(e) => return Err(err(format!("cannot read: {e}"))),
+        };
+        Profile::from_json(&text).map_err(err)
+    }
+
+    /// Parse profile JSON; the error is a message for the user (without the path).
+    pub fn from_json(text: &str) -> std::result::Result<Profile, String> {
+        // The version is read first, alone, so that a profile of another schema gets a version
+        // message rather than a confusing "missing field".
+        #[derive(Deserialize)]
+        struct Head {
+            schema_version: Option<serde_json::Value>,
+        }
+        let head: Head = serde_json::from_str(text).map_err(|e| json_error(&e))?;
+        let version = match head.schema_version {
+            None => return Err("no `schema_version`: this is not an fdpp profile".into()),
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| format!("`schema_version` is {v}, not a number"))?,
+        };
+        let ours = SCHEMA_VERSION as u64;
+        if version > ours {
+            return Err(format!(
+                "schema_version {version} was made by a newer fdpp (this one reads {ours}); \
+                 upgrade fdpp or re-run `fdpp tune`"
+            ));
+        }
+        if version < ours {
+            return Err(format!(
+                "schema_version {version} was made by an older fdpp (this one reads {ours}); re-run `fdpp tune`"
+            ));
+        }
+        serde_json::from_str(text).map_err(|e| json_error(&e))
+    }
+
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string_pretty(self)
+            .map_err(|e| FdppError::InvalidArgument(format!("profile does not serialise: {e}")))
+    }
+
+    /// Write atomically: a temp file in the same directory, fsync, rename over `path`. A failure
+    /// at any step leaves the previous profile at `path` as it was.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut json = self.to_json()?;
+        json.push('\n');
+        write_atomic(path, json.as_bytes())
+    }
+}
+
+fn json_error(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Eof => format!("truncated JSON ({e}); the file was cut short, re-run `fdpp tune` to remake it"),
+        Category::Syntax => format!("malformed JSON ({e})"),
+        Category::Data => format!("not a valid profile ({e})"),
+        Category::Io => format!("cannot read ({e})"),
+    }
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+fn temp_path(path: &Path) -> Result<PathBuf> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| FdppError::io(path, "not a file path"))?
+        .to_string_lossy();
+    Ok(parent_dir(path).join(format!(".{name}.tmp-{}", std::process::id())))
+}
+
+/// Check before a long run that `path` could be written: its directory can be made and a file
+/// created in it. Leaves nothing behind but the directory.
+pub fn check_writable(path: &Path) -> Result<()> {
+    let dir = parent_dir(path);
+    fs::create_dir_all(dir).map_err(|e| FdppError::io(dir, format!("cannot create the directory: {e}")))?;
+    if path.is_dir() {
+        return Err(FdppError::io(path, "is a directory; give a file path"));
+    }
+    let tmp = temp_path(path)?;
+    fs::File::create(&tmp).map_err(|e| FdppError::io(path, format!("cannot write here: {e}")))?;
+    fs::remove_file(&tmp).map_err(|e| FdppError::io(&tmp, e))?;
+    Ok(())
+}
+
+/// Replace `path` with `bytes` so that a reader sees either the old or the new file, never a
+/// partial one, even if the process dies midway.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = parent_dir(path);
+    fs::create_dir_all(dir).map_err(|e| FdppError::io(dir, format!("cannot create the directory: {e}")))?;
+    let tmp = temp_path(path)?;
+    let res = (|| -> std::io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = fs::remove_file(&tmp);
+        return Err(FdppError::io(
+            path,
+            format!("cannot write: {e} (any previous file is unchanged)"),
+        ));
+    }
+    // Make the rename itself durable; not every platform can open a directory, hence best effort.
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// How much a difference between the profile's machine and this one matters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// The measurements do not describe this machine: refuse.
+    Hard,
+    /// Likely still close: warn and use.
+    Soft,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Mismatch {
+    pub severity: Severity,
+    pub field: &'static str,
+    pub profile: String,
+    pub current: String,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: profile has {}, this machine has {}",
+            self.field, self.profile, self.current
+        )
+    }
+}
+
+/// Load a profile for use on this machine and model: hard mismatches (other backend, arch or
+/// kernels, another model) are refused with the reason; soft ones come back as warnings.
+pub fn load_for_use(
+    path: &Path,
+    cfg: &ModelConfig,
+    current: &DeviceInfo,
+    kernel_hash: &str,
+) -> Result<(Profile, Vec<String>)> {
+    let p = Profile::load(path)?;
+    p.check_model(cfg)?;
+    let mismatches = classify_mismatches(&p.provenance, current, kernel_hash);
+    let hard: Vec<String> = mismatches
+        .iter()
+        .filter(|m| m.severity == Severity::Hard)
+        .map(|m| m.to_string())
+        .collect();
+    if !hard.is_empty() {
+        return Err(FdppError::Profile {
+            path: path.to_path_buf(),
+            msg: format!(
+                "made for another machine ({}); re-run `fdpp tune` here",
+                hard.join("; ")
+            ),
+        });
+    }
+    Ok((
+        p,
+        mismatches.iter().map(|m| format!("{}: {m}", path.display())).collect(),
+    ))
+}
+
+/// Compare the machine a profile was made on with this one. Hard: another backend, another
+/// arch (other kernels, other tensor-core paths), another kernel source hash (the timed code
+/// changed). Soft: another device name with the same arch, compute-unit count, memory or cache
+/// size, driver or runtime version.
+pub fn classify_mismatches(made_on: &Provenance, current: &DeviceInfo, kernel_hash: &str) -> Vec<Mismatch> {
+    let mut out = Vec::new();
+    let mut push = |severity, field, profile: String, current: String| {
+        if profile != current {
+            out.push(Mismatch {
+                severity,
+                field,
+                profile,
+                current,
+            });
+        }
+    };
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".into());
+    let d = &made_on.device;
+    push(
+        Severity::Hard,
+        "backend",
+        made_on.backend.to_string(),
+        current.backend.to_string(),
+    );
+    push(Severity::Hard, "arch", d.arch.clone(), current.arch.clone());
+    push(
+        Severity::Hard,
+        "kernel_hash",
+        made_on.kernel_hash.clone(),
+        kernel_hash.to_string(),
+    );
+    push(Severity::Soft, "device name", d.name.clone(), current.name.clone());
+    push(
+        Severity::Soft,
+        "compute units",
+        d.compute_units.to_string(),
+        current.compute_units.to_string(),
+    );
+    push(
+        Severity::Soft,
+        "memory bytes",
+        d.memory_bytes.to_string(),
+        current.memory_bytes.to_string(),
+    );
+    push(
+        Severity::Soft,
+        "L2 bytes",
+        d.l2_bytes.to_string(),
+        current.l2_bytes.to_string(),
+    );
+    push(
+        Severity::Soft,
+        "driver version",
+        opt(&d.driver_version),
+        opt(&current.driver_version),
+    );
+    push(
+        Severity::Soft,
+        "runtime version",
+        opt(&d.runtime_version),
+        opt(&current.runtime_version),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev() -> DeviceInfo {
+        DeviceInfo {
+            backend: BackendKind::Cuda,
+            ordinal: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            slug: "nvidia-h100-80gb-hbm3".into(),
+            arch: "sm_90".into(),
+            compute_units: 132,
+            memory_bytes: 80 << 30,
+            l2_bytes: 50 << 20,
+            driver_version: Some("580.1".into()),
+            runtime_version: Some("13.0".into()),
+        }
+    }
+
+    fn prov() -> Provenance {
+        Provenance {
+            device: dev(),
+            backend: BackendKind::Cuda,
+            fdpp_version: "0.1.0".into(),
+            git_commit: "abc".into(),
+            kernel_hash: "k1".into(),
+            created: "2025-01-01T00:00:00Z".into(),
+        }
+    }
+
+    fn fields(v: &[Mismatch], s: Severity) -> Vec<&'static str> {
+        v.iter().filter(|m| m.severity == s).map(|m| m.field).collect()
+    }
+
+    #[test]
+    fn same_machine_has_no_mismatch() {
+        assert!(classify_mismatches(&prov(), &dev(), "k1").is_empty());
+    }
+
+    #[test]
+    fn ordinal_and_slug_do_not_matter() {
+        let mut d = dev();
+        d.ordinal = 3;
+        assert!(classify_mismatches(&prov(), &d, "k1").is_empty());
+    }
+
+    #[test]
+    fn hard_mismatches() {
+        let mut d = dev();
+        d.arch = "sm_80".into();
+        let v = classify_mismatches(&prov(), &d, "k1");
+        assert_eq!(fields(&v, Severity::Hard), vec!["arch"]);
+
+        let v = classify_mismatches(&prov(), &dev(), "k2");
+        assert_eq!(fields(&v, Severity::Hard), vec!["kernel_hash"]);
+        assert!(v[0].to_string().contains("k1") && v[0].to_string().contains("k2"));
+
+        let mut d = dev();
+        d.backend = BackendKind::Cpu;
+        let v = classify_mismatches(&prov(), &d, "k1");
+        assert_eq!(fields(&v, Severity::Hard), vec!["backend"]);
+    }
+
+    #[test]
+    fn soft_mismatches() {
+        let mut d = dev();
+        d.name = "NVIDIA H100 PCIe".into();
+        d.compute_units = 114;
+        d.memory_bytes = 81 << 30;
+        d.driver_version = Some("590.0".into());
+        d.runtime_version = None;
+        let v = classify_mismatches(&prov(), &d, "k1");
+        assert!(fields(&v, Severity::Hard).is_empty());
+        assert_eq!(
+            fields(&v, Severity::Soft),
+            vec![
+                "device name",
+                "compute units",
+                "memory bytes",
+                "driver version",
+                "runtime version"
+            ]
+        );
+        assert!(v.iter().any(|m| m.current == "none"));
+    }
+
+    #[test]
+    fn file_stems_are_one_component() {
+        assert_eq!(file_stem("llama2-7b"), "llama2-7b");
+        assert_eq!(file_stem("meta-llama/Llama-2-7b"), "meta-llama-Llama-2-7b");
+        assert_eq!(file_stem("../x"), "x");
+        assert_eq!(file_stem("//"), "unnamed");
+        assert_eq!(
+            default_path("cpu-x86_64", "Qwen1.5-7B"),
+            PathBuf::from("profiles/cpu-x86_64/Qwen1.5-7B.json")
+        );
+    }
+
+    fn ok(m: usize, t: f64) -> Measurement {
+        Measurement::Ok {
+            m,
+            samples: 3,
+            median_us: t,
+            min_us: t,
+            max_us: t,
+            nmse: 1e-8,
+        }
+    }
+
+    #[test]
+    fn best_takes_the_fastest_verified_config() {
+        let cands = vec![
+            CandidateResult {
+                uri: "flat_gemm_f16_bn64".into(),
+                imp: GemmImpl::FlatGemm,
+                block_n: Some(64),
+                stages: None,
+                results: vec![ok(1, 10.0), ok(2, 10.0)],
+            },
+            CandidateResult {
+                uri: "flat_gemm_f16_bn128".into(),
+                imp: GemmImpl::FlatGemm,
+                block_n: Some(128),
+                stages: None,
+                results: vec![
+                    ok(1, 12.0),
+                    Measurement::Rejected {
+                        m: 2,
+                        reason: "wrong".into(),
+                    },
+                ],
+            },
+            CandidateResult {
+                uri: "flat_gemm_f16_bn32".into(),
+                imp: GemmImpl::FlatGemm,
+                block_n: Some(32),
+                stages: None,
+                results: vec![ok(1, 9.0), ok(2, 11.0)],
+            },
+        ];
+        let b = best_per_impl(&[1, 2, 3], &cands);
+        assert_eq!(b[0].flat_gemm.as_ref().unwrap().block_n, Some(32));
+        assert_eq!(b[1].flat_gemm.as_ref().unwrap().block_n, Some(64));
+        assert!(b[2].flat_gemm.is_none(), "no measurement at M=3");
+        assert!(b.iter().all(|r| r.gemv.is_none() && r.gemm.is_none()));
+    }
+
+    #[test]
+    fn a_rejected_fastest_candidate_never_becomes_best() {
+        let cands = vec![
+            CandidateResult {
+                uri: "gemv_f16".into(),
+                imp: GemmImpl::Gemv,
+                block_n: None,
+                stages: None,
+                results: vec![ok(1, 5.0)],
+            },
+            CandidateResult {
+                uri: "flat_gemm_f16_bn64".into(),
+                imp: GemmImpl::FlatGemm,
+                block_n: Some(64),
+                stages: None,
+                results: vec![Measurement::Rejected {
+                    m: 1,
+                    reason: "NMSE 1".into(),
+                }],
+            },
+        ];
+        let sp = ShapeProfile::from_measurements(LinearKind::O, 8, 8, vec![1], cands, 0.02);
+        assert_eq!(sp.times(GemmImpl::FlatGemm), vec![None]);
+        assert_eq!(sp.times(GemmImpl::Gemv), vec![Some(5.0)]);
+        assert_eq!(sp.m1, None);
+    }
+
+    #[test]
+    fn measurement_json_is_tagged() {
+        let j = serde_json::to_string(&ok(4, 1.5)).unwrap();
+        assert!(j.contains(r#""status":"ok""#) && j.contains(r#""m":4"#), "{j}");
+        let r: Measurement = serde_json::from_str(r#"{"status":"skipped","m":2,"reason":"unsupported"}"#).unwrap();
+        assert_eq!(r.m(), 2);
+        assert_eq!(r.median_us(), None);
+    }
+
+    #[test]
+    fn version_errors_say_newer_or_older() {
+        let e = Profile::from_json(r#"{"schema_version": 99}"#).unwrap_err();
+        assert!(e.contains("newer") && e.contains("fdpp tune"), "{e}");
+        let e = Profile::from_json(r#"{"schema_version": 0, "other": 1}"#).unwrap_err();
+        assert!(e.contains("older") && e.contains("fdpp tune"), "{e}");
+        let e = Profile::from_json(r#"{"x": 1}"#).unwrap_err();
+        assert!(e.contains("not an fdpp profile"), "{e}");
+        let e = Profile::from_json(r#"{"schema_version": "one"}"#).unwrap_err();
+        assert!(e.contains("not a number"), "{e}");
+    }
+
+    #[test]
+    fn json_errors_give_line_and_column() {
+        let e = Profile::from_json("{\n  \"schema_version\": 1,\n  \"provenance\": {").unwrap_err();
+        assert!(e.contains("truncated") && e.contains("line 3"), "{e}");
+        let e = Profile::from_json("{\n  \"schema_version\": 1,,\n}").unwrap_err();
+        assert!(e.contains("malformed") && e.contains("line 2"), "{e}");
+        let e = Profile::from_json("{\"schema_version\": 1}").unwrap_err();
+        assert!(e.contains("not a valid profile") && e.contains("missing field"), "{e}");
+    }
+}

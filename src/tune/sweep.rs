@@ -1,0 +1,270 @@
+//! The sweep: for one shape, every (M, candidate) pair is verified, then timed.
+//!
+//! Inputs are built once per shape at the largest M (in enough copies to defeat the cache) and
+//! smaller M use their leading rows, so every M sees the same data. A candidate that errors or
+//! computes a wrong result at some M is recorded as rejected there, with the reason, and can
+//! never be selected at that M; one that does not support the dims is recorded as skipped.
+
+use crate::backend::{Backend, BackendKind};
+use crate::bench::{GemmInputs, TimingOpts};
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::model::{LinearShape, ModelConfig, ModelShapes};
+use crate::ops::gemm::GemmSpec;
+use crate::profile::{
+    CandidateResult, Measurement, ModelSection, Profile, Provenance, ShapeProfile, TimingSection, SCHEMA_VERSION,
+};
+
+use super::inflection::{rule_text, DEFAULT_MARGIN};
+use super::verify::{Verifier, DEFAULT_SAMPLE_COLS};
+
+/// Used when a backend does not report its last-level cache size.
+pub const FALLBACK_CACHE_BYTES: u64 = 32 << 20;
+
+/// Fixed so that two tunes of the same build time the same data.
+pub const DEFAULT_SEED: u64 = 0xFD99_2024;
+
+#[derive(Clone, Debug)]
+pub struct SweepOpts {
+    pub dtype: DType,
+    pub m_grid: Vec<usize>,
+    pub timing: TimingOpts,
+    pub margin: f64,
+    pub seed: u64,
+    pub verify_cols: usize,
+}
+
+/// Warm-up and repetitions per backend: many on a GPU (runs take microseconds), few on the CPU
+/// (a llama2-7b-sized GEMM takes tens of milliseconds there, and the verification run just
+/// before the timed ones already warms the caches and the thread pool).
+pub fn default_timing(kind: BackendKind) -> TimingOpts {
+    match kind {
+        BackendKind::Cpu => TimingOpts { warmup: 0, reps: 3 },
+        BackendKind::Cuda | BackendKind::Rocm => TimingOpts::default(),
+    }
+}
+
+impl SweepOpts {
+    /// Defaults for a backend, with the user's `--m-max` and `--reps` where given.
+    pub fn for_backend(kind: BackendKind, dtype: DType, m_max: Option<usize>, reps: Option<usize>) -> Result<Self> {
+        let m_grid = super::grid::m_grid(m_max.unwrap_or_else(|| super::grid::default_m_max(kind)))?;
+        let mut timing = default_timing(kind);
+        if let Some(r) = reps {
+            if r == 0 {
+                return Err(FdppError::InvalidArgument("--reps must be at least 1".into()));
+            }
+            timing.reps = r;
+        }
+        Ok(SweepOpts {
+            dtype,
+            m_grid,
+            timing,
+            margin: DEFAULT_MARGIN,
+            seed: DEFAULT_SEED,
+            verify_cols: DEFAULT_SAMPLE_COLS,
+        })
+    }
+}
+
+/// The backend's candidates for a shape, each URI once.
+pub fn candidates<B: Backend>(b: &B, dtype: DType, shape: &LinearShape) -> Vec<GemmSpec> {
+    let mut out: Vec<GemmSpec> = Vec::new();
+    for c in b.gemm_candidates(dtype, shape.n, shape.k) {
+        if !out.iter().any(|o| o.uri() == c.uri()) {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Number of (shape, M, candidate) steps a tune of `shapes` takes (for the progress bar).
+pub fn count_steps<B: Backend>(b: &B, shapes: &[LinearShape], opts: &SweepOpts) -> u64 {
+    shapes
+        .iter()
+        .map(|s| (candidates(b, opts.dtype, s).len() * opts.m_grid.len()) as u64)
+        .sum()
+}
+
+/// Sweep one shape. `on_step` is called before each (M, candidate) step with a short label.
+pub fn sweep_shape<B: Backend>(
+    b: &B,
+    shape: &LinearShape,
+    opts: &SweepOpts,
+    on_step: &mut dyn FnMut(&str),
+) -> Result<ShapeProfile> {
+    let Some(&max_m) = opts.m_grid.last() else {
+        return Err(FdppError::InvalidArgument("empty M grid".into()));
+    };
+    let backend = b.info().backend.name();
+    let cache = match b.info().l2_bytes {
+        0 => FALLBACK_CACHE_BYTES,
+        c => c,
+    };
+    let seed = opts.seed.wrapping_add(0x1000 * (shape.kind as u64 + 1));
+    let mut inputs = GemmInputs::new(b, opts.dtype, shape.n, shape.k, max_m, cache, seed).map_err(|e| {
+        FdppError::device(
+            backend,
+            format!(
+                "preparing inputs for {} at M={max_m} ({}): {e}",
+                shape.label(),
+                opts.dtype
+            ),
+        )
+    })?;
+    let verifier = Verifier::new(&inputs, max_m, opts.verify_cols)?;
+    let specs = candidates(b, opts.dtype, shape);
+    let mut results: Vec<Vec<Measurement>> = vec![Vec::with_capacity(opts.m_grid.len()); specs.len()];
+    for &m in &opts.m_grid {
+        for (spec, out) in specs.iter().zip(results.iter_mut()) {
+            on_step(&format!("{} M={m} {spec}", shape.label()));
+            out.push(measure(b, &mut inputs, &verifier, spec, m, opts.timing));
+        }
+    }
+    let candidates = specs
+        .iter()
+        .zip(results)
+        .map(|(s, results)| CandidateResult {
+            uri: s.uri(),
+            imp: s.imp,
+            block_n: s.block_n,
+            stages: s.stages,
+            results,
+        })
+        .collect();
+    Ok(ShapeProfile::from_measurements(
+        shape.kind,
+        shape.k,
+        shape.n,
+        opts.m_grid.clone(),
+        candidates,
+        opts.margin,
+    ))
+}
+
+/// Verify, then time, one candidate at one M.
+fn measure<B: Backend>(
+    b: &B,
+    inputs: &mut GemmInputs<B>,
+    verifier: &Verifier,
+    spec: &GemmSpec,
+    m: usize,
+    timing: TimingOpts,
+) -> Measurement {
+    let classify = |e: FdppError, when: &str| match e {
+        FdppError::Unsupported { .. } => Measurement::Skipped {
+            m,
+            reason: e.to_string(),
+        },
+        e => Measurement::Rejected {
+            m,
+            reason: format!("{when}{e}"),
+        },
+    };
+    let nmse = match verifier.check(b, inputs, spec, m) {
+        Ok(v) => v,
+        Err(e) => return classify(e, ""),
+    };
+    match inputs.time(b, spec, m, timing) {
+        Ok(s) => Measurement::Ok {
+            m,
+            samples: s.samples,
+            median_us: s.median_us,
+            min_us: s.min_us,
+            max_us: s.max_us,
+            nmse,
+        },
+        Err(e) => classify(e, "failed while timed: "),
+    }
+}
+
+/// Tune every linear shape of `cfg` and assemble the profile (not yet written anywhere).
+pub fn tune<B: Backend>(b: &B, cfg: &ModelConfig, opts: &SweepOpts, on_step: &mut dyn FnMut(&str)) -> Result<Profile> {
+    let shapes = ModelShapes::of(cfg);
+    let mut out = Vec::with_capacity(shapes.linears.len());
+    for s in &shapes.linears {
+        out.push(sweep_shape(b, s, opts, on_step)?);
+    }
+    Ok(Profile {
+        schema_version: SCHEMA_VERSION,
+        provenance: Provenance::of(b),
+        model: ModelSection {
+            name: cfg.name.clone(),
+            config: cfg.clone(),
+            shapes: shapes.linears.clone(),
+        },
+        dtype: opts.dtype,
+        timing: TimingSection {
+            warmup: opts.timing.warmup,
+            reps: opts.timing.reps,
+            verify_cols: opts.verify_cols,
+            margin: opts.margin,
+            rule: rule_text(opts.margin),
+        },
+        shapes: out,
+        softmax: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::LinearKind;
+    use crate::ops::gemm::GemmImpl;
+
+    fn opts(m_max: usize) -> SweepOpts {
+        let mut o = SweepOpts::for_backend(BackendKind::Cpu, DType::F16, Some(m_max), Some(1)).unwrap();
+        o.timing.warmup = 0;
+        o
+    }
+
+    #[test]
+    fn options_from_the_command_line() {
+        assert!(SweepOpts::for_backend(BackendKind::Cpu, DType::F16, Some(0), None).is_err());
+        assert!(SweepOpts::for_backend(BackendKind::Cpu, DType::F16, None, Some(0)).is_err());
+        let o = SweepOpts::for_backend(BackendKind::Cpu, DType::Bf16, None, None).unwrap();
+        assert_eq!(*o.m_grid.last().unwrap(), 64);
+        assert_eq!(o.timing.reps, 3);
+        let o = SweepOpts::for_backend(BackendKind::Cuda, DType::F16, None, Some(7)).unwrap();
+        assert_eq!(*o.m_grid.last().unwrap(), 2048);
+        assert_eq!((o.timing.warmup, o.timing.reps), (5, 7));
+    }
+
+    #[test]
+    fn sweep_on_cpu_times_every_candidate_at_every_m() {
+        let b = CpuBackend::new();
+        let shape = LinearShape {
+            kind: LinearKind::O,
+            k: 96,
+            n: 80,
+        };
+        let o = opts(5);
+        let mut steps = Vec::new();
+        let sp = sweep_shape(&b, &shape, &o, &mut |s| steps.push(s.to_string())).unwrap();
+        assert_eq!(steps.len() as u64, count_steps(&b, &[shape], &o));
+        assert!(steps[0].contains("o[K=96,N=80] M=1"), "{}", steps[0]);
+        assert_eq!(sp.m_grid, vec![1, 2, 3, 4, 5]);
+        assert_eq!(sp.candidates.len(), b.gemm_candidates(o.dtype, shape.n, shape.k).len());
+        for c in &sp.candidates {
+            assert_eq!(c.results.len(), 5, "{}", c.uri);
+            for r in &c.results {
+                match r {
+                    Measurement::Ok {
+                        nmse,
+                        median_us,
+                        samples,
+                        ..
+                    } => {
+                        assert!(*nmse < DType::F16.nmse_limit());
+                        assert!(*median_us > 0.0);
+                        assert_eq!(*samples, 1);
+                    }
+                    other => panic!("{}: {other:?}", c.uri),
+                }
+            }
+        }
+        for imp in GemmImpl::ALL {
+            assert!(sp.times(imp).iter().all(|t| t.is_some()), "{imp}");
+        }
+    }
+}
