@@ -221,3 +221,190 @@ fn short_buffers_and_mismatched_caches_are_refused() {
     let e = run_decode(&b, &p2, &kv).expect_err("cache has 4 kv heads");
     assert!(e.to_string().contains("kv_heads=4"), "{e}");
 }
+
+#[test]
+fn fdpp_check_runs_the_attention_cases() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args([
+            "check",
+            "--backend",
+            "cpu",
+            "--quick",
+            "--op",
+            "attention",
+            "--format",
+            "json",
+        ])
+        .output()
+        .expect("run fdpp");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "fdpp check failed: {stderr}");
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let rows = rows.as_array().expect("an array of rows");
+    assert_eq!(rows.len(), 2 * attention_cases_quick().len());
+    for r in rows {
+        assert_eq!(r["op"], "attention", "{r}");
+        assert_eq!(r["status"], "pass", "{r}");
+    }
+    assert!(rows
+        .iter()
+        .any(|r| r["case"].as_str().is_some_and(|c| c.contains("force=underflow")) && r["recomputed"] == 1));
+    assert!(stderr.contains(&format!("{} passed, 0 failed", rows.len())), "{stderr}");
+}
+
+#[test]
+fn fdpp_check_md_prints_both_tables_by_default() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args(["check", "--backend", "cpu", "--quick"])
+        .output()
+        .expect("run fdpp");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("| gemv_f16 |") || s.contains("gemv_f16"), "{s}");
+    assert!(s.contains("| decode_async_bf16 |"), "{s}");
+    assert!(s.contains("| prefill_sync_f16 |"), "{s}");
+}
+
+/// Ways a kernel can be wrong, each of which the check must catch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    /// Decode reads one key too few per sequence.
+    DropLastKey,
+    /// Prefill attends correctly but leaves the pools unwritten.
+    NoPoolWrite,
+    /// Async reports no recompute.
+    NoRecompute,
+    /// One element written past the output.
+    WriteGuard,
+}
+
+struct Faulty(CpuBackend, Fault);
+
+type Buf = fdpp::backend::cpu::CpuBuffer;
+
+impl Backend for Faulty {
+    type Buffer = Buf;
+    fn info(&self) -> &fdpp::backend::DeviceInfo {
+        self.0.info()
+    }
+    fn kernel_hash(&self) -> String {
+        self.0.kernel_hash()
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> fdpp::Result<Buf> {
+        self.0.alloc(dtype, len)
+    }
+    fn upload(&self, dtype: DType, bits: &[u16]) -> fdpp::Result<Buf> {
+        self.0.upload(dtype, bits)
+    }
+    fn download(&self, buf: &Buf) -> fdpp::Result<Vec<u16>> {
+        self.0.download(buf)
+    }
+    fn fill(&self, buf: &mut Buf, bits: u16) -> fdpp::Result<()> {
+        self.0.fill(buf, bits)
+    }
+    fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<fdpp::ops::gemm::GemmSpec> {
+        self.0.gemm_candidates(dtype, n, k)
+    }
+    fn gemm(
+        &self,
+        spec: &fdpp::ops::gemm::GemmSpec,
+        dims: fdpp::ops::gemm::GemmDims,
+        x: &Buf,
+        w: &Buf,
+        y: &mut Buf,
+    ) -> fdpp::Result<()> {
+        self.0.gemm(spec, dims, x, w, y)
+    }
+    fn attention_decode(
+        &self,
+        p: &DecodeParams,
+        q: &Buf,
+        kv: &PagedKv<Buf>,
+        out: &mut Buf,
+    ) -> fdpp::Result<fdpp::ops::attention::AttnStats> {
+        let mut p2 = p.clone();
+        if self.1 == Fault::DropLastKey {
+            p2.tables.seq_lens.iter_mut().filter(|l| **l > 1).for_each(|l| *l -= 1);
+        }
+        let s = self.0.attention_decode(&p2, q, kv, out)?;
+        Ok(self.after(p.batch() * p.geom.num_heads * p.geom.head_dim, s, out))
+    }
+    fn attention_prefill(
+        &self,
+        p: &PrefillParams,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        kv: &mut PagedKv<Buf>,
+        out: &mut Buf,
+    ) -> fdpp::Result<fdpp::ops::attention::AttnStats> {
+        let before = kv.v.data.clone();
+        let s = self.0.attention_prefill(p, q, k, v, kv, out)?;
+        if self.1 == Fault::NoPoolWrite {
+            kv.v.data = before;
+        }
+        Ok(self.after(p.tokens() * p.geom.num_heads * p.geom.head_dim, s, out))
+    }
+    fn synchronize(&self) -> fdpp::Result<()> {
+        Ok(())
+    }
+    fn copy_gbps(&self) -> fdpp::Result<f64> {
+        Ok(1.0)
+    }
+    fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> fdpp::Result<()>) -> fdpp::Result<Vec<f64>> {
+        self.0.time_each(reps, f)
+    }
+}
+
+impl Faulty {
+    fn after(&self, n: usize, s: fdpp::ops::attention::AttnStats, out: &mut Buf) -> fdpp::ops::attention::AttnStats {
+        match self.1 {
+            Fault::NoRecompute => fdpp::ops::attention::AttnStats { recomputed: 0, ..s },
+            Fault::WriteGuard => {
+                out.data[n + 3] = 0;
+                s
+            }
+            _ => s,
+        }
+    }
+}
+
+#[test]
+fn the_check_catches_broken_kernels() {
+    let cases: Vec<_> = attention_cases_quick()
+        .into_iter()
+        .filter(|c| c.dtype == DType::F16)
+        .collect();
+    for fault in [
+        Fault::DropLastKey,
+        Fault::NoPoolWrite,
+        Fault::NoRecompute,
+        Fault::WriteGuard,
+    ] {
+        let rows = check_attention(&Faulty(CpuBackend::new(), fault), &cases, 11).expect("check runs");
+        for (r, c) in rows.iter().zip(cases.iter().flat_map(|c| [c, c])) {
+            let async_forced = r.spec.contains("async") && c.force != fdpp::check::attention::Force::None;
+            let must_fail = match fault {
+                // One key in 300 or more can carry too little weight to show in the NMSE; the
+                // short sequences are where a lost key is seen.
+                Fault::DropLastKey => c.kind == AttnKind::Decode && c.kv_lens.iter().any(|&l| (2..=97).contains(&l)),
+                Fault::NoPoolWrite => c.kind == AttnKind::Prefill,
+                Fault::NoRecompute => async_forced,
+                Fault::WriteGuard => true,
+            };
+            let why = r.status.reason().unwrap_or("");
+            if must_fail {
+                assert!(r.status.is_fail(), "{fault:?} not caught on {} {}", r.spec, r.case);
+                let expect = match fault {
+                    Fault::DropLastKey => "NMSE",
+                    Fault::NoPoolWrite => "V pool differs",
+                    Fault::NoRecompute => "not recomputed",
+                    Fault::WriteGuard => "guard",
+                };
+                assert!(why.contains(expect), "{fault:?} on {}: {why}", r.case);
+            } else if fault != Fault::DropLastKey {
+                assert_eq!(r.status, Status::Pass, "{fault:?} on {} {}", r.spec, r.case);
+            }
+        }
+    }
+}
