@@ -7,7 +7,7 @@ use super::Format;
 use crate::backend::{open, probe_all, Backend, BackendChoice, BackendKind};
 use crate::check::{
     attention_cases, attention_cases_quick, check_attention, check_gemm, gemm_cases, gemm_cases_quick, tally,
-    AttnCheckRow, CheckRow,
+    AttnCheckRow, CheckRow, Status,
 };
 
 /// `--backend` of `fdpp check`: one backend, `auto`, or `all` present on this machine.
@@ -158,10 +158,10 @@ fn add3(a: (usize, usize, usize), b: (usize, usize, usize)) -> (usize, usize, us
 
 /// Counts of (passed, failed, skipped) attention rows.
 fn attn_tally(rows: &[AttnCheckRow]) -> (usize, usize, usize) {
-    rows.iter().fold((0, 0, 0), |(p, f, s), r| match r.status.label() {
-        "pass" => (p + 1, f, s),
-        "fail" => (p, f + 1, s),
-        _ => (p, f, s + 1),
+    rows.iter().fold((0, 0, 0), |(p, f, s), r| match r.status {
+        Status::Pass => (p + 1, f, s),
+        Status::Fail(_) => (p, f + 1, s),
+        Status::Skipped(_) => (p, f, s + 1),
     })
 }
 

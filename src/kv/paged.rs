@@ -219,6 +219,15 @@ impl FlatBlockTables {
             });
         }
         for b in 0..self.batch() {
+            let used = layout.pages_for(self.seq_len(b)).min(self.max_pages);
+            let row = &self.block_table[b * self.max_pages..][..used];
+            if let Some(i) = row.iter().position(|&p| p < 0) {
+                return Err(FdppError::InvalidArgument(format!(
+                    "sequence {b}: block table entry {i} is {} (no page), but kv_len {} uses {used} pages",
+                    row[i],
+                    self.seq_len(b)
+                )));
+            }
             self.table(b).validate(layout, b)?;
         }
         Ok(())
@@ -421,6 +430,10 @@ mod tests {
         assert_eq!(f.seq_lens, vec![5, 1]);
         assert_eq!(f.table(1), ts[1]);
         f.validate(&l).expect("valid");
+        let mut hole = f.clone();
+        hole.block_table[0] = -1;
+        let e = hole.validate(&l).expect_err("entry 0 of sequence 0 is -1");
+        assert!(e.to_string().contains("entry 0 is -1 (no page)"), "{e}");
     }
 
     #[test]

@@ -290,7 +290,8 @@ impl PrefillParams {
         (0..self.batch())
             .map(|b| {
                 let n = self.new_lens[b].max(0) as usize;
-                let prefix = self.tables.seq_len(b) - n;
+                // Saturating: counts may be asked of params not yet validated.
+                let prefix = self.tables.seq_len(b).saturating_sub(n);
                 let s = (row, prefix, n);
                 row += n;
                 s
