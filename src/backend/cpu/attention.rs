@@ -340,3 +340,103 @@ pub fn prefill(
         recomputed,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: usize = 4;
+
+    /// Keys whose scores (with q = (1, 0, 0, 0) and no scale) are `xs`, values v_t = (t, 1, −t, 2).
+    fn rows(xs: &[f32]) -> (Vec<Vec<u16>>, Vec<Vec<u16>>) {
+        let dt = DType::F16;
+        let k = xs.iter().map(|&x| vec![dt.from_f32(x), 0, 0, 0]).collect();
+        let v = (0..xs.len())
+            .map(|t| {
+                [t as f32, 1.0, -(t as f32), 2.0]
+                    .iter()
+                    .map(|&x| dt.from_f32(x))
+                    .collect()
+            })
+            .collect();
+        (k, v)
+    }
+
+    fn run(scheme: SoftmaxScheme, xs: &[f32], splits: &[Range<usize>]) -> (Vec<Partial>, Option<(f32, Vec<f32>)>) {
+        let (k, v) = rows(xs);
+        let key = |t: usize| k[t].as_slice();
+        let val = |t: usize| v[t].as_slice();
+        let q = [1.0, 0.0, 0.0, 0.0];
+        let mut scratch = Vec::new();
+        let parts: Vec<Partial> = splits
+            .iter()
+            .map(|r| {
+                let mut p = Partial::empty(D, start_of(scheme));
+                accumulate(DType::F16, scheme, &q, r.clone(), &key, &val, &mut p, &mut scratch);
+                p
+            })
+            .collect();
+        let refs: Vec<&Partial> = parts.iter().collect();
+        let c = combine(scheme, &refs, D);
+        (parts, c)
+    }
+
+    fn normalised((l, acc): (f32, Vec<f32>)) -> Vec<f32> {
+        acc.iter().map(|a| a / l).collect()
+    }
+
+    #[test]
+    fn async_sums_against_phi_and_agrees_with_sync() {
+        // 70 scores over three tiles and two splits, inside [a, b] around φ = 1.
+        let xs: Vec<f32> = (0..70).map(|t| ((t * 7 % 13) as f32) * 0.5 - 2.0).collect();
+        let scheme = SoftmaxScheme::Async {
+            phi: 1.0,
+            a: -10.0,
+            b: 10.0,
+        };
+        let splits = [0..40, 40..70];
+        let (parts, got) = run(scheme, &xs, &splits);
+        // No rescale: each split's l is Σ e^(x − φ) of its own keys.
+        let want: f32 = xs[..40].iter().map(|x| (x - 1.0).exp()).sum();
+        assert!((parts[0].l - want).abs() < 1e-4 * want, "{} vs {want}", parts[0].l);
+        let (_, sync) = run(SoftmaxScheme::Sync, &xs, &splits);
+        let (a, s) = (normalised(got.expect("not flagged")), normalised(sync.expect("sync")));
+        for (x, y) in a.iter().zip(&s) {
+            assert!((x - y).abs() < 1e-4, "{a:?} vs {s:?}");
+        }
+    }
+
+    #[test]
+    fn rows_leaving_the_window_are_flagged_exactly_at_its_edges() {
+        let scheme = SoftmaxScheme::Async {
+            phi: 0.0,
+            a: -4.0,
+            b: 4.0,
+        };
+        let one = |xs: &[f32]| run(scheme, xs, std::slice::from_ref(&(0..xs.len()))).1.is_some();
+        // x − φ = b is inside; one score past b in any split flags the row.
+        assert!(one(&[4.0, 0.0, -1.0]));
+        assert!(!one(&[4.5, 0.0, -1.0]));
+        assert!(run(scheme, &[0.0, 1.0, 4.5], &[0..2, 2..3]).1.is_none());
+        // The row's max at a is inside; every score below a flags it.
+        assert!(one(&[-4.0, -9.0]));
+        assert!(!one(&[-4.5, -9.0]));
+        // An underflowing split is fine when another split holds the max.
+        assert!(run(scheme, &[-9.0, -8.0, 0.5], &[0..2, 2..3]).1.is_some());
+    }
+
+    #[test]
+    fn sync_rescales_when_the_max_grows_and_the_combine_weights_splits() {
+        // Rising scores (exact in f16): the running max grows in every tile.
+        let xs: Vec<f32> = (0..100).map(|t| t as f32 * 0.125).collect();
+        let (parts, got) = run(SoftmaxScheme::Sync, &xs, &[0..50, 50..100]);
+        assert_eq!(parts[0].m, xs[49]);
+        assert_eq!(parts[1].m, xs[99]);
+        let out = normalised(got.expect("sync never flags"));
+        let w: Vec<f64> = xs.iter().map(|&x| (x as f64 - 12.375).exp()).collect();
+        let l: f64 = w.iter().sum();
+        let want0: f64 = w.iter().enumerate().map(|(t, p)| p * t as f64).sum::<f64>() / l;
+        assert!((out[0] as f64 - want0).abs() < 1e-3 * want0, "{} vs {want0}", out[0]);
+        assert!((out[1] - 1.0).abs() < 1e-5 && (out[3] - 2.0).abs() < 1e-5);
+    }
+}
