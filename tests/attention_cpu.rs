@@ -220,6 +220,14 @@ fn short_buffers_and_mismatched_caches_are_refused() {
     p2.geom = AttnGeometry::new(8, 2, 64).expect("geom");
     let e = run_decode(&b, &p2, &kv).expect_err("cache has 4 kv heads");
     assert!(e.to_string().contains("kv_heads=4"), "{e}");
+    let q16 = b
+        .upload(DType::F16, &random_bits(DType::F16, 4 * 64, 1.0, 4))
+        .expect("q");
+    let mut out_bf = b.alloc(DType::Bf16, 4 * 64).expect("out");
+    let e = b
+        .attention_decode(&p, &q16, &kv, &mut out_bf)
+        .expect_err("bf16 out, f16 call");
+    assert!(e.to_string().contains("every buffer must be f16"), "{e}");
 }
 
 #[test]
