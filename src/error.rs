@@ -42,6 +42,9 @@ pub enum FdppError {
         found: String,
     },
 
+    #[error("out of KV pages: {needed} needed, {free} of {total} free; shorten the sequences, lower the batch or give the cache more pages")]
+    OutOfKvPages { needed: usize, free: usize, total: usize },
+
     #[error("{spec} at {shape}: wrong result (NMSE {nmse:.3e} > {limit:.1e})")]
     WrongResult {
         spec: String,

@@ -7,6 +7,7 @@ pub mod check;
 pub mod cli;
 pub mod dtype;
 pub mod error;
+pub mod kv;
 pub mod model;
 pub mod ops;
 pub mod profile;

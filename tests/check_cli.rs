@@ -5,7 +5,16 @@ use std::process::Command;
 #[test]
 fn quick_cpu_check_passes_and_prints_every_row() {
     let out = Command::new(env!("CARGO_BIN_EXE_fdpp"))
-        .args(["check", "--backend", "cpu", "--quick", "--format", "json"])
+        .args([
+            "check",
+            "--backend",
+            "cpu",
+            "--quick",
+            "--op",
+            "gemm",
+            "--format",
+            "json",
+        ])
         .output()
         .expect("run fdpp");
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
+use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -118,6 +120,40 @@ pub trait Backend {
         y: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// One decode step of attention over the paged cache (split-KV, `p.scheme`): q and out
+    /// `[batch][num_heads][head_dim]`. See [`crate::ops::attention`] for the layouts.
+    ///
+    /// The block tables and lengths travel in `p` as host i32 arrays: they are a few hundred
+    /// bytes per step, so a GPU backend uploads them with the launch (or into a persistent
+    /// device buffer it owns) instead of every caller managing an integer device buffer.
+    /// Backends without attention kernels keep this default, which declines (`Unsupported`).
+    fn attention_decode(
+        &self,
+        p: &DecodeParams,
+        q: &Self::Buffer,
+        kv: &PagedKv<Self::Buffer>,
+        out: &mut Self::Buffer,
+    ) -> Result<AttnStats> {
+        let _ = (p, q, kv, out);
+        Err(attention_unsupported(self.info(), "attention_decode"))
+    }
+
+    /// One prefill step: writes the new tokens' k and v (`[tokens][num_kv_heads][head_dim]`) into
+    /// the pools at their block-table positions, then attends causally over the cached prefix
+    /// and the new tokens; q and out `[tokens][num_heads][head_dim]`.
+    fn attention_prefill(
+        &self,
+        p: &PrefillParams,
+        q: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+        out: &mut Self::Buffer,
+    ) -> Result<AttnStats> {
+        let _ = (p, q, k, v, kv, out);
+        Err(attention_unsupported(self.info(), "attention_prefill"))
+    }
+
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
@@ -127,6 +163,13 @@ pub trait Backend {
     /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
     /// all runs back to back between events and synchronize once; the CPU times with the clock.
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;
+}
+
+fn attention_unsupported(info: &DeviceInfo, op: &str) -> FdppError {
+    FdppError::Unsupported {
+        spec: format!("{op} on {} ({})", info.backend, info.name),
+        what: "attention yet (no kernels for this backend)".into(),
+    }
 }
 
 /// Availability of one backend on this machine, for `fdpp devices` and `--backend auto`.

@@ -2,10 +2,12 @@
 //! `crate::reference`. One harness serves `fdpp check` and `cargo test`: the same cases, the same
 //! poison and guard checks, the same NMSE limits, whatever the backend.
 
+pub mod attention;
 pub mod gemm;
 
 use serde::Serialize;
 
+pub use attention::{attention_cases, attention_cases_quick, check_attention, AttnCase, AttnCheckRow};
 pub use gemm::{check_gemm, gemm_cases, gemm_cases_quick, GemmCase, GUARD_ELEMS};
 
 use crate::backend::BackendKind;

@@ -5,7 +5,10 @@ use clap::{Args, ValueEnum};
 
 use super::Format;
 use crate::backend::{open, probe_all, Backend, BackendChoice, BackendKind};
-use crate::check::{check_gemm, gemm_cases, gemm_cases_quick, tally, CheckRow};
+use crate::check::{
+    attention_cases, attention_cases_quick, check_attention, check_gemm, gemm_cases, gemm_cases_quick, tally,
+    AttnCheckRow, CheckRow, Status,
+};
 
 /// `--backend` of `fdpp check`: one backend, `auto`, or `all` present on this machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
@@ -19,8 +22,24 @@ pub enum CheckBackend {
     All,
 }
 
+/// `--op` of `fdpp check`: which op families to check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
+pub enum CheckOp {
+    /// GEMM and attention.
+    #[default]
+    All,
+    Gemm,
+    /// Decode and prefill attention, sync and async softmax.
+    Attention,
+}
+
 #[derive(Args, Debug)]
 pub struct CheckArgs {
+    /// Op families to check. With `all`, md and csv print the GEMM table then the attention
+    /// table (separated by a blank line), and json one array holding both kinds of rows (each
+    /// row names its `op`).
+    #[arg(long, value_enum, default_value_t = CheckOp::All)]
+    pub op: CheckOp,
     #[arg(long, value_enum, default_value_t = CheckBackend::Auto)]
     pub backend: CheckBackend,
     /// Device ordinal of a GPU backend.
@@ -44,16 +63,33 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         CheckBackend::Rocm => vec![BackendChoice::Rocm],
         CheckBackend::All => all_available(),
     };
-    let cases = if a.quick { gemm_cases_quick() } else { gemm_cases() };
+    let (gemm, attn) = match a.op {
+        CheckOp::All => (true, true),
+        CheckOp::Gemm => (true, false),
+        CheckOp::Attention => (false, true),
+    };
+    let cases = match (gemm, a.quick) {
+        (false, _) => vec![],
+        (true, true) => gemm_cases_quick(),
+        (true, false) => gemm_cases(),
+    };
+    let attn_cases = match (attn, a.quick) {
+        (false, _) => vec![],
+        (true, true) => attention_cases_quick(),
+        (true, false) => attention_cases(),
+    };
     let mut rows = Vec::new();
+    let mut attn_rows = Vec::new();
     for choice in choices {
         let (any, note) = open(choice, a.device).context("fdpp check: opening the backend")?;
         eprintln!("{note}");
         let got = crate::with_backend!(&any, b => check_backend(b, &cases, a.seed))?;
         rows.extend(got);
+        let got = crate::with_backend!(&any, b => check_backend_attention(b, &attn_cases, a.seed))?;
+        attn_rows.extend(got);
     }
-    println!("{}", render(&rows, a.format)?);
-    let (passed, failed, skipped) = tally(&rows);
+    println!("{}", render_all(&rows, &attn_rows, gemm, attn, a.format)?);
+    let (passed, failed, skipped) = add3(tally(&rows), attn_tally(&attn_rows));
     eprintln!("{passed} passed, {failed} failed, {skipped} skipped");
     if failed > 0 {
         bail!("{failed} of {} checks failed", passed + failed);
@@ -96,6 +132,132 @@ fn check_backend<B: Backend>(b: &B, cases: &[crate::check::GemmCase], seed: u64)
         rows.extend(got);
     }
     Ok(rows)
+}
+
+/// Every attention case (sync and async softmax) on one backend.
+fn check_backend_attention<B: Backend>(
+    b: &B,
+    cases: &[crate::check::AttnCase],
+    seed: u64,
+) -> anyhow::Result<Vec<AttnCheckRow>> {
+    if cases.is_empty() {
+        return Ok(vec![]);
+    }
+    let rows = check_attention(b, cases, seed).with_context(|| format!("{} attention", b.info().backend))?;
+    for r in &rows {
+        if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
+            eprintln!("FAIL {} {}: {reason}", r.spec, r.case);
+        }
+    }
+    Ok(rows)
+}
+
+fn add3(a: (usize, usize, usize), b: (usize, usize, usize)) -> (usize, usize, usize) {
+    (a.0 + b.0, a.1 + b.1, a.2 + b.2)
+}
+
+/// Counts of (passed, failed, skipped) attention rows.
+fn attn_tally(rows: &[AttnCheckRow]) -> (usize, usize, usize) {
+    rows.iter().fold((0, 0, 0), |(p, f, s), r| match r.status {
+        Status::Pass => (p + 1, f, s),
+        Status::Fail(_) => (p, f + 1, s),
+        Status::Skipped(_) => (p, f, s + 1),
+    })
+}
+
+/// The tables of the op families that were checked (see [`CheckArgs::op`]).
+fn render_all(
+    rows: &[CheckRow],
+    attn: &[AttnCheckRow],
+    gemm_on: bool,
+    attn_on: bool,
+    format: Format,
+) -> anyhow::Result<String> {
+    if format == Format::Json {
+        let mut all: Vec<serde_json::Value> = Vec::new();
+        for r in rows {
+            all.push(serde_json::to_value(r)?);
+        }
+        for r in attn {
+            all.push(serde_json::to_value(r)?);
+        }
+        return Ok(serde_json::to_string_pretty(&all)?);
+    }
+    let mut parts = Vec::new();
+    if gemm_on {
+        parts.push(render(rows, format)?);
+    }
+    if attn_on {
+        parts.push(render_attention(attn, format)?);
+    }
+    Ok(parts.join("\n\n"))
+}
+
+/// Attention rows as md or csv (json goes through [`render_all`]).
+fn render_attention(rows: &[AttnCheckRow], format: Format) -> anyhow::Result<String> {
+    let num = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
+    let count = |v: Option<usize>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
+    match format {
+        Format::Json => Ok(serde_json::to_string_pretty(rows)?),
+        Format::Csv => {
+            let mut w = csv::Writer::from_writer(Vec::new());
+            w.write_record([
+                "backend",
+                "op",
+                "spec",
+                "case",
+                "dtype",
+                "scheme",
+                "rows",
+                "recomputed",
+                "nmse",
+                "max_rel_err",
+                "status",
+                "reason",
+            ])?;
+            for r in rows {
+                w.write_record([
+                    r.backend.name(),
+                    &r.op,
+                    &r.spec,
+                    &r.case,
+                    r.dtype.name(),
+                    &r.scheme,
+                    &count(r.rows),
+                    &count(r.recomputed),
+                    &num(r.nmse),
+                    &num(r.max_rel_err),
+                    r.status.label(),
+                    r.status.reason().unwrap_or(""),
+                ])?;
+            }
+            Ok(String::from_utf8(w.into_inner()?)?.trim_end().to_string())
+        }
+        Format::Md => {
+            let mut s = String::from(
+                "| backend | spec | case | recomputed / rows | NMSE | max rel err | status |\n\
+                 |---|---|---|---:|---:|---:|---|\n",
+            );
+            for r in rows {
+                let status = match r.status.reason() {
+                    Some(reason) => format!("{}: {}", r.status.label(), reason.replace('|', "/")),
+                    None => r.status.label().to_string(),
+                };
+                s.push_str(&format!(
+                    "| {} | {} | {} | {} / {} | {} | {} | {} |\n",
+                    r.backend,
+                    r.spec,
+                    r.case,
+                    count(r.recomputed),
+                    count(r.rows),
+                    num(r.nmse),
+                    num(r.max_rel_err),
+                    status
+                ));
+            }
+            Ok(s.trim_end().to_string())
+        }
+    }
 }
 
 fn render(rows: &[CheckRow], format: Format) -> anyhow::Result<String> {
@@ -216,5 +378,43 @@ mod tests {
         assert_eq!(v[1]["m"], 3);
         assert!(v[1]["reason"].as_str().is_some_and(|r| r.starts_with("NMSE")));
         assert!(v[0].get("reason").is_none());
+    }
+
+    #[test]
+    fn attention_rows_render_in_every_format() {
+        use crate::check::attention::AttnKind;
+        let row = AttnCheckRow {
+            backend: BackendKind::Cpu,
+            op: "attention".into(),
+            spec: "decode_async_f16".into(),
+            kind: AttnKind::Decode,
+            case: "h4/kv1 d128 kv=[97,1000] force=overflow".into(),
+            dtype: DType::F16,
+            scheme: "async(phi=0,a=-12,b=12)".into(),
+            rows: Some(8),
+            recomputed: Some(1),
+            nmse: Some(5e-8),
+            max_rel_err: Some(2e-4),
+            status: Status::Pass,
+        };
+        let csv = render_attention(std::slice::from_ref(&row), Format::Csv).expect("csv");
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(
+            lines[1].contains("\"h4/kv1 d128 kv=[97,1000] force=overflow\""),
+            "{}",
+            lines[1]
+        );
+        assert!(lines[1].contains(",8,1,"), "{}", lines[1]);
+        let md = render_attention(std::slice::from_ref(&row), Format::Md).expect("md");
+        for line in md.lines() {
+            assert_eq!(line.matches('|').count(), 8, "{line}");
+        }
+        assert!(md.contains("| 1 / 8 |"));
+        let all = render_all(&rows(), &[row], true, true, Format::Json).expect("json");
+        let v: serde_json::Value = serde_json::from_str(&all).expect("parse");
+        assert_eq!(v.as_array().map(|a| a.len()), Some(4));
+        assert_eq!(v[3]["op"], "attention");
+        assert_eq!(v[3]["recomputed"], 1);
     }
 }

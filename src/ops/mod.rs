@@ -1,3 +1,4 @@
 //! Op descriptions: parameters, FLOP and byte counts, validation. One file per op family.
 
+pub mod attention;
 pub mod gemm;

@@ -1,3 +1,4 @@
 //! Slow, obviously correct oracles with f64 accumulation. Every fast path is checked against these.
 
+pub mod attention;
 pub mod gemm;

@@ -6,6 +6,7 @@
 //! fp32 sums into y transposed ([N, M], so that a task owning a run of rows of W owns a
 //! contiguous run of the output), and the result is narrowed into y at the end.
 
+mod attention;
 mod flat_gemm;
 mod gemm;
 mod gemv;
@@ -19,6 +20,8 @@ use rayon::prelude::*;
 use super::{Backend, BackendKind, BackendStatus, DeviceBuffer, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
+use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 
 pub struct CpuBuffer {
@@ -122,6 +125,39 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn attention_decode(
+        &self,
+        p: &DecodeParams,
+        q: &CpuBuffer,
+        kv: &PagedKv<CpuBuffer>,
+        out: &mut CpuBuffer,
+    ) -> Result<AttnStats> {
+        p.validate(&kv.layout, q.len(), out.len(), (kv.k.len(), kv.v.len()))?;
+        check_dtypes("attention_decode", p.dtype, &[q, &kv.k, &kv.v, out])?;
+        let units = self.info.compute_units as usize;
+        attention::decode(p, &kv.layout, units, &q.data, (&kv.k.data, &kv.v.data), &mut out.data)
+    }
+
+    fn attention_prefill(
+        &self,
+        p: &PrefillParams,
+        q: &CpuBuffer,
+        k: &CpuBuffer,
+        v: &CpuBuffer,
+        kv: &mut PagedKv<CpuBuffer>,
+        out: &mut CpuBuffer,
+    ) -> Result<AttnStats> {
+        p.validate(
+            &kv.layout,
+            (q.len(), out.len()),
+            (k.len(), v.len()),
+            (kv.k.len(), kv.v.len()),
+        )?;
+        check_dtypes("attention_prefill", p.dtype, &[q, k, v, &kv.k, &kv.v, out])?;
+        let pools = (&mut kv.k.data[..], &mut kv.v.data[..]);
+        attention::prefill(p, &kv.layout, &q.data, (&k.data, &v.data), pools, &mut out.data)
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
@@ -154,6 +190,17 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Every buffer of an attention call must hold the params' dtype.
+fn check_dtypes(op: &str, dtype: DType, bufs: &[&CpuBuffer]) -> Result<()> {
+    match bufs.iter().find(|b| b.dtype != dtype) {
+        Some(b) => Err(FdppError::InvalidArgument(format!(
+            "{op}: a buffer holds {}, the call is {dtype}; every buffer must be {dtype}",
+            b.dtype
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// SHA-256 (first 16 hex digits) of the kernel sources compiled into this binary, so that a
 /// profile timed with other CPU kernels is recognised as such.
 fn kernel_source_hash() -> String {
@@ -164,6 +211,7 @@ fn kernel_source_hash() -> String {
         include_str!("gemv.rs"),
         include_str!("flat_gemm.rs"),
         include_str!("gemm.rs"),
+        include_str!("attention.rs"),
     ] {
         h.update(src.as_bytes());
     }

@@ -1,0 +1,442 @@
+//! CPU attention over the paged KV cache, with the structure the GPU kernels have (so that the
+//! schemes, the split/combine arithmetic and the recompute rule are exercised without a GPU):
+//!
+//! - decode is split-KV (Flash-Decoding): one task per (sequence, kv head, split) serves the
+//!   whole GQA head group, producing one partial (m, l, acc) per query head; a combine step
+//!   merges the splits of each row;
+//! - prefill writes the new K and V into the pools, then one task per new token attends
+//!   causally, walking the keys in tiles of [`TILE`] as a FlashAttention-2 block does;
+//! - `sync`: running max, partial sums rescaled when it grows (within a split, tile by tile, and
+//!   again in the combine); `async` (FlashDecoding++ §3): every term is e^(x−φ), no max and no
+//!   rescale, the combine is a plain sum, and rows that leave [a, b] are recomputed with `sync`.
+//!
+//! Accumulation is fp32 throughout; q is pre-multiplied by 1/√d once.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kv::paged::{write_tokens, PagedKvLayout};
+use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+
+/// Keys per tile: the sync scheme updates its running max once per tile (as a GPU block does
+/// per KV tile), not per key.
+pub const TILE: usize = 32;
+
+/// Partial softmax state of one row over one range of keys.
+#[derive(Clone, Debug)]
+struct Partial {
+    /// The reference the terms are taken against: the running max (sync) or φ (async).
+    m: f32,
+    /// Σ e^(x − m).
+    l: f32,
+    /// Σ e^(x − m) · v.
+    acc: Vec<f32>,
+    /// Largest score seen (async flag test).
+    max_x: f32,
+    /// Some x − φ > b was met (async).
+    over: bool,
+}
+
+impl Partial {
+    fn empty(d: usize, m: f32) -> Self {
+        Partial {
+            m,
+            l: 0.0,
+            acc: vec![0.0; d],
+            max_x: f32::NEG_INFINITY,
+            over: false,
+        }
+    }
+}
+
+/// Where the rows of one (sequence, kv head) lie in a pool.
+struct SeqView<'a> {
+    layout: &'a PagedKvLayout,
+    pages: &'a [i32],
+    kv_head: usize,
+}
+
+impl SeqView<'_> {
+    /// Token t's head_dim run. Tables are validated before any kernel runs, so every page
+    /// lies in the pool.
+    fn row<'p>(&self, pool: &'p [u16], t: usize) -> &'p [u16] {
+        let l = self.layout;
+        let page = self.pages[t / l.page_size] as usize;
+        let at = l.offset(page, t % l.page_size, self.kv_head);
+        &pool[at..at + l.head_dim]
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    for (x, y) in ca.zip(cb) {
+        for i in 0..4 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ca_tail(a, b);
+    (s[0] + s[1]) + (s[2] + s[3]) + tail
+}
+
+/// The products past the last multiple of 4 (none for the supported head dims).
+fn ca_tail(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len()) / 4 * 4;
+    a[n..].iter().zip(&b[n..]).map(|(x, y)| x * y).sum()
+}
+
+/// Accumulates keys `range` into `p` with the given scheme. `qs` is q · 1/√d in f32.
+#[allow(clippy::too_many_arguments)]
+fn accumulate<'a>(
+    dt: DType,
+    scheme: SoftmaxScheme,
+    qs: &[f32],
+    range: Range<usize>,
+    key: &dyn Fn(usize) -> &'a [u16],
+    val: &dyn Fn(usize) -> &'a [u16],
+    p: &mut Partial,
+    scratch: &mut Vec<f32>,
+) {
+    let d = qs.len();
+    scratch.resize(d + TILE, 0.0);
+    let (row, xs) = scratch.split_at_mut(d);
+    let mut start = range.start;
+    while start < range.end {
+        let end = (start + TILE).min(range.end);
+        let n = end - start;
+        for (i, t) in (start..end).enumerate() {
+            dt.widen(key(t), row);
+            xs[i] = dot(qs, row);
+        }
+        let tile_max = xs[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        p.max_x = p.max_x.max(tile_max);
+        match scheme {
+            SoftmaxScheme::Sync => {
+                if tile_max > p.m {
+                    // The running max grew: rescale what was summed against the old one.
+                    let f = (p.m - tile_max).exp();
+                    p.l *= f;
+                    p.acc.iter_mut().for_each(|a| *a *= f);
+                    p.m = tile_max;
+                }
+            }
+            SoftmaxScheme::Async { phi, b, .. } => {
+                p.over |= tile_max - phi > b;
+            }
+        }
+        for (i, t) in (start..end).enumerate() {
+            let w = (xs[i] - p.m).exp();
+            p.l += w;
+            dt.widen(val(t), row);
+            p.acc.iter_mut().zip(row.iter()).for_each(|(a, &v)| *a += w * v);
+        }
+        start = end;
+    }
+}
+
+/// Merges split partials into (l, acc). Sync partials carry their own max and are rescaled to
+/// the largest; async partials share φ and are summed. None: the row is flagged (async only).
+fn combine(scheme: SoftmaxScheme, parts: &[&Partial], d: usize) -> Option<(f32, Vec<f32>)> {
+    let mut acc = vec![0f32; d];
+    match scheme {
+        SoftmaxScheme::Sync => {
+            let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.m));
+            let mut l = 0f32;
+            for p in parts.iter().filter(|p| p.l > 0.0) {
+                let f = (p.m - m).exp();
+                l += p.l * f;
+                acc.iter_mut().zip(&p.acc).for_each(|(a, &v)| *a += v * f);
+            }
+            Some((l, acc))
+        }
+        SoftmaxScheme::Async { phi, a, .. } => {
+            let max_x = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max_x));
+            let over = parts.iter().any(|p| p.over);
+            let l: f32 = parts.iter().map(|p| p.l).sum();
+            for p in parts {
+                acc.iter_mut().zip(&p.acc).for_each(|(s, &v)| *s += v);
+            }
+            let finite = l.is_finite() && l > 0.0 && acc.iter().all(|v| v.is_finite());
+            (!over && max_x - phi >= a && finite).then_some((l, acc))
+        }
+    }
+}
+
+fn start_of(scheme: SoftmaxScheme) -> f32 {
+    match scheme {
+        SoftmaxScheme::Sync => f32::NEG_INFINITY,
+        SoftmaxScheme::Async { phi, .. } => phi,
+    }
+}
+
+/// q rows widened and scaled by 1/√d.
+fn scaled_q(dt: DType, q: &[u16], scale: f32) -> Vec<f32> {
+    let mut qf = vec![0f32; q.len()];
+    dt.widen(q, &mut qf);
+    qf.iter_mut().for_each(|v| *v *= scale);
+    qf
+}
+
+/// Split-KV decode. `compute_units` stands in for the SM count when choosing the splits.
+/// Params and buffers are validated by the caller.
+pub fn decode(
+    p: &DecodeParams,
+    layout: &PagedKvLayout,
+    compute_units: usize,
+    q: &[u16],
+    pools: (&[u16], &[u16]),
+    out: &mut [u16],
+) -> Result<AttnStats> {
+    let g = p.geom;
+    let (bsz, h, kvh, grp, d, dt) = (p.batch(), g.num_heads, g.num_kv_heads, g.group(), g.head_dim, p.dtype);
+    let max_len = (0..bsz).map(|b| p.tables.seq_len(b)).max().unwrap_or(1);
+    let splits = p
+        .num_splits
+        .unwrap_or_else(|| num_splits(bsz, kvh, max_len, compute_units));
+    let qf = scaled_q(dt, &q[..bsz * h * d], g.scale());
+    let tb = &p.tables;
+    let view = |b: usize, kv_head: usize| SeqView {
+        layout,
+        pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
+        kv_head,
+    };
+    let split_range = |b: usize, s: usize| {
+        let len = tb.seq_len(b);
+        let chunk = len.div_ceil(splits);
+        (s * chunk).min(len)..((s + 1) * chunk).min(len)
+    };
+    // The partials of one (sequence, kv head, split) task: one per query head of the group.
+    let run = |scheme: SoftmaxScheme, b: usize, kv_head: usize, s: usize, heads: Range<usize>| -> Vec<Partial> {
+        let v = view(b, kv_head);
+        let key = |t: usize| v.row(pools.0, t);
+        let val = |t: usize| v.row(pools.1, t);
+        let mut scratch = Vec::new();
+        heads
+            .map(|head| {
+                let mut part = Partial::empty(d, start_of(scheme));
+                let qs = &qf[(b * h + head) * d..(b * h + head + 1) * d];
+                accumulate(dt, scheme, qs, split_range(b, s), &key, &val, &mut part, &mut scratch);
+                part
+            })
+            .collect()
+    };
+    let tasks: Vec<Vec<Partial>> = (0..bsz * kvh * splits)
+        .into_par_iter()
+        .map(|i| {
+            let (b, kv_head, s) = (i / (kvh * splits), (i / splits) % kvh, i % splits);
+            run(p.scheme, b, kv_head, s, kv_head * grp..(kv_head + 1) * grp)
+        })
+        .collect();
+    // Combine: one task per row.
+    let recomputed: usize = out[..bsz * h * d]
+        .par_chunks_mut(d)
+        .enumerate()
+        .map(|(row, o)| {
+            let (b, head) = (row / h, row % h);
+            let kv_head = head / grp;
+            let parts: Vec<&Partial> = (0..splits)
+                .map(|s| &tasks[(b * kvh + kv_head) * splits + s][head % grp])
+                .collect();
+            let (res, again) = match combine(p.scheme, &parts, d) {
+                Some(r) => (r, 0),
+                None => {
+                    // Flagged by the async scheme: the whole row again with the sync scheme.
+                    let redo: Vec<Partial> = (0..splits)
+                        .map(|s| run(SoftmaxScheme::Sync, b, kv_head, s, head..head + 1).remove(0))
+                        .collect();
+                    let refs: Vec<&Partial> = redo.iter().collect();
+                    (
+                        combine(SoftmaxScheme::Sync, &refs, d).unwrap_or((1.0, vec![f32::NAN; d])),
+                        1,
+                    )
+                }
+            };
+            write_row(dt, &res, o);
+            again
+        })
+        .sum();
+    Ok(AttnStats {
+        rows: bsz * h,
+        recomputed,
+    })
+}
+
+fn write_row(dt: DType, (l, acc): &(f32, Vec<f32>), o: &mut [u16]) {
+    let inv = 1.0 / l;
+    for (d, &a) in o.iter_mut().zip(acc) {
+        *d = dt.from_f32(a * inv);
+    }
+}
+
+/// Causal prefill: writes k and v into the pools, then attends. Params and buffers are
+/// validated by the caller.
+pub fn prefill(
+    p: &PrefillParams,
+    layout: &PagedKvLayout,
+    q: &[u16],
+    kv_new: (&[u16], &[u16]),
+    pools: (&mut [u16], &mut [u16]),
+    out: &mut [u16],
+) -> Result<AttnStats> {
+    let g = p.geom;
+    let (h, grp, d, dt) = (g.num_heads, g.group(), g.head_dim, p.dtype);
+    let kvd = g.num_kv_heads * d;
+    let spans = p.spans();
+    for (b, &(row0, prefix, n)) in spans.iter().enumerate() {
+        let table = p.tables.table(b);
+        write_tokens(layout, pools.0, &table, prefix, &kv_new.0[row0 * kvd..(row0 + n) * kvd])?;
+        write_tokens(layout, pools.1, &table, prefix, &kv_new.1[row0 * kvd..(row0 + n) * kvd])?;
+    }
+    let (kp, vp): (&[u16], &[u16]) = (pools.0, pools.1);
+    let tokens = p.tokens();
+    let qf = scaled_q(dt, &q[..tokens * h * d], g.scale());
+    let seq_of: Vec<usize> = spans
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &(_, _, n))| std::iter::repeat_n(b, n))
+        .collect();
+    let tb = &p.tables;
+    let recomputed: usize = out[..tokens * h * d]
+        .par_chunks_mut(h * d)
+        .enumerate()
+        .map(|(tok, o)| {
+            let b = seq_of[tok];
+            let (row0, prefix, _) = spans[b];
+            let keys = 0..prefix + (tok - row0) + 1;
+            let pages = &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages];
+            let mut scratch = Vec::new();
+            let mut again = 0;
+            for (head, oh) in o.chunks_exact_mut(d).enumerate() {
+                let v = SeqView {
+                    layout,
+                    pages,
+                    kv_head: head / grp,
+                };
+                let key = |t: usize| v.row(kp, t);
+                let val = |t: usize| v.row(vp, t);
+                let qs = &qf[(tok * h + head) * d..(tok * h + head + 1) * d];
+                let one = |scheme: SoftmaxScheme, scratch: &mut Vec<f32>| {
+                    let mut part = Partial::empty(d, start_of(scheme));
+                    accumulate(dt, scheme, qs, keys.clone(), &key, &val, &mut part, scratch);
+                    combine(scheme, &[&part], d)
+                };
+                let res = match one(p.scheme, &mut scratch) {
+                    Some(r) => r,
+                    None => {
+                        again += 1;
+                        one(SoftmaxScheme::Sync, &mut scratch).unwrap_or((1.0, vec![f32::NAN; d]))
+                    }
+                };
+                write_row(dt, &res, oh);
+            }
+            again
+        })
+        .sum();
+    Ok(AttnStats {
+        rows: tokens * h,
+        recomputed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: usize = 4;
+
+    /// Keys whose scores (with q = (1, 0, 0, 0) and no scale) are `xs`, values v_t = (t, 1, −t, 2).
+    fn rows(xs: &[f32]) -> (Vec<Vec<u16>>, Vec<Vec<u16>>) {
+        let dt = DType::F16;
+        let k = xs.iter().map(|&x| vec![dt.from_f32(x), 0, 0, 0]).collect();
+        let v = (0..xs.len())
+            .map(|t| {
+                [t as f32, 1.0, -(t as f32), 2.0]
+                    .iter()
+                    .map(|&x| dt.from_f32(x))
+                    .collect()
+            })
+            .collect();
+        (k, v)
+    }
+
+    fn run(scheme: SoftmaxScheme, xs: &[f32], splits: &[Range<usize>]) -> (Vec<Partial>, Option<(f32, Vec<f32>)>) {
+        let (k, v) = rows(xs);
+        let key = |t: usize| k[t].as_slice();
+        let val = |t: usize| v[t].as_slice();
+        let q = [1.0, 0.0, 0.0, 0.0];
+        let mut scratch = Vec::new();
+        let parts: Vec<Partial> = splits
+            .iter()
+            .map(|r| {
+                let mut p = Partial::empty(D, start_of(scheme));
+                accumulate(DType::F16, scheme, &q, r.clone(), &key, &val, &mut p, &mut scratch);
+                p
+            })
+            .collect();
+        let refs: Vec<&Partial> = parts.iter().collect();
+        let c = combine(scheme, &refs, D);
+        (parts, c)
+    }
+
+    fn normalised((l, acc): (f32, Vec<f32>)) -> Vec<f32> {
+        acc.iter().map(|a| a / l).collect()
+    }
+
+    #[test]
+    fn async_sums_against_phi_and_agrees_with_sync() {
+        // 70 scores over three tiles and two splits, inside [a, b] around φ = 1.
+        let xs: Vec<f32> = (0..70).map(|t| ((t * 7 % 13) as f32) * 0.5 - 2.0).collect();
+        let scheme = SoftmaxScheme::Async {
+            phi: 1.0,
+            a: -10.0,
+            b: 10.0,
+        };
+        let splits = [0..40, 40..70];
+        let (parts, got) = run(scheme, &xs, &splits);
+        // No rescale: each split's l is Σ e^(x − φ) of its own keys.
+        let want: f32 = xs[..40].iter().map(|x| (x - 1.0).exp()).sum();
+        assert!((parts[0].l - want).abs() < 1e-4 * want, "{} vs {want}", parts[0].l);
+        let (_, sync) = run(SoftmaxScheme::Sync, &xs, &splits);
+        let (a, s) = (normalised(got.expect("not flagged")), normalised(sync.expect("sync")));
+        for (x, y) in a.iter().zip(&s) {
+            assert!((x - y).abs() < 1e-4, "{a:?} vs {s:?}");
+        }
+    }
+
+    #[test]
+    fn rows_leaving_the_window_are_flagged_exactly_at_its_edges() {
+        let scheme = SoftmaxScheme::Async {
+            phi: 0.0,
+            a: -4.0,
+            b: 4.0,
+        };
+        let one = |xs: &[f32]| run(scheme, xs, std::slice::from_ref(&(0..xs.len()))).1.is_some();
+        // x − φ = b is inside; one score past b in any split flags the row.
+        assert!(one(&[4.0, 0.0, -1.0]));
+        assert!(!one(&[4.5, 0.0, -1.0]));
+        assert!(run(scheme, &[0.0, 1.0, 4.5], &[0..2, 2..3]).1.is_none());
+        // The row's max at a is inside; every score below a flags it.
+        assert!(one(&[-4.0, -9.0]));
+        assert!(!one(&[-4.5, -9.0]));
+        // An underflowing split is fine when another split holds the max.
+        assert!(run(scheme, &[-9.0, -8.0, 0.5], &[0..2, 2..3]).1.is_some());
+    }
+
+    #[test]
+    fn sync_rescales_when_the_max_grows_and_the_combine_weights_splits() {
+        // Rising scores (exact in f16): the running max grows in every tile.
+        let xs: Vec<f32> = (0..100).map(|t| t as f32 * 0.125).collect();
+        let (parts, got) = run(SoftmaxScheme::Sync, &xs, &[0..50, 50..100]);
+        assert_eq!(parts[0].m, xs[49]);
+        assert_eq!(parts[1].m, xs[99]);
+        let out = normalised(got.expect("sync never flags"));
+        let w: Vec<f64> = xs.iter().map(|&x| (x as f64 - 12.375).exp()).collect();
+        let l: f64 = w.iter().sum();
+        let want0: f64 = w.iter().enumerate().map(|(t, p)| p * t as f64).sum::<f64>() / l;
+        assert!((out[0] as f64 - want0).abs() < 1e-3 * want0, "{} vs {want0}", out[0]);
+        assert!((out[1] - 1.0).abs() < 1e-5 && (out[3] - 2.0).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,652 @@
+//! Attention checks: decode and prefill, each under the sync and the async softmax, against the
+//! f64 two-pass reference (`crate::reference::attention`).
+//!
+//! Per case: fresh random q, k, v and pools (every page, used or not, holds random values; the
+//! pages of a sequence are scattered through the pool, so a kernel that reads the wrong page is
+//! seen), the output poisoned and followed by a guard, the NMSE judged per dtype. On top:
+//! - prefill must leave the pools exactly as the reference writes them (new K and V at their
+//!   block-table positions, nothing else touched);
+//! - async must agree with sync and recompute nothing on ordinary inputs, and must recompute at
+//!   least one row (and still match the reference) on inputs built to leave [a, b].
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use super::{Status, GUARD_ELEMS};
+use crate::backend::{Backend, BackendKind};
+use crate::dtype::{random_bits, DType};
+use crate::error::{FdppError, Result};
+use crate::kv::paged::{write_tokens, BlockTable, FlatBlockTables, PagedKv, PagedKvLayout, DEFAULT_PAGE_SIZE};
+use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::reference::attention::{decode_ref, prefill_ref};
+use crate::reference::gemm::nmse;
+
+/// The async window of the checks: φ = 0, [a, b] = [−12, 12]. Scores of the random inputs stay
+/// within about ±6, so nothing is recomputed unless a case forces it.
+pub const CHECK_ASYNC: SoftmaxScheme = SoftmaxScheme::Async {
+    phi: 0.0,
+    a: -12.0,
+    b: 12.0,
+};
+
+/// Scale of the random q and k: uniform [−s, s) gives q·k/√d a standard deviation of s²/3 ≈ 1.5,
+/// a realistic spread of attention scores.
+const QK_SCALE: f32 = 2.1;
+
+/// NMSE limit of an attention output against the f64 reference. Looser than a GEMM's: a GPU
+/// kernel rounds the probabilities P to the 16-bit type before the PV product.
+pub fn attention_nmse_limit(dt: DType) -> f64 {
+    match dt {
+        DType::F16 => 2e-5,
+        DType::Bf16 => 2e-4,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttnKind {
+    Decode,
+    Prefill,
+}
+
+/// Inputs built to make the async scheme recompute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Force {
+    None,
+    /// One score of one row has x − φ ≥ b + 2.
+    Overflow,
+    /// Every score of one row has x − φ ≤ a − 2.
+    Underflow,
+}
+
+/// One attention case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnCase {
+    pub kind: AttnKind,
+    pub dtype: DType,
+    pub geom: AttnGeometry,
+    /// kv_len of each sequence after the step.
+    pub kv_lens: Vec<usize>,
+    /// Prefill: new tokens of each sequence (the rest is the cached prefix). Empty for decode.
+    pub new_lens: Vec<usize>,
+    pub page_size: usize,
+    pub force: Force,
+}
+
+impl AttnCase {
+    fn new(
+        kind: AttnKind,
+        dtype: DType,
+        hkd: (usize, usize, usize),
+        kv_lens: &[usize],
+        new_lens: &[usize],
+        force: Force,
+    ) -> Self {
+        AttnCase {
+            kind,
+            dtype,
+            geom: AttnGeometry {
+                num_heads: hkd.0,
+                num_kv_heads: hkd.1,
+                head_dim: hkd.2,
+            },
+            kv_lens: kv_lens.to_vec(),
+            new_lens: new_lens.to_vec(),
+            page_size: DEFAULT_PAGE_SIZE,
+            force,
+        }
+    }
+
+    /// e.g. `h8/kv2 d128 kv=[97,1000] new=[..] force=overflow`.
+    pub fn label(&self) -> String {
+        let list = |v: &[usize]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
+        let mut s = format!("{} kv=[{}]", self.geom.label(), list(&self.kv_lens));
+        if self.kind == AttnKind::Prefill {
+            s.push_str(&format!(" new=[{}]", list(&self.new_lens)));
+        }
+        match self.force {
+            Force::None => {}
+            Force::Overflow => s.push_str(" force=overflow"),
+            Force::Underflow => s.push_str(" force=underflow"),
+        }
+        s
+    }
+}
+
+/// One scheme on one case.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttnCheckRow {
+    pub backend: BackendKind,
+    /// "attention".
+    pub op: String,
+    /// e.g. `decode_async_f16`.
+    pub spec: String,
+    pub kind: AttnKind,
+    pub case: String,
+    pub dtype: DType,
+    pub scheme: String,
+    pub rows: Option<usize>,
+    pub recomputed: Option<usize>,
+    pub nmse: Option<f64>,
+    pub max_rel_err: Option<f64>,
+    #[serde(flatten)]
+    pub status: Status,
+}
+
+/// Cases per dtype shared by both lists: kv_len 1, 97 and 4097, GQA ratios 1, 4 and 8, a ragged
+/// batch, head_dim 64, 128 and 256, and one forced recompute of each kind for decode and prefill.
+fn cases_for(dt: DType, full: bool) -> Vec<AttnCase> {
+    use AttnKind::{Decode, Prefill};
+    let n = Force::None;
+    // (heads, kv_heads, head_dim): more heads in the full list.
+    let (r1, r4, r8) = if full {
+        ((8, 8, 128), (32, 8, 128), (32, 4, 64))
+    } else {
+        ((2, 2, 128), (4, 1, 128), (8, 1, 64))
+    };
+    vec![
+        AttnCase::new(Decode, dt, r1, &[1], &[], n),
+        AttnCase::new(Decode, dt, r4, &[97], &[], n),
+        AttnCase::new(Decode, dt, r8, &[4097], &[], n),
+        AttnCase::new(Decode, dt, r4, &[1, 97, 530, 4097], &[], n),
+        AttnCase::new(Decode, dt, (4, 2, 256), &[300], &[], n),
+        AttnCase::new(Decode, dt, r4, &[97, 1000], &[], Force::Overflow),
+        AttnCase::new(Decode, dt, r1, &[33, 97], &[], Force::Underflow),
+        AttnCase::new(Prefill, dt, r1, &[97], &[97], n),
+        AttnCase::new(Prefill, dt, r8, &[40, 97, 1], &[40, 20, 1], n),
+        AttnCase::new(Prefill, dt, r4, &[161], &[33], n),
+        AttnCase::new(Prefill, dt, r4, &[50, 70], &[50, 9], Force::Overflow),
+        AttnCase::new(Prefill, dt, r1, &[64, 30], &[16, 30], Force::Underflow),
+    ]
+}
+
+/// Every case of `fdpp check`, in f16 and bf16.
+pub fn attention_cases() -> Vec<AttnCase> {
+    [DType::F16, DType::Bf16]
+        .iter()
+        .flat_map(|&dt| cases_for(dt, true))
+        .collect()
+}
+
+/// The same shapes with fewer heads, for `cargo test` and `fdpp check --quick`.
+pub fn attention_cases_quick() -> Vec<AttnCase> {
+    [DType::F16, DType::Bf16]
+        .iter()
+        .flat_map(|&dt| cases_for(dt, false))
+        .collect()
+}
+
+/// Host inputs of one case.
+struct Inputs {
+    layout: PagedKvLayout,
+    tables: FlatBlockTables,
+    q: Vec<u16>,
+    /// Prefill only: the new tokens' k and v.
+    k_new: Vec<u16>,
+    v_new: Vec<u16>,
+    k_pool: Vec<u16>,
+    v_pool: Vec<u16>,
+}
+
+fn build_inputs(c: &AttnCase, seed: u64) -> Result<Inputs> {
+    let g = c.geom;
+    g.validate()?;
+    let dt = c.dtype;
+    // Scattered pages: a shuffled pool with 3 spare pages that no sequence owns.
+    let need: usize = c.kv_lens.iter().map(|&l| l.div_ceil(c.page_size)).sum();
+    let layout = PagedKvLayout::new(c.page_size, need + 3, g.num_kv_heads, g.head_dim, dt)?;
+    let mut ids: Vec<u32> = (0..layout.num_pages as u32).collect();
+    ids.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+    let mut next = ids.into_iter();
+    let tables: Vec<BlockTable> = c
+        .kv_lens
+        .iter()
+        .map(|&l| BlockTable {
+            pages: next.by_ref().take(l.div_ceil(c.page_size)).collect(),
+            seq_len: l,
+        })
+        .collect();
+    let tables = FlatBlockTables::new(&layout, &tables)?;
+    let tokens = match c.kind {
+        AttnKind::Decode => c.kv_lens.len(),
+        AttnKind::Prefill => c.new_lens.iter().sum(),
+    };
+    let kvd = g.num_kv_heads * g.head_dim;
+    let mut inp = Inputs {
+        layout,
+        tables,
+        q: random_bits(dt, tokens * g.num_heads * g.head_dim, QK_SCALE, seed ^ 1),
+        k_new: random_bits(dt, tokens * kvd, QK_SCALE, seed ^ 2),
+        v_new: random_bits(dt, tokens * kvd, 1.0, seed ^ 3),
+        k_pool: random_bits(dt, layout.pool_elems(), QK_SCALE, seed ^ 4),
+        v_pool: random_bits(dt, layout.pool_elems(), 1.0, seed ^ 5),
+    };
+    if c.kind == AttnKind::Decode {
+        inp.k_new.clear();
+        inp.v_new.clear();
+    }
+    force(c, &mut inp);
+    Ok(inp)
+}
+
+/// Where the key of position t of (sequence b, kv head) lives: in the pool, or (prefill, new
+/// tokens) in k_new.
+fn key_at<'a>(c: &AttnCase, inp: &'a mut Inputs, b: usize, kvh: usize, t: usize) -> &'a mut [u16] {
+    let d = c.geom.head_dim;
+    if c.kind == AttnKind::Prefill {
+        let prefix = c.kv_lens[b] - c.new_lens[b];
+        if t >= prefix {
+            let row = c.new_lens[..b].iter().sum::<usize>() + t - prefix;
+            let at = (row * c.geom.num_kv_heads + kvh) * d;
+            return &mut inp.k_new[at..at + d];
+        }
+    }
+    let table = inp.tables.table(b);
+    let page = table.pages[t / c.page_size] as usize;
+    let at = inp.layout.offset(page, t % c.page_size, kvh);
+    &mut inp.k_pool[at..at + d]
+}
+
+/// Rewrites one row's q or keys so that the async scheme must flag it. The target row is the
+/// last query of sequence 0 (overflow) or of the last sequence (underflow), head 0 or the last
+/// head; it attends to positions 0..=its own.
+fn force(c: &AttnCase, inp: &mut Inputs) {
+    let SoftmaxScheme::Async { phi, a, b: hi } = CHECK_ASYNC else {
+        return;
+    };
+    let (g, dt) = (c.geom, c.dtype);
+    let d = g.head_dim;
+    let sqrt_d = (d as f32).sqrt();
+    let (seq, head) = match c.force {
+        Force::None => return,
+        Force::Overflow => (0, 0),
+        Force::Underflow => (c.kv_lens.len() - 1, g.num_heads - 1),
+    };
+    let kvh = head / g.group();
+    // The q row of the target: the sequence's row (decode) or its last new token (prefill).
+    let qrow = match c.kind {
+        AttnKind::Decode => seq,
+        AttnKind::Prefill => c.new_lens[..=seq].iter().sum::<usize>() - 1,
+    };
+    let qat = (qrow * g.num_heads + head) * d;
+    let keys = c.kv_lens[seq];
+    match c.force {
+        Force::None => {}
+        Force::Overflow => {
+            // k_t = c · sign(q) for the middle key: q·k_t/√d = c · Σ|q| / √d = φ + b + 2.
+            let qv: Vec<f32> = inp.q[qat..qat + d].iter().map(|&x| dt.to_f32(x)).collect();
+            let l1: f32 = qv.iter().map(|x| x.abs()).sum();
+            let mag = (phi + hi + 2.0) * sqrt_d / l1.max(1e-3);
+            let k = key_at(c, inp, seq, kvh, keys / 2);
+            for (kk, &qq) in k.iter_mut().zip(&qv) {
+                *kk = dt.from_f32(if qq < 0.0 { -mag } else { mag });
+            }
+        }
+        Force::Underflow => {
+            // Every key of the row made non-negative (sign bit cleared), q = −m·(1, …, 1):
+            // every score is −m·Σ|k|/√d ≤ φ + a − 2.
+            let mut min_l1 = f32::INFINITY;
+            for t in 0..keys {
+                let k = key_at(c, inp, seq, kvh, t);
+                k.iter_mut().for_each(|x| *x &= 0x7fff);
+                min_l1 = min_l1.min(k.iter().map(|&x| dt.to_f32(x)).sum());
+            }
+            let m = -(phi + a - 2.0) * sqrt_d / min_l1.max(1e-3);
+            for x in &mut inp.q[qat..qat + d] {
+                *x = dt.from_f32(-m);
+            }
+        }
+    }
+}
+
+/// Runs every case under `Sync` and [`CHECK_ASYNC`]. A backend that declines (`Unsupported`)
+/// gives skipped rows; errors moving data end the check (`Err`).
+pub fn check_attention<B: Backend>(b: &B, cases: &[AttnCase], seed: u64) -> Result<Vec<AttnCheckRow>> {
+    let mut rows = Vec::new();
+    for (ci, c) in cases.iter().enumerate() {
+        let case_seed = mix(seed.wrapping_add(0xA77E_0000 + ci as u64));
+        let inp = build_inputs(c, case_seed)?;
+        let reference = match c.kind {
+            AttnKind::Decode => {
+                let p = decode_params(c, &inp, SoftmaxScheme::Sync);
+                decode_ref(&p, &inp.layout, &inp.q, &inp.k_pool, &inp.v_pool)
+            }
+            AttnKind::Prefill => {
+                let p = prefill_params(c, &inp, SoftmaxScheme::Sync);
+                prefill_ref(
+                    &p,
+                    &inp.layout,
+                    (&inp.q, &inp.k_new, &inp.v_new),
+                    &inp.k_pool,
+                    &inp.v_pool,
+                )
+            }
+        };
+        let mut sync_out: Option<Vec<f64>> = None;
+        for scheme in [SoftmaxScheme::Sync, CHECK_ASYNC] {
+            let mut row = AttnCheckRow {
+                backend: b.info().backend,
+                op: "attention".into(),
+                spec: format!(
+                    "{}_{}_{}",
+                    if c.kind == AttnKind::Decode {
+                        "decode"
+                    } else {
+                        "prefill"
+                    },
+                    scheme.name(),
+                    c.dtype
+                ),
+                kind: c.kind,
+                case: c.label(),
+                dtype: c.dtype,
+                scheme: scheme.label(),
+                rows: None,
+                recomputed: None,
+                nmse: None,
+                max_rel_err: None,
+                status: Status::Pass,
+            };
+            match run_one(b, c, &inp, scheme) {
+                Err(e @ FdppError::Unsupported { .. }) => row.status = Status::Skipped(e.to_string()),
+                Err(e) => row.status = Status::Fail(format!("run failed: {e}")),
+                Ok(Ran { stats, out, pools_ok }) => {
+                    row.rows = Some(stats.rows);
+                    row.recomputed = Some(stats.recomputed);
+                    judge(c, &out, &reference, &mut row);
+                    let out_f: Vec<f64> = out[..reference.len()]
+                        .iter()
+                        .map(|&x| c.dtype.to_f32(x) as f64)
+                        .collect();
+                    if row.status == Status::Pass {
+                        row.status = extra_checks(c, scheme, stats, &out_f, sync_out.as_deref(), pools_ok);
+                    }
+                    if scheme == SoftmaxScheme::Sync {
+                        sync_out = Some(out_f);
+                    }
+                }
+            }
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// SplitMix64's finaliser: unrelated input streams for consecutive case indices.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn decode_params(c: &AttnCase, inp: &Inputs, scheme: SoftmaxScheme) -> DecodeParams {
+    DecodeParams {
+        geom: c.geom,
+        dtype: c.dtype,
+        scheme,
+        tables: inp.tables.clone(),
+        num_splits: None,
+    }
+}
+
+fn prefill_params(c: &AttnCase, inp: &Inputs, scheme: SoftmaxScheme) -> PrefillParams {
+    PrefillParams {
+        geom: c.geom,
+        dtype: c.dtype,
+        scheme,
+        tables: inp.tables.clone(),
+        new_lens: c.new_lens.iter().map(|&n| n as i32).collect(),
+    }
+}
+
+struct Ran {
+    stats: AttnStats,
+    /// Output then guard.
+    out: Vec<u16>,
+    /// Prefill: None when the pools were left as the reference writes them, else why not.
+    pools_ok: Option<String>,
+}
+
+fn run_one<B: Backend>(b: &B, c: &AttnCase, inp: &Inputs, scheme: SoftmaxScheme) -> Result<Ran> {
+    let dt = c.dtype;
+    let mut kv = PagedKv {
+        layout: inp.layout,
+        k: b.upload(dt, &inp.k_pool)?,
+        v: b.upload(dt, &inp.v_pool)?,
+    };
+    let q = b.upload(dt, &inp.q)?;
+    let mut out = b.alloc(dt, inp.q.len() + GUARD_ELEMS)?;
+    b.fill(&mut out, dt.poison())?;
+    match c.kind {
+        AttnKind::Decode => {
+            let p = decode_params(c, inp, scheme);
+            let stats = b.attention_decode(&p, &q, &kv, &mut out)?;
+            b.synchronize()?;
+            Ok(Ran {
+                stats,
+                out: b.download(&out)?,
+                pools_ok: None,
+            })
+        }
+        AttnKind::Prefill => {
+            let p = prefill_params(c, inp, scheme);
+            let k = b.upload(dt, &inp.k_new)?;
+            let v = b.upload(dt, &inp.v_new)?;
+            let stats = b.attention_prefill(&p, &q, &k, &v, &mut kv, &mut out)?;
+            b.synchronize()?;
+            let pools_ok = expected_pools(&p, inp).and_then(|(ek, ev)| {
+                let gk = b.download(&kv.k)?;
+                let gv = b.download(&kv.v)?;
+                Ok(first_diff(&ek, &gk)
+                    .map(|i| format!("K pool differs from the expected write at element {i}"))
+                    .or_else(|| {
+                        first_diff(&ev, &gv).map(|i| format!("V pool differs from the expected write at element {i}"))
+                    }))
+            })?;
+            Ok(Ran {
+                stats,
+                out: b.download(&out)?,
+                pools_ok,
+            })
+        }
+    }
+}
+
+/// The pools after a prefill: the new tokens written at their positions, every other element
+/// as before.
+fn expected_pools(p: &PrefillParams, inp: &Inputs) -> Result<(Vec<u16>, Vec<u16>)> {
+    let (mut k, mut v) = (inp.k_pool.clone(), inp.v_pool.clone());
+    let kvd = inp.layout.token_elems();
+    for (b, &(row0, prefix, n)) in p.spans().iter().enumerate() {
+        let t = p.tables.table(b);
+        write_tokens(
+            &inp.layout,
+            &mut k,
+            &t,
+            prefix,
+            &inp.k_new[row0 * kvd..(row0 + n) * kvd],
+        )?;
+        write_tokens(
+            &inp.layout,
+            &mut v,
+            &t,
+            prefix,
+            &inp.v_new[row0 * kvd..(row0 + n) * kvd],
+        )?;
+    }
+    Ok((k, v))
+}
+
+fn first_diff(a: &[u16], b: &[u16]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// Output finite (no poison left), guard intact, NMSE within [`attention_nmse_limit`].
+fn judge(c: &AttnCase, out: &[u16], reference: &[f64], row: &mut AttnCheckRow) {
+    let (dt, len, d) = (c.dtype, reference.len(), c.geom.head_dim);
+    if out.len() != len + GUARD_ELEMS {
+        row.status = Status::Fail(format!(
+            "download returned {} elements, expected {}",
+            out.len(),
+            len + GUARD_ELEMS
+        ));
+        return;
+    }
+    let (y, guard) = out.split_at(len);
+    let y: Vec<f64> = y.iter().map(|&b| dt.to_f32(b) as f64).collect();
+    let err = nmse(&y, reference);
+    row.nmse = Some(err);
+    let scale = reference.iter().fold(0f64, |a, r| a.max(r.abs()));
+    let worst = y.iter().zip(reference).map(|(o, r)| (o - r).abs()).fold(0f64, f64::max);
+    let non_finite = y.iter().position(|v| !v.is_finite());
+    row.max_rel_err = Some(if non_finite.is_none() {
+        worst / scale.max(f64::MIN_POSITIVE)
+    } else {
+        f64::INFINITY
+    });
+    let per_row = c.geom.num_heads * d;
+    row.status = if let Some(i) = non_finite {
+        Status::Fail(format!(
+            "output not finite (never written?) at query row {} head {} element {}",
+            i / per_row,
+            (i % per_row) / d,
+            i % d
+        ))
+    } else if let Some(i) = guard.iter().position(|&g| g != dt.poison()) {
+        Status::Fail(format!("wrote past the end of the output: guard element {i} changed"))
+    } else if err > attention_nmse_limit(dt) {
+        let at = y
+            .iter()
+            .zip(reference)
+            .map(|(o, r)| (o - r).abs())
+            .enumerate()
+            .fold((0, -1f64), |best, (i, e)| if e > best.1 { (i, e) } else { best })
+            .0;
+        Status::Fail(format!(
+            "NMSE {err:.3e} > {:.1e}; worst at query row {} head {}: {} vs reference {:.6}",
+            attention_nmse_limit(dt),
+            at / per_row,
+            (at % per_row) / d,
+            y[at],
+            reference[at]
+        ))
+    } else {
+        Status::Pass
+    };
+}
+
+/// Pool writes, recompute counts and async/sync agreement.
+fn extra_checks(
+    c: &AttnCase,
+    scheme: SoftmaxScheme,
+    stats: AttnStats,
+    out: &[f64],
+    sync_out: Option<&[f64]>,
+    pools: Option<String>,
+) -> Status {
+    if let Some(why) = pools {
+        return Status::Fail(why);
+    }
+    let want_rows = out.len() / c.geom.head_dim;
+    if stats.rows != want_rows {
+        return Status::Fail(format!("reported {} rows, computed {want_rows}", stats.rows));
+    }
+    match (scheme, c.force) {
+        (SoftmaxScheme::Sync, _) if stats.recomputed != 0 => {
+            Status::Fail(format!("sync scheme reported {} recomputed rows", stats.recomputed))
+        }
+        (SoftmaxScheme::Async { .. }, Force::None) if stats.recomputed != 0 => Status::Fail(format!(
+            "async recomputed {} of {} rows on inputs inside [a, b]",
+            stats.recomputed, stats.rows
+        )),
+        (SoftmaxScheme::Async { .. }, Force::Overflow | Force::Underflow) if stats.recomputed == 0 => {
+            Status::Fail("inputs built to leave [a, b] were not recomputed".into())
+        }
+        (SoftmaxScheme::Async { .. }, _) => match sync_out {
+            Some(s) if nmse(out, s) > attention_nmse_limit(c.dtype) => {
+                Status::Fail(format!("async and sync outputs differ: NMSE {:.3e}", nmse(out, s)))
+            }
+            _ => Status::Pass,
+        },
+        _ => Status::Pass,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn case_lists_hold_what_the_issue_asks_for() {
+        for list in [attention_cases(), attention_cases_quick()] {
+            for dt in [DType::F16, DType::Bf16] {
+                let of: Vec<_> = list.iter().filter(|c| c.dtype == dt).collect();
+                for len in [1, 97, 4097] {
+                    assert!(of.iter().any(|c| c.kv_lens.contains(&len)), "{dt}: no kv_len {len}");
+                }
+                for ratio in [1, 4, 8] {
+                    assert!(of.iter().any(|c| c.geom.group() == ratio), "{dt}: no GQA ratio {ratio}");
+                }
+                for kind in [AttnKind::Decode, AttnKind::Prefill] {
+                    for f in [Force::Overflow, Force::Underflow] {
+                        assert!(
+                            of.iter().any(|c| c.kind == kind && c.force == f),
+                            "{dt}: {kind:?} {f:?}"
+                        );
+                    }
+                    assert!(
+                        of.iter()
+                            .any(|c| c.kind == kind && c.kv_lens.windows(2).any(|w| w[0] != w[1])),
+                        "{dt}: no ragged {kind:?} batch"
+                    );
+                }
+                for c in &of {
+                    c.geom.validate().expect("supported geometry");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn forced_inputs_leave_the_window() {
+        let SoftmaxScheme::Async { phi, a, b } = CHECK_ASYNC else {
+            panic!("CHECK_ASYNC is async")
+        };
+        for c in attention_cases_quick().iter().filter(|c| c.force != Force::None) {
+            let inp = build_inputs(c, 7).expect("inputs");
+            let g = c.geom;
+            let d = g.head_dim;
+            let (seq, head) = if c.force == Force::Overflow {
+                (0, 0)
+            } else {
+                (c.kv_lens.len() - 1, g.num_heads - 1)
+            };
+            let qrow = match c.kind {
+                AttnKind::Decode => seq,
+                AttnKind::Prefill => c.new_lens[..=seq].iter().sum::<usize>() - 1,
+            };
+            let q: Vec<f32> = inp.q[(qrow * g.num_heads + head) * d..][..d]
+                .iter()
+                .map(|&x| c.dtype.to_f32(x))
+                .collect();
+            let mut inp = inp;
+            let scores: Vec<f32> = (0..c.kv_lens[seq])
+                .map(|t| {
+                    let k = key_at(c, &mut inp, seq, head / g.group(), t);
+                    q.iter().zip(k.iter()).map(|(x, &y)| x * c.dtype.to_f32(y)).sum::<f32>() / (d as f32).sqrt()
+                })
+                .collect();
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            match c.force {
+                Force::Overflow => assert!(max - phi >= b + 1.0, "{}: max {max}", c.label()),
+                _ => assert!(max - phi <= a - 1.0, "{}: max {max}", c.label()),
+            }
+        }
+    }
+}

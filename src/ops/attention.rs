@@ -1,0 +1,451 @@
+//! Attention over a paged KV cache: split-KV decode (Flash-Decoding) and causal prefill, each with
+//! two softmax schemes (FlashDecoding++ §3).
+//!
+//! Scores are x = q·k / √d. The `sync` scheme keeps a running maximum and rescales the partial
+//! sums whenever it grows (the FlashDecoding baseline; the splits are then merged by a combine
+//! step that rescales once more). The `async` scheme uses one unified φ for every split of every
+//! row: each split accumulates Σ e^(x−φ)·v and Σ e^(x−φ) in fp32 with no maximum and no
+//! rescale, so the splits need no synchronisation and the combine is a plain sum. That is exact
+//! as long as no term overflows and the terms do not all vanish: a row (sequence, query head) is
+//! *flagged* when any of its scores has x − φ > b (an overflow risk), when its largest score has
+//! x − φ < a (every term underflows towards 0 and the ratio loses its precision), or when its
+//! sums are not finite. Flagged rows are recomputed with the sync scheme; [`AttnStats`] counts
+//! them.
+//!
+//! Buffer layouts (row-major, 16-bit elements of the cache's dtype):
+//! - decode: q and out `[batch][num_heads][head_dim]`, one query token per sequence;
+//! - prefill: q and out `[tokens][num_heads][head_dim]`, k and v `[tokens][num_kv_heads][head_dim]`,
+//!   the new tokens of sequence 0 first, then those of sequence 1, …;
+//! - the K and V pools as in [`crate::kv::paged`].
+//!
+//! Query head h reads kv head h / (num_heads / num_kv_heads) (GQA; MHA is a group of one).
+
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::kv::paged::{FlatBlockTables, PagedKvLayout};
+
+/// head_dim values the attention kernels are written for.
+pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// num_heads / num_kv_heads ratios (query heads per kv head) the kernels are written for.
+pub const SUPPORTED_GQA_RATIOS: [usize; 5] = [1, 2, 4, 8, 16];
+/// ln(f32::MAX) ≈ 88.72: e^t is finite in fp32 only for t below this.
+pub const LN_F32_MAX: f32 = 88.0;
+
+/// The head counts and size of one attention layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnGeometry {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnGeometry {
+    pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Result<Self> {
+        let g = AttnGeometry {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        };
+        g.validate()?;
+        Ok(g)
+    }
+
+    /// e.g. `h32/kv8 d128`.
+    pub fn label(&self) -> String {
+        format!("h{}/kv{} d{}", self.num_heads, self.num_kv_heads, self.head_dim)
+    }
+
+    /// Refuses a head_dim or GQA ratio outside the supported sets, naming them.
+    pub fn validate(&self) -> Result<()> {
+        let spec = format!("attention {}", self.label());
+        if !SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
+            return Err(FdppError::Unsupported {
+                spec,
+                what: format!("head_dim {}; supported: {:?}", self.head_dim, SUPPORTED_HEAD_DIMS),
+            });
+        }
+        if self.num_heads == 0 || self.num_kv_heads == 0 {
+            return Err(FdppError::InvalidArgument(format!(
+                "{spec}: num_heads and num_kv_heads must be at least 1"
+            )));
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(FdppError::InvalidArgument(format!(
+                "{spec}: num_heads {} is not a multiple of num_kv_heads {}",
+                self.num_heads, self.num_kv_heads
+            )));
+        }
+        let ratio = self.group();
+        if !SUPPORTED_GQA_RATIOS.contains(&ratio) {
+            return Err(FdppError::Unsupported {
+                spec,
+                what: format!("GQA ratio {ratio} (num_heads / num_kv_heads); supported: {SUPPORTED_GQA_RATIOS:?}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Query heads per kv head.
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads.max(1)
+    }
+
+    /// The softmax scale 1/√d.
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    /// The geometry must match the cache it reads.
+    pub fn check_layout(&self, layout: &PagedKvLayout, dtype: DType) -> Result<()> {
+        layout.validate()?;
+        if layout.num_kv_heads != self.num_kv_heads || layout.head_dim != self.head_dim || layout.dtype != dtype {
+            return Err(FdppError::Shape {
+                what: format!("KV cache of attention {}", self.label()),
+                expected: format!("kv_heads={} d={} {dtype}", self.num_kv_heads, self.head_dim),
+                found: layout.label(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How the softmax is accumulated (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SoftmaxScheme {
+    /// Running maximum with rescale (FlashDecoding baseline).
+    Sync,
+    /// Unified max φ with no rescale; rows leaving [a, b] are recomputed with `Sync`.
+    Async { phi: f32, a: f32, b: f32 },
+}
+
+impl SoftmaxScheme {
+    /// The async scheme used when a profile has calibrated none: φ = 0 and a wide [−60, 20]
+    /// window (e^20 · 2^20 tokens stays far from fp32's max; e^−60 is far above its smallest
+    /// normal). FlashDecoding++ §3 reports Llama2-7B scores inside [−16.8, 6.5].
+    pub const ASYNC_DEFAULT: SoftmaxScheme = SoftmaxScheme::Async {
+        phi: 0.0,
+        a: -60.0,
+        b: 20.0,
+    };
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            SoftmaxScheme::Sync => "sync",
+            SoftmaxScheme::Async { .. } => "async",
+        }
+    }
+
+    /// `sync`, or `async(phi=0,a=-60,b=20)`.
+    pub fn label(&self) -> String {
+        match self {
+            SoftmaxScheme::Sync => "sync".into(),
+            SoftmaxScheme::Async { phi, a, b } => format!("async(phi={phi},a={a},b={b})"),
+        }
+    }
+
+    /// φ, a and b finite, a < b, and every term e^(x−φ) with x − φ in [a, b] representable in
+    /// fp32 together with the ratio of the largest to the smallest, e^(b−a): otherwise a row
+    /// inside the window could still overflow or lose its smallest terms, and the scheme would
+    /// be wrong without ever flagging a recompute.
+    pub fn validate(&self) -> Result<()> {
+        let SoftmaxScheme::Async { phi, a, b } = *self else {
+            return Ok(());
+        };
+        let bad = |why: String| Err(FdppError::InvalidArgument(format!("softmax {}: {why}", self.label())));
+        if !(phi.is_finite() && a.is_finite() && b.is_finite()) {
+            return bad("phi, a and b must be finite".into());
+        }
+        if a >= b {
+            return bad("a must be below b (the window [a, b] of x − phi that needs no recompute)".into());
+        }
+        if b - a >= LN_F32_MAX {
+            return bad(format!(
+                "e^(b−a) = e^{} overflows fp32 (e^{LN_F32_MAX} is about its maximum, 3.4e38); narrow [a, b]",
+                b - a
+            ));
+        }
+        if b >= LN_F32_MAX || a <= -LN_F32_MAX {
+            return bad(format!(
+                "e^b or e^a leaves the fp32 range (|a| and |b| must stay below {LN_F32_MAX}); narrow [a, b]"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What an attention call did besides its output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AttnStats {
+    /// (sequence or query token, head) rows computed.
+    pub rows: usize,
+    /// Rows the async scheme flagged and recomputed with the sync scheme (0 under `Sync`).
+    pub recomputed: usize,
+}
+
+/// Minimum keys per split: a split shorter than this spends more on its combine entry and its
+/// launch share than it saves.
+pub const MIN_SPLIT_TOKENS: usize = 256;
+/// Most splits of one row (the combine step reads all of them).
+pub const MAX_SPLITS: usize = 64;
+
+/// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items to
+/// fill about two waves of `sm_count` SMs (one item is one thread block serving a whole GQA head
+/// group), with every split at least [`MIN_SPLIT_TOKENS`] keys long and at most [`MAX_SPLITS`]
+/// splits. Large batches get one split (the batch alone fills the device).
+pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize) -> usize {
+    let items = (batch * kv_heads).max(1);
+    let target = 2 * sm_count.max(1);
+    let want = target.div_ceil(items);
+    let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
+    want.min(by_len).clamp(1, MAX_SPLITS)
+}
+
+/// One decode step: one new query token per sequence over its cached keys (the token's own K and
+/// V must already be in the cache).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeParams {
+    pub geom: AttnGeometry,
+    pub dtype: DType,
+    pub scheme: SoftmaxScheme,
+    pub tables: FlatBlockTables,
+    /// Split-KV count; None: [`num_splits`] from the batch, the longest sequence and the device.
+    pub num_splits: Option<usize>,
+}
+
+impl DecodeParams {
+    pub fn batch(&self) -> usize {
+        self.tables.batch()
+    }
+
+    /// Every check a backend runs before launching: geometry, scheme, cache shape, block tables,
+    /// buffer lengths (q, out at least batch · heads · head_dim; pools at least the layout's).
+    pub fn validate(
+        &self,
+        layout: &PagedKvLayout,
+        q_len: usize,
+        out_len: usize,
+        pool_lens: (usize, usize),
+    ) -> Result<()> {
+        self.geom.validate()?;
+        self.scheme.validate()?;
+        self.geom.check_layout(layout, self.dtype)?;
+        self.tables.validate(layout)?;
+        if self.num_splits == Some(0) {
+            return Err(FdppError::InvalidArgument(
+                "decode: num_splits must be at least 1 (leave it out to choose it from the shape)".into(),
+            ));
+        }
+        let need = self.batch() * self.geom.num_heads * self.geom.head_dim;
+        check_len("decode q", need, q_len)?;
+        check_len("decode out", need, out_len)?;
+        check_len("K pool", layout.pool_elems(), pool_lens.0)?;
+        check_len("V pool", layout.pool_elems(), pool_lens.1)?;
+        Ok(())
+    }
+
+    /// Multiply-adds of QKᵀ and PV, 2 FLOPs each: 4 · H · D · Σ kv_len.
+    pub fn flops(&self) -> f64 {
+        let keys: f64 = self.tables.seq_lens.iter().map(|&l| l.max(0) as f64).sum();
+        4.0 * self.geom.num_heads as f64 * self.geom.head_dim as f64 * keys
+    }
+
+    /// Least bytes moved: every cached K and V element read once (once per kv head, not per
+    /// query head: a block serves the whole group), q read and out written.
+    pub fn min_bytes(&self) -> f64 {
+        let keys: f64 = self.tables.seq_lens.iter().map(|&l| l.max(0) as f64).sum();
+        let g = &self.geom;
+        let kv = 2.0 * keys * (g.num_kv_heads * g.head_dim) as f64;
+        let qo = 2.0 * (self.batch() * g.num_heads * g.head_dim) as f64;
+        (kv + qo) * self.dtype.size_bytes() as f64
+    }
+}
+
+/// A prefill (or chunked-prefill) step: `new_lens[b]` new tokens of sequence b, at positions
+/// `seq_lens[b] − new_lens[b] ..  seq_lens[b]` (the tables already hold pages for them). Their
+/// K and V are written into the pools, then every new token attends causally to every cached
+/// token before it and to itself.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillParams {
+    pub geom: AttnGeometry,
+    pub dtype: DType,
+    pub scheme: SoftmaxScheme,
+    /// The tables after this step: seq_lens count the new tokens.
+    pub tables: FlatBlockTables,
+    pub new_lens: Vec<i32>,
+}
+
+impl PrefillParams {
+    pub fn batch(&self) -> usize {
+        self.tables.batch()
+    }
+
+    /// New tokens in all (the rows of q, k, v and out).
+    pub fn tokens(&self) -> usize {
+        self.new_lens.iter().map(|&n| n.max(0) as usize).sum()
+    }
+
+    /// (first row in q/k/v/out, prefix length, new tokens) of each sequence.
+    pub fn spans(&self) -> Vec<(usize, usize, usize)> {
+        let mut row = 0;
+        (0..self.batch())
+            .map(|b| {
+                let n = self.new_lens[b].max(0) as usize;
+                // Saturating: counts may be asked of params not yet validated.
+                let prefix = self.tables.seq_len(b).saturating_sub(n);
+                let s = (row, prefix, n);
+                row += n;
+                s
+            })
+            .collect()
+    }
+
+    /// As [`DecodeParams::validate`], plus: one new_len per sequence, each in 1..=seq_len; lens
+    /// are (q/out, k/v new) lengths.
+    pub fn validate(
+        &self,
+        layout: &PagedKvLayout,
+        q_out: (usize, usize),
+        kv_new: (usize, usize),
+        pool_lens: (usize, usize),
+    ) -> Result<()> {
+        self.geom.validate()?;
+        self.scheme.validate()?;
+        self.geom.check_layout(layout, self.dtype)?;
+        self.tables.validate(layout)?;
+        if self.new_lens.len() != self.batch() {
+            return Err(FdppError::Shape {
+                what: "prefill new_lens".into(),
+                expected: format!("one per sequence ({})", self.batch()),
+                found: self.new_lens.len().to_string(),
+            });
+        }
+        for (b, &n) in self.new_lens.iter().enumerate() {
+            if n < 1 || n as usize > self.tables.seq_len(b) {
+                return Err(FdppError::InvalidArgument(format!(
+                    "prefill sequence {b}: {n} new tokens, must be 1..={} (its kv_len after the step)",
+                    self.tables.seq_len(b)
+                )));
+            }
+        }
+        let g = &self.geom;
+        let t = self.tokens();
+        check_len("prefill q", t * g.num_heads * g.head_dim, q_out.0)?;
+        check_len("prefill out", t * g.num_heads * g.head_dim, q_out.1)?;
+        check_len("prefill k", t * g.num_kv_heads * g.head_dim, kv_new.0)?;
+        check_len("prefill v", t * g.num_kv_heads * g.head_dim, kv_new.1)?;
+        check_len("K pool", layout.pool_elems(), pool_lens.0)?;
+        check_len("V pool", layout.pool_elems(), pool_lens.1)?;
+        Ok(())
+    }
+
+    /// 4 · H · D per (query, key) pair, counting the causal square as half (n²/2 pairs, as the
+    /// usual 2·B·H·L²·D for a prefill from empty) plus prefix · n pairs over the cached prefix.
+    pub fn flops(&self) -> f64 {
+        let g = &self.geom;
+        let pairs: f64 = self
+            .spans()
+            .iter()
+            .map(|&(_, prefix, n)| prefix as f64 * n as f64 + (n * n) as f64 / 2.0)
+            .sum();
+        4.0 * (g.num_heads * g.head_dim) as f64 * pairs
+    }
+
+    /// Least bytes moved: q, k, v read; out written; new k, v written to the pools; the cached
+    /// prefix's K and V read once.
+    pub fn min_bytes(&self) -> f64 {
+        let g = &self.geom;
+        let t = self.tokens() as f64;
+        let prefix: f64 = self.spans().iter().map(|&(_, p, _)| p as f64).sum();
+        let kvd = (g.num_kv_heads * g.head_dim) as f64;
+        let qo = 2.0 * t * (g.num_heads * g.head_dim) as f64;
+        (qo + 4.0 * t * kvd + 2.0 * prefix * kvd) * self.dtype.size_bytes() as f64
+    }
+}
+
+fn check_len(what: &str, need: usize, found: usize) -> Result<()> {
+    if found < need {
+        return Err(FdppError::Shape {
+            what: what.into(),
+            expected: format!("at least {need} elements"),
+            found: found.to_string(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsupported_head_dim_and_ratio_name_the_supported_sets() {
+        let e = AttnGeometry::new(8, 8, 96).expect_err("96");
+        assert!(e.to_string().contains("head_dim 96; supported: [64, 128, 256]"), "{e}");
+        let e = AttnGeometry::new(24, 8, 128).expect_err("ratio 3");
+        assert!(
+            e.to_string().contains("GQA ratio 3") && e.to_string().contains("[1, 2, 4, 8, 16]"),
+            "{e}"
+        );
+        let e = AttnGeometry::new(32, 1, 64).expect_err("ratio 32");
+        assert!(e.to_string().contains("GQA ratio 32"), "{e}");
+        assert!(AttnGeometry::new(10, 4, 64).is_err());
+        assert_eq!(AttnGeometry::new(32, 8, 128).expect("ok").group(), 4);
+    }
+
+    #[test]
+    fn scheme_windows_that_overflow_fp32_are_refused_with_the_reason() {
+        let s = |phi, a, b| SoftmaxScheme::Async { phi, a, b }.validate();
+        s(0.0, -60.0, 20.0).expect("default window");
+        SoftmaxScheme::ASYNC_DEFAULT.validate().expect("default");
+        let e = s(0.0, -70.0, 20.0).expect_err("b-a = 90");
+        assert!(e.to_string().contains("e^(b−a) = e^90 overflows fp32"), "{e}");
+        let e = s(0.0, 3.0, 2.0).expect_err("a > b");
+        assert!(e.to_string().contains("a must be below b"), "{e}");
+        assert!(s(f32::NAN, -1.0, 1.0).is_err());
+        assert!(s(0.0, 50.0, 100.0).is_err(), "e^100 alone overflows");
+    }
+
+    #[test]
+    fn splits_fill_two_waves_and_respect_the_minimum_length() {
+        // 1 sequence, 8 kv heads, 132 SMs: 264 / 8 = 33 splits wanted, 16384 / 256 = 64 allowed.
+        assert_eq!(num_splits(1, 8, 16384, 132), 33);
+        // Short context: limited by the 256-token minimum.
+        assert_eq!(num_splits(1, 8, 1000, 132), 3);
+        assert_eq!(num_splits(1, 8, 97, 132), 1);
+        // A large batch fills the device alone.
+        assert_eq!(num_splits(64, 8, 16384, 132), 1);
+        // Never more than MAX_SPLITS.
+        assert_eq!(num_splits(1, 1, 1 << 20, 132), MAX_SPLITS);
+        assert_eq!(num_splits(0, 0, 0, 0), 1);
+    }
+
+    #[test]
+    fn flop_counts_match_the_usual_formulas() {
+        let layout = PagedKvLayout::new(16, 64, 2, 64, DType::F16).expect("layout");
+        let t = crate::kv::BlockTable {
+            pages: (0..32).collect(),
+            seq_len: 512,
+        };
+        let tables = FlatBlockTables::new(&layout, &[t]).expect("tables");
+        let geom = AttnGeometry::new(8, 2, 64).expect("geom");
+        let p = PrefillParams {
+            geom,
+            dtype: DType::F16,
+            scheme: SoftmaxScheme::Sync,
+            tables: tables.clone(),
+            new_lens: vec![512],
+        };
+        // From empty: 2 · B · H · L² · D.
+        assert_eq!(p.flops(), 2.0 * 8.0 * 512.0 * 512.0 * 64.0);
+        let d = DecodeParams {
+            geom,
+            dtype: DType::F16,
+            scheme: SoftmaxScheme::Sync,
+            tables,
+            num_splits: None,
+        };
+        assert_eq!(d.flops(), 4.0 * 8.0 * 64.0 * 512.0);
+        // K and V: 512 tokens · 2 kv heads · 64 · 2 bytes each; q and out: 8 · 64 · 2 bytes each.
+        assert_eq!(d.min_bytes(), 2.0 * 512.0 * 128.0 * 2.0 + 2.0 * 512.0 * 2.0);
+    }
+}
