@@ -125,3 +125,41 @@ fn tail(s: &str, n: usize) -> &str {
     }
     &s[i..]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Output {
+        Command::new("sh").args(["-c", script]).output().unwrap()
+    }
+
+    #[test]
+    fn an_aborting_child_is_a_failed_row_with_its_stderr() {
+        let r = interpret(&sh("echo 'LLVM ERROR: unknown target' >&2; kill -ABRT $$"));
+        let ChildResult::Failed { status, stderr } = r else {
+            panic!("an abort must be a failure");
+        };
+        assert!(status.contains("SIGABRT"), "{status}");
+        assert!(stderr.contains("unknown target"), "{stderr}");
+    }
+
+    #[test]
+    fn exit_codes_and_sizes_are_read_from_the_child() {
+        assert!(matches!(
+            interpret(&sh("echo 'bytes 4242'")),
+            ChildResult::Ok { bytes: 4242 }
+        ));
+        let r = interpret(&sh("echo compile error >&2; exit 1"));
+        assert!(matches!(r, ChildResult::Failed { ref status, .. } if status.contains("status 1")));
+        let r = interpret(&sh("exit 0"));
+        assert!(matches!(r, ChildResult::Failed { ref status, .. } if status.contains("without a code object")));
+    }
+
+    #[test]
+    fn tails_cut_on_character_boundaries() {
+        assert_eq!(tail("abcdef", 3), "def");
+        assert_eq!(tail("ab", 10), "ab");
+        assert_eq!(tail("xé", 1), "");
+    }
+}

@@ -204,9 +204,10 @@ impl RocmBackend {
             GemmImpl::Gemv => {
                 for l in launch::gemv_launches(spec, sources::gemv_rows(spec), self.dev.wave, d)? {
                     let f = self.function(&src, &l.kernel)?;
-                    // SAFETY (pointer offsets): m0 + m ≤ M, so both stay inside x and y.
-                    let xo = unsafe { x.ptr.cast::<u16>().add(l.m0 * d.k) }.cast();
-                    let yo = unsafe { y.ptr.cast::<u16>().add(l.m0 * d.n) }.cast();
+                    // Device addresses, never dereferenced here: wrapping arithmetic, no
+                    // in-bounds claim to the compiler. m0 + m ≤ M keeps them inside x and y.
+                    let xo = x.ptr.cast::<u16>().wrapping_add(l.m0 * d.k).cast();
+                    let yo = y.ptr.cast::<u16>().wrapping_add(l.m0 * d.n).cast();
                     let ints: Vec<i32> = if l.kernel == "gemv_scalar" {
                         vec![l.m as i32, n, k]
                     } else {
