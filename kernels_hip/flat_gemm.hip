@@ -38,7 +38,7 @@ constexpr int WN = (BN / 16) < WAVES ? (BN / 16) : WAVES;  // wavefronts along N
 constexpr int WK = WAVES / WN;                              // wavefronts splitting K
 constexpr int WROWS = BN / WN;                              // W rows per wavefront (multiple of 16)
 constexpr int NT = WROWS / 16;                              // 16-row N tiles per wavefront
-constexpr int U = FDPP_UNROLL;                              // 32-wide K chunks in flight per lane
+constexpr int U = FDPP_UNROLL;  // 32-wide K chunks in flight per lane (FLAT_UNROLL in launch.rs models it)
 
 static_assert(BN % 16 == 0 && BN >= 32 && BN <= 256, "B_N must be 32, 64, 128 or 256");
 static_assert(WN * WK == WAVES, "wavefronts must tile N x K exactly");

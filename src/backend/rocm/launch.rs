@@ -10,6 +10,8 @@ pub const GEMV_WAVES: u32 = 4;
 pub const FLAT_WAVES: u32 = 4;
 /// The MFMA lane layout of flat_gemm is written for wave64 (every CDNA part).
 pub const FLAT_WAVE: u32 = 64;
+/// 32-wide K chunks each flat_gemm lane loads before its MFMAs (FDPP_UNROLL in flat_gemm.hip).
+pub const FLAT_UNROLL: usize = 2;
 /// gemv keeps M rows of accumulators in registers: M is taken this many rows per launch.
 pub const GEMV_MAX_M: usize = 8;
 
@@ -262,5 +264,150 @@ mod tests {
         assert!(e.to_string().contains("LDS"), "{e}");
         let bad = GemmSpec::new(GemmImpl::FlatGemm, DType::F16).with_block_n(48);
         assert!(flat_launch(&bad, "gfx90a", 64, 65536, d).is_err());
+    }
+
+    /// A CPU model of flat_gemm.hip's index arithmetic: every block, wavefront and lane loads
+    /// exactly what the kernel loads, the MFMA 16x16x16 step is applied with the ISA's lane
+    /// layout (A: lane l gives row l%16, K slice 4·(l/16); B: column l%16, same K slice; D: lane l
+    /// holds rows 4·(l/16)..+3 of column l%16), the K-split partials are summed as through LDS,
+    /// and each lane stores what the kernel stores. Checked against a plain product, this tests
+    /// that the tiling covers every (m, n, k) exactly once, for every B_N and M tiling.
+    // Index loops on purpose: they mirror the kernel's loops one to one.
+    #[allow(clippy::needless_range_loop)]
+    fn emulate_flat_gemm(bn: u32, d: GemmDims, x: &[f32], w: &[f32]) -> Vec<f32> {
+        let l = flat_launch(
+            &GemmSpec::new(GemmImpl::FlatGemm, DType::F16).with_block_n(bn),
+            "gfx90a",
+            64,
+            65536,
+            d,
+        )
+        .unwrap();
+        let mt = flat_m_tiles(d.m) as usize;
+        let (wn_count, wk_count) = flat_wave_split(bn);
+        let (wn_count, wk_count) = (wn_count as usize, wk_count as usize);
+        let wrows = bn as usize / wn_count;
+        let nt = wrows / 16;
+        let chunks = d.k.div_ceil(32);
+        let load8 = |p: &[f32], row: usize, rows: usize, k: usize| -> [f32; 8] {
+            let mut e = [0f32; 8];
+            if row < rows {
+                for (i, v) in e.iter_mut().enumerate() {
+                    if k + i < d.k {
+                        *v = p[row * d.k + k + i];
+                    }
+                }
+            }
+            e
+        };
+        let mut y = vec![f32::NAN; d.m * d.n];
+        for bx in 0..l.grid.0 as usize {
+            for by in 0..l.grid.1 as usize {
+                // acc[wave][i][j][lane][e]
+                let mut acc = vec![vec![vec![[[0f32; 4]; 64]; mt]; nt]; FLAT_WAVES as usize];
+                for wave in 0..FLAT_WAVES as usize {
+                    let (wn, wk) = (wave % wn_count, wave / wn_count);
+                    let n0 = bx * bn as usize + wn * wrows;
+                    let m0 = by * 16 * mt;
+                    let mut c0 = wk;
+                    while c0 < chunks {
+                        for u in 0..FLAT_UNROLL {
+                            for i in 0..nt {
+                                for j in 0..mt {
+                                    // Per lane: its 8 K elements of A (W) and B (x).
+                                    let mut a = [[0f32; 8]; 64];
+                                    let mut b = [[0f32; 8]; 64];
+                                    for lane in 0..64 {
+                                        let (r16, q) = (lane % 16, lane / 16);
+                                        let k = 32 * (c0 + wk_count * u) + 8 * q;
+                                        a[lane] = load8(w, n0 + 16 * i + r16, d.n, k);
+                                        b[lane] = load8(x, m0 + 16 * j + r16, d.m, k);
+                                    }
+                                    // Two MFMA steps: elements 0..3, then 4..7.
+                                    for half in 0..2 {
+                                        let mut dm = [[0f32; 16]; 16];
+                                        for (row, drow) in dm.iter_mut().enumerate() {
+                                            for (col, dv) in drow.iter_mut().enumerate() {
+                                                for kk in 0..16 {
+                                                    let (q, t) = (kk / 4, kk % 4);
+                                                    *dv +=
+                                                        a[q * 16 + row][4 * half + t] * b[q * 16 + col][4 * half + t];
+                                                }
+                                            }
+                                        }
+                                        for lane in 0..64 {
+                                            for e in 0..4 {
+                                                acc[wave][i][j][lane][e] += dm[4 * (lane / 16) + e][lane % 16];
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        c0 += wk_count * FLAT_UNROLL;
+                    }
+                }
+                // K-split partials summed into the wk = 0 wavefronts, which store.
+                for wave in 0..wn_count {
+                    for s in 1..wk_count {
+                        for i in 0..nt {
+                            for j in 0..mt {
+                                for lane in 0..64 {
+                                    for e in 0..4 {
+                                        let v = acc[s * wn_count + wave][i][j][lane][e];
+                                        acc[wave][i][j][lane][e] += v;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    let n0 = bx * bn as usize + wave * wrows;
+                    let m0 = by * 16 * mt;
+                    for i in 0..nt {
+                        for j in 0..mt {
+                            for lane in 0..64 {
+                                let m = m0 + 16 * j + lane % 16;
+                                for e in 0..4 {
+                                    let n = n0 + 16 * i + 4 * (lane / 16) + e;
+                                    if m < d.m && n < d.n {
+                                        assert!(y[m * d.n + n].is_nan(), "({m}, {n}) stored twice");
+                                        y[m * d.n + n] = acc[wave][i][j][lane][e];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn the_flat_gemm_tiling_computes_every_output_once() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(rand::random());
+        // Odd sizes: partial N blocks, partial M tiles, K not a multiple of 8 or 32, each B_N.
+        for (bn, m, n, k) in [
+            (32, 3, 70, 97),
+            (64, 17, 130, 64),
+            (128, 40, 129, 200),
+            (256, 1, 300, 33),
+            (32, 33, 48, 300),
+        ] {
+            let d = dims(m, n, k);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let y = emulate_flat_gemm(bn, d, &x, &w);
+            for mi in 0..m {
+                for ni in 0..n {
+                    let want: f64 = (0..k).map(|ki| x[mi * k + ki] as f64 * w[ni * k + ki] as f64).sum();
+                    let got = y[mi * n + ni];
+                    assert!(
+                        (got as f64 - want).abs() < 1e-3,
+                        "B_N={bn} M={m} N={n} K={k} at ({mi},{ni}): {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 }
