@@ -31,11 +31,14 @@ pub mod attr {
     pub const WARP_SIZE: i32 = 87;
 }
 
-/// `hipDeviceProp_t` as the plain `hipGetDeviceProperties` symbol fills it (the pre-6.0 layout;
-/// ROCm 6 keeps that symbol for old binaries and adds hipGetDevicePropertiesR0600). Only
-/// `gcnArchName` is read, at this offset, and it is checked to start with "gfx".
+/// `hipDeviceProp_t` as HIP 5.x's `hipGetDeviceProperties` fills it. Only `gcnArchName` is read,
+/// at this offset, checked to start with "gfx"; ROCm 6 changed the layout (hipDeviceProp_tR0600),
+/// so when the field is not there the probe searches the struct for the arch string instead.
 pub const PROP_BYTES: usize = 792;
 pub const PROP_GCN_ARCH_NAME: usize = 396;
+/// Bytes handed to hipGetDeviceProperties: well past any layout, so a newer runtime writing a
+/// longer struct cannot overrun the buffer.
+pub const PROP_BUFFER: usize = 8192;
 
 type FnI32 = unsafe extern "C" fn(*mut i32) -> HipError;
 
@@ -102,7 +105,10 @@ impl HipApi {
                 device_get_name: lib.sym("hipDeviceGetName")?,
                 device_total_mem: lib.sym("hipDeviceTotalMem")?,
                 device_get_attribute: lib.sym("hipDeviceGetAttribute")?,
-                get_device_properties: lib.sym("hipGetDeviceProperties")?,
+                // ROCm 6 exports the 6.x-layout function under its versioned name.
+                get_device_properties: lib
+                    .sym("hipGetDevicePropertiesR0600")
+                    .or_else(|_| lib.sym("hipGetDeviceProperties"))?,
                 malloc: lib.sym("hipMalloc")?,
                 free: lib.sym("hipFree")?,
                 memcpy: lib.sym("hipMemcpy")?,

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::hip::{self, attr, HipApi, PROP_BYTES, PROP_GCN_ARCH_NAME};
+use super::hip::{self, attr, HipApi, PROP_BUFFER, PROP_GCN_ARCH_NAME};
 use super::launch::default_wave_for_arch;
 use super::{hiprtc, RocmDevice};
 use crate::backend::{slugify, BackendKind, BackendStatus, DeviceInfo};
@@ -48,12 +48,27 @@ pub fn format_hip_version(v: i32) -> String {
     format!("{}.{}.{}", v / 10_000_000, (v / 100_000) % 100, v % 100_000)
 }
 
-/// The `gcnArchName` field ("gfx90a:sramecc+:xnack-") of a hipDeviceProp_t image, if it is one.
+/// The `gcnArchName` ("gfx90a:sramecc+:xnack-") of a hipDeviceProp_t image: at its 5.x offset,
+/// else the first NUL-terminated "gfx<digits/letters>[:features]" string anywhere in the struct
+/// (the 6.x layout moved it; the device name, which comes first, never has that form).
 pub fn arch_from_props(props: &[u8]) -> Option<String> {
-    let field = props.get(PROP_GCN_ARCH_NAME..PROP_GCN_ARCH_NAME + 256)?;
-    let end = field.iter().position(|&b| b == 0)?;
-    let s = std::str::from_utf8(&field[..end]).ok()?;
-    s.starts_with("gfx").then(|| s.to_string())
+    let at = |off: usize| -> Option<String> {
+        let field = props.get(off..)?;
+        let field = &field[..field.len().min(256)];
+        let end = field.iter().position(|&b| b == 0)?;
+        let s = std::str::from_utf8(&field[..end]).ok()?;
+        let target = s.split(':').next()?;
+        let tail = target.strip_prefix("gfx")?;
+        let ok = tail.len() >= 3
+            && tail.starts_with(|c: char| c.is_ascii_digit())
+            && tail.chars().all(|c| c.is_ascii_digit() || c.is_ascii_lowercase());
+        ok.then(|| s.to_string())
+    };
+    at(PROP_GCN_ARCH_NAME).or_else(|| {
+        (0..props.len().saturating_sub(3))
+            .filter(|&i| &props[i..i + 3] == b"gfx" && (i == 0 || props[i - 1] == 0))
+            .find_map(at)
+    })
 }
 
 fn attribute(api: &HipApi, a: i32, dev: i32, what: &str) -> Result<i32> {
@@ -78,7 +93,7 @@ pub fn device(api: &HipApi, ordinal: usize) -> Result<RocmDevice> {
     // SAFETY: out-parameter.
     api.check(unsafe { (api.device_total_mem)(&mut mem, dev) }, "hipDeviceTotalMem")?;
     // Room to spare past the 5.x layout, in case a runtime writes a longer struct.
-    let mut props = vec![0u8; PROP_BYTES * 4];
+    let mut props = vec![0u8; PROP_BUFFER];
     // SAFETY: the buffer is larger than any hipDeviceProp_t layout.
     api.check(
         unsafe { (api.get_device_properties)(props.as_mut_ptr().cast(), dev) },
@@ -94,7 +109,12 @@ pub fn device(api: &HipApi, ordinal: usize) -> Result<RocmDevice> {
     let arch = full_arch.split(':').next().unwrap_or(&full_arch).to_string();
     let cus = attribute(api, attr::MULTIPROCESSOR_COUNT, dev, "compute units")?;
     let l2 = attribute(api, attr::L2_CACHE_SIZE, dev, "L2 size")?;
-    let lds = attribute(api, attr::MAX_SHARED_MEMORY_PER_BLOCK, dev, "LDS per block")?;
+    // Every AMD GPU fdpp targets has 64 KiB of LDS per workgroup; a value outside (0, 1 MiB]
+    // means the attribute enum moved under us, and 64 KiB is the safe reading.
+    let lds = match attribute(api, attr::MAX_SHARED_MEMORY_PER_BLOCK, dev, "LDS per block")? {
+        v if v > 0 && v <= 1 << 20 => v,
+        _ => 64 << 10,
+    };
     let reported_wave = attribute(api, attr::WARP_SIZE, dev, "wavefront size")?;
     let wave = match reported_wave {
         32 | 64 => reported_wave as u32,
@@ -176,13 +196,21 @@ mod tests {
 
     #[test]
     fn the_arch_is_read_from_the_gcn_arch_name_field() {
-        let mut p = vec![0u8; PROP_BYTES];
+        let mut p = vec![0u8; hip::PROP_BYTES];
+        p[..18].copy_from_slice(b"AMD Instinct MI210");
         let s = b"gfx90a:sramecc+:xnack-";
         p[PROP_GCN_ARCH_NAME..PROP_GCN_ARCH_NAME + s.len()].copy_from_slice(s);
         assert_eq!(arch_from_props(&p).as_deref(), Some("gfx90a:sramecc+:xnack-"));
-        // Anything else at that offset (another layout) is not taken for an arch.
-        p[PROP_GCN_ARCH_NAME..PROP_GCN_ARCH_NAME + 3].copy_from_slice(b"abc");
-        assert_eq!(arch_from_props(&p), None);
+        // Another layout: the field elsewhere is still found.
+        let mut q = vec![0u8; 1600];
+        q[..19].copy_from_slice(b"AMD Instinct MI300X");
+        q[1000..1006].copy_from_slice(b"gfx942");
+        assert_eq!(arch_from_props(&q).as_deref(), Some("gfx942"));
+        // No arch anywhere (or only text that merely contains "gfx"): None.
+        let mut r = vec![0u8; 1600];
+        r[10..16].copy_from_slice(b"mygfx9");
+        r[400..403].copy_from_slice(b"gfx");
+        assert_eq!(arch_from_props(&r), None);
         assert_eq!(arch_from_props(&p[..100]), None);
     }
 
