@@ -12,6 +12,8 @@ pub const FLAT_WAVES: u32 = 4;
 pub const FLAT_WAVE: u32 = 64;
 /// 32-wide K chunks each flat_gemm lane loads before its MFMAs (FDPP_UNROLL in flat_gemm.hip).
 pub const FLAT_UNROLL: usize = 2;
+/// 16-byte weight loads in flight per gemv lane (FDPP_INFLIGHT, passed by sources.rs).
+pub const GEMV_INFLIGHT: u32 = 8;
 /// gemv keeps M rows of accumulators in registers: M is taken this many rows per launch.
 pub const GEMV_MAX_M: usize = 8;
 
@@ -405,6 +407,106 @@ mod tests {
                     assert!(
                         (got as f64 - want).abs() < 1e-3,
                         "B_N={bn} M={m} N={n} K={k} at ({mi},{ni}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A CPU model of gemv.hip's index arithmetic (vector and scalar entry points): each lane of
+    /// each wavefront accumulates what the kernel's lane accumulates, the wavefront sum is
+    /// taken, and lane 0 stores. Tests the K striding over 64 or 32 lanes × UNROLL and the row
+    /// clamping at the edge of N.
+    #[allow(clippy::needless_range_loop)]
+    fn emulate_gemv(rows: u32, wave: u32, d: GemmDims, x: &[f32], w: &[f32]) -> Vec<f32> {
+        let spec = GemmSpec::new(GemmImpl::Gemv, DType::F16).with_block_n(rows * GEMV_WAVES);
+        let (rows, wave) = (rows as usize, wave as usize);
+        let unroll = (GEMV_INFLIGHT as usize / rows).max(1);
+        let mut y = vec![f32::NAN; d.m * d.n];
+        for l in gemv_launches(&spec, rows as u32, wave as u32, d).unwrap() {
+            let vec_path = l.kernel != "gemv_scalar";
+            for bx in 0..l.grid.0 as usize {
+                for wv in 0..GEMV_WAVES as usize {
+                    let row0 = (bx * GEMV_WAVES as usize + wv) * rows;
+                    if row0 >= d.n {
+                        continue;
+                    }
+                    // acc[r][m] summed over lanes (the wave_sum).
+                    let mut acc = vec![vec![0f64; l.m]; rows];
+                    for lane in 0..wave {
+                        if vec_path {
+                            let k8 = d.k / 8;
+                            let mut c0 = lane;
+                            while c0 < k8 {
+                                for u in 0..unroll {
+                                    let c = c0 + wave * u;
+                                    if c >= k8 {
+                                        continue;
+                                    }
+                                    for r in 0..rows {
+                                        let n = (row0 + r).min(d.n - 1);
+                                        for m in 0..l.m {
+                                            for e in 0..8 {
+                                                let k = 8 * c + e;
+                                                acc[r][m] += (w[n * d.k + k] * x[(l.m0 + m) * d.k + k]) as f64;
+                                            }
+                                        }
+                                    }
+                                }
+                                c0 += wave * unroll;
+                            }
+                        } else {
+                            for r in 0..rows {
+                                let n = row0 + r;
+                                if n >= d.n {
+                                    break;
+                                }
+                                let mut k = lane;
+                                while k < d.k {
+                                    for m in 0..l.m {
+                                        acc[r][m] += (w[n * d.k + k] * x[(l.m0 + m) * d.k + k]) as f64;
+                                    }
+                                    k += wave;
+                                }
+                            }
+                        }
+                    }
+                    for r in 0..rows {
+                        if row0 + r < d.n {
+                            for m in 0..l.m {
+                                let at = (l.m0 + m) * d.n + row0 + r;
+                                assert!(y[at].is_nan(), "stored twice");
+                                y[at] = acc[r][m] as f32;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn the_gemv_striding_computes_every_output_once() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(rand::random());
+        for (rows, wave, m, n, k) in [
+            (1, 64, 1, 37, 1032),
+            (2, 64, 9, 50, 4096),
+            (4, 32, 17, 23, 520),
+            (2, 32, 3, 9, 97),
+            (4, 64, 8, 130, 33),
+        ] {
+            let d = dims(m, n, k);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let y = emulate_gemv(rows, wave, d, &x, &w);
+            for mi in 0..m {
+                for ni in 0..n {
+                    let want: f64 = (0..k).map(|ki| x[mi * k + ki] as f64 * w[ni * k + ki] as f64).sum();
+                    let got = y[mi * n + ni];
+                    assert!(
+                        (got as f64 - want).abs() < 1e-3,
+                        "rows={rows} wave{wave} M={m} N={n} K={k} at ({mi},{ni}): {got} vs {want}"
                     );
                 }
             }

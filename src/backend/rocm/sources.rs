@@ -19,8 +19,7 @@ const FILES: &[(&str, &str)] = &[("common.h", COMMON), ("gemv.hip", GEMV), ("fla
 /// through LDS (see kernels_hip/flat_gemm.hip).
 pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
 pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
-/// 16-byte weight loads in flight per gemv lane.
-pub const GEMV_INFLIGHT: u32 = 8;
+pub use super::launch::GEMV_INFLIGHT;
 
 /// SHA-256 over all HIP kernel sources, hex, first 16 digits.
 pub fn kernel_hash() -> String {
