@@ -3,6 +3,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod rocm;
 
 use serde::{Deserialize, Serialize};
 
@@ -183,22 +184,14 @@ pub struct BackendStatus {
 }
 
 pub fn probe_all() -> Vec<BackendStatus> {
-    vec![cpu::probe(), cuda::probe(), rocm_probe()]
-}
-
-fn rocm_probe() -> BackendStatus {
-    BackendStatus {
-        backend: BackendKind::Rocm,
-        available: false,
-        reason: Some("ROCm backend not built yet (issue #7)".into()),
-        devices: vec![],
-    }
+    vec![cpu::probe(), cuda::probe(), rocm::probe()]
 }
 
 /// An opened backend of any kind. Generic code is reached through [`with_backend!`].
 pub enum AnyBackend {
     Cpu(cpu::CpuBackend),
     Cuda(cuda::CudaBackend),
+    Rocm(rocm::RocmBackend),
 }
 
 impl AnyBackend {
@@ -206,6 +199,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Cpu(_) => BackendKind::Cpu,
             AnyBackend::Cuda(_) => BackendKind::Cuda,
+            AnyBackend::Rocm(_) => BackendKind::Rocm,
         }
     }
 }
@@ -217,11 +211,12 @@ macro_rules! with_backend {
         match $any {
             $crate::backend::AnyBackend::Cpu($b) => $body,
             $crate::backend::AnyBackend::Cuda($b) => $body,
+            $crate::backend::AnyBackend::Rocm($b) => $body,
         }
     };
 }
 
-/// Open the chosen backend. `Auto` takes CUDA when a device is present, else the CPU; the
+/// Open the chosen backend. `Auto` takes CUDA when a device is present, then ROCm, else the CPU; the
 /// returned note says which and why, for the user.
 pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)> {
     match choice {
@@ -233,19 +228,25 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
             AnyBackend::Cuda(cuda::CudaBackend::open(device)?),
             "backend: cuda (asked for)".into(),
         )),
-        BackendChoice::Rocm => Err(FdppError::BackendUnavailable {
-            backend: "rocm",
-            reason: "the ROCm backend is not built yet (issue #7); use --backend cuda or cpu".into(),
-        }),
+        BackendChoice::Rocm => Ok((
+            AnyBackend::Rocm(rocm::RocmBackend::open(device)?),
+            "backend: rocm (asked for)".into(),
+        )),
         BackendChoice::Auto => match cuda::CudaBackend::open(device) {
             Ok(b) => {
                 let note = format!("backend: cuda (auto: found {})", b.info().name);
                 Ok((AnyBackend::Cuda(b), note))
             }
-            Err(e) => Ok((
-                AnyBackend::Cpu(cpu::CpuBackend::new()),
-                format!("backend: cpu (auto: {e})"),
-            )),
+            Err(cuda_err) => match rocm::RocmBackend::open(device) {
+                Ok(b) => {
+                    let note = format!("backend: rocm (auto: found {})", b.info().name);
+                    Ok((AnyBackend::Rocm(b), note))
+                }
+                Err(rocm_err) => Ok((
+                    AnyBackend::Cpu(cpu::CpuBackend::new()),
+                    format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
+                )),
+            },
         },
     }
 }

@@ -1,12 +1,14 @@
-//! `fdpp kernels`: compile every kernel spec with NVRTC (no GPU needed) and list them.
+//! `fdpp kernels`: compile every kernel spec with NVRTC or hiprtc (no GPU needed) and list them.
 
 use std::time::Instant;
 
 use anyhow::bail;
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 use rayon::prelude::*;
 
+use super::kernels_rocm as rocm_check;
 use crate::backend::cuda::{jit, sources};
+use crate::backend::rocm::sources as rocm_sources;
 
 #[derive(Args, Debug)]
 pub struct KernelsArgs {
@@ -16,19 +18,53 @@ pub struct KernelsArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum KernelsCmd {
-    /// Compile every CUDA kernel spec for each arch with NVRTC; fails if any does not compile.
+    /// Compile every kernel spec for each arch (CUDA: NVRTC; ROCm: hiprtc, one child process per
+    /// compile); fails if any does not compile.
     Check {
-        /// Comma-separated NVRTC targets.
-        #[arg(long, value_delimiter = ',', default_value = "sm_80,sm_89,sm_90a")]
+        /// Comma-separated targets [default: sm_80,sm_89,sm_90a for cuda, gfx90a for rocm].
+        #[arg(long, value_delimiter = ',')]
         arch: Vec<String>,
+        #[arg(long, value_enum, default_value_t = KernelBackend::Cuda)]
+        backend: KernelBackend,
     },
     /// List every kernel spec URI and the kernel source hash.
-    List,
+    List {
+        #[arg(long, value_enum, default_value_t = KernelBackend::Cuda)]
+        backend: KernelBackend,
+    },
+    /// Internal: compile one HIP spec with hiprtc in this process (run by `check --backend rocm`
+    /// as a child, because ROCm 5.2's hiprtc aborts on targets it does not know).
+    #[command(hide = true)]
+    HiprtcChild {
+        #[arg(long)]
+        arch: String,
+        #[arg(long)]
+        uri: String,
+    },
+}
+
+/// Which kernel set `kernels` works on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KernelBackend {
+    Cuda,
+    Rocm,
 }
 
 pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
     match a.cmd {
-        KernelsCmd::List => {
+        KernelsCmd::List {
+            backend: KernelBackend::Rocm,
+        } => {
+            println!("HIP kernel source hash: {}", rocm_sources::kernel_hash());
+            for s in rocm_sources::all_sources() {
+                let d: Vec<String> = s.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                println!("{}  ({})", s.uri, d.join(" "));
+            }
+            Ok(())
+        }
+        KernelsCmd::List {
+            backend: KernelBackend::Cuda,
+        } => {
             println!("kernel source hash: {}", sources::kernel_hash());
             for s in sources::all_sources() {
                 let d: Vec<String> = s.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -36,7 +72,23 @@ pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        KernelsCmd::Check { arch } => check(&arch),
+        KernelsCmd::Check {
+            arch,
+            backend: KernelBackend::Cuda,
+        } => check(&or_default(arch, "sm_80,sm_89,sm_90a")),
+        KernelsCmd::Check {
+            arch,
+            backend: KernelBackend::Rocm,
+        } => rocm_check::check(&or_default(arch, "gfx90a")),
+        KernelsCmd::HiprtcChild { arch, uri } => rocm_check::child(&arch, &uri),
+    }
+}
+
+fn or_default(arch: Vec<String>, default: &str) -> Vec<String> {
+    if arch.is_empty() {
+        default.split(',').map(String::from).collect()
+    } else {
+        arch
     }
 }
 

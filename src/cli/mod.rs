@@ -4,6 +4,7 @@ pub mod bench;
 pub mod check;
 pub mod devices;
 pub mod kernels;
+pub mod kernels_rocm;
 pub mod profile;
 pub mod shapes;
 pub mod tune;

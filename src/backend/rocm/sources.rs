@@ -1,0 +1,140 @@
+//! The HIP kernel sources (kernels_hip/), embedded in the binary, and the compile-time
+//! specialisations of each, in the shape of the CUDA backend's `sources.rs`.
+
+use sha2::{Digest, Sha256};
+
+use super::launch::GEMV_WAVES;
+use crate::backend::cuda::sources::hex16;
+use crate::dtype::DType;
+use crate::ops::gemm::{GemmImpl, GemmSpec};
+
+const COMMON: &str = include_str!("../../../kernels_hip/common.h");
+const GEMV: &str = include_str!("../../../kernels_hip/gemv.hip");
+const FLAT_GEMM: &str = include_str!("../../../kernels_hip/flat_gemm.hip");
+
+const FILES: &[(&str, &str)] = &[("common.h", COMMON), ("gemv.hip", GEMV), ("flat_gemm.hip", FLAT_GEMM)];
+
+/// Rows per wavefront offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N
+/// is chosen per shape by the tuner). No pipeline-depth axis: the AMD flat_gemm does not stage
+/// through LDS (see kernels_hip/flat_gemm.hip).
+pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
+pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
+pub use super::launch::GEMV_INFLIGHT;
+
+/// SHA-256 over all HIP kernel sources, hex, first 16 digits.
+pub fn kernel_hash() -> String {
+    let mut h = Sha256::new();
+    for (name, text) in FILES {
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(text.as_bytes());
+        h.update([0]);
+    }
+    hex16(&h.finalize())
+}
+
+/// One specialisation: the URI names every compile-time parameter (the cache key does too).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSource {
+    pub uri: String,
+    /// The file with `#include "common.h"` expanded in place (hiprtc gets one string).
+    pub text: String,
+    pub defines: Vec<(String, String)>,
+}
+
+fn expand(file: &str) -> String {
+    file.replace("#include \"common.h\"", COMMON)
+}
+
+fn dtype_define(dt: DType) -> (String, String) {
+    ("FDPP_BF16".into(), if dt == DType::Bf16 { "1" } else { "0" }.into())
+}
+
+/// The source of a GEMM spec, or None for ImplC (rocBLAS: nothing to compile).
+pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
+    match spec.imp {
+        GemmImpl::Gemv => Some(KernelSource {
+            uri: spec.uri(),
+            text: expand(GEMV),
+            defines: vec![
+                dtype_define(spec.dtype),
+                ("FDPP_ROWS".into(), gemv_rows(spec).to_string()),
+                ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
+            ],
+        }),
+        GemmImpl::FlatGemm => Some(KernelSource {
+            uri: spec.uri(),
+            text: expand(FLAT_GEMM),
+            defines: vec![
+                dtype_define(spec.dtype),
+                ("FDPP_BN".into(), spec.block_n.unwrap_or(64).to_string()),
+            ],
+        }),
+        GemmImpl::Gemm => None,
+    }
+}
+
+/// Rows of W per wavefront of a gemv spec (its block_n counts rows per block).
+pub fn gemv_rows(spec: &GemmSpec) -> u32 {
+    (spec.block_n.unwrap_or(2 * GEMV_WAVES) / GEMV_WAVES).max(1)
+}
+
+/// The compiled GEMM candidates of one dtype (every rows/B_N).
+pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
+    let mut v: Vec<GemmSpec> = GEMV_ROWS
+        .iter()
+        .map(|r| GemmSpec::new(GemmImpl::Gemv, dtype).with_block_n(r * GEMV_WAVES))
+        .collect();
+    v.extend(
+        FLAT_BN
+            .iter()
+            .map(|&bn| GemmSpec::new(GemmImpl::FlatGemm, dtype).with_block_n(bn)),
+    );
+    v
+}
+
+/// Every kernel source fdpp compiles for ROCm.
+pub fn all_sources() -> Vec<KernelSource> {
+    [DType::F16, DType::Bf16]
+        .iter()
+        .flat_map(|&dt| all_gemm_specs(dt))
+        .filter_map(|s| gemm_source(&s))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_is_self_contained_and_uniquely_named() {
+        let all = all_sources();
+        assert_eq!(all.len(), 2 * (GEMV_ROWS.len() + FLAT_BN.len()));
+        let mut uris: Vec<&str> = all.iter().map(|s| s.uri.as_str()).collect();
+        uris.sort();
+        uris.dedup();
+        assert_eq!(uris.len(), all.len());
+        for s in &all {
+            assert!(!s.text.contains("#include \"common.h\""), "{}", s.uri);
+            assert!(s.text.contains("wave_sum") || s.text.contains("mfma"), "{}", s.uri);
+        }
+    }
+
+    #[test]
+    fn gemv_block_n_maps_to_rows_per_wave() {
+        for &r in GEMV_ROWS {
+            let s = GemmSpec::new(GemmImpl::Gemv, DType::Bf16).with_block_n(r * GEMV_WAVES);
+            assert_eq!(gemv_rows(&s), r);
+            let src = gemm_source(&s).unwrap();
+            assert!(src.defines.contains(&("FDPP_ROWS".into(), r.to_string())));
+            assert!(src.defines.contains(&("FDPP_BF16".into(), "1".into())));
+        }
+        assert!(gemm_source(&GemmSpec::new(GemmImpl::Gemm, DType::F16)).is_none());
+    }
+
+    #[test]
+    fn the_hash_differs_from_the_cuda_kernels() {
+        assert_eq!(kernel_hash().len(), 16);
+        assert_ne!(kernel_hash(), crate::backend::cuda::sources::kernel_hash());
+    }
+}
