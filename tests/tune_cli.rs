@@ -134,7 +134,9 @@ fn small_cpu_tune_end_to_end() {
     assert!(dir.path().join("reports/tune").join(&slug).join("tiny.json").exists());
     // 4 shapes × 3 M × every CPU candidate, each a CSV row.
     use fdpp::backend::Backend;
-    let cands = fdpp::backend::cpu::CpuBackend::new().gemm_candidates(fdpp::dtype::DType::F16, 64, 64).len();
+    let cands = fdpp::backend::cpu::CpuBackend::new()
+        .gemm_candidates(fdpp::dtype::DType::F16, 64, 64)
+        .len();
     let rows = out.lines().filter(|l| l.contains("_f16")).count();
     assert_eq!(rows, 4 * 3 * cands, "{out}");
     for s in ["M1=", "M2=", "qkv[K=64,N=128]", "ffn2[K=96,N=64]"] {

@@ -106,6 +106,65 @@ impl<B: Backend> GemmInputs<B> {
         self.ws.len()
     }
 
+    /// Time several candidates at M rows, interleaved: warm-up each, then `rounds` rounds in each
+    /// of which every candidate runs its share of `opts.reps` back to back. A transient slowdown
+    /// of the device (seen on the H100: a whole ~1 ms window 3× slower) then lands on every
+    /// candidate alike instead of on whichever was being timed, so the comparison between
+    /// candidates, which is what the tuner needs, stays fair. One result per spec, in order.
+    pub fn time_interleaved(
+        &mut self,
+        b: &B,
+        specs: &[GemmSpec],
+        m: usize,
+        opts: TimingOpts,
+        rounds: usize,
+    ) -> Vec<Result<Stats>> {
+        let dims = match GemmDims::new(m, self.n, self.k) {
+            Ok(d) => d,
+            Err(e) => {
+                return specs
+                    .iter()
+                    .map(|_| Err(crate::error::FdppError::InvalidArgument(e.to_string())))
+                    .collect()
+            }
+        };
+        let c = self.copies();
+        let rounds = rounds.clamp(1, opts.reps.max(1));
+        let per_round = opts.reps.max(1).div_ceil(rounds);
+        let mut out: Vec<Result<Vec<f64>>> = specs.iter().map(|_| Ok(Vec::new())).collect();
+        for (spec, slot) in specs.iter().zip(out.iter_mut()) {
+            for i in 0..opts.warmup {
+                if let Err(e) = b.gemm(spec, dims, &self.xs[i % c], &self.ws[i % c], &mut self.y) {
+                    *slot = Err(e);
+                    break;
+                }
+            }
+        }
+        for r in 0..rounds {
+            for (spec, slot) in specs.iter().zip(out.iter_mut()) {
+                let Ok(samples) = slot else { continue };
+                let (xs, ws, y) = (&self.xs, &self.ws, &mut self.y);
+                let base = r * per_round;
+                match b.time_each(per_round, &mut |i| {
+                    b.gemm(spec, dims, &xs[(base + i) % c], &ws[(base + i) % c], y)
+                }) {
+                    Ok(ms) => samples.extend(ms),
+                    Err(e) => *slot = Err(e),
+                }
+            }
+        }
+        out.into_iter()
+            .zip(specs)
+            .map(|(r, spec)| {
+                r.and_then(|ms| {
+                    Stats::from_ms(&ms).ok_or_else(|| {
+                        crate::error::FdppError::device("timer", format!("{spec}: no timed runs came back"))
+                    })
+                })
+            })
+            .collect()
+    }
+
     /// Time `spec` at M rows: warm-up, then `opts.reps` runs rotating over the copies.
     pub fn time(&mut self, b: &B, spec: &GemmSpec, m: usize, opts: TimingOpts) -> Result<Stats> {
         let dims = GemmDims::new(m, self.n, self.k)?;

@@ -363,6 +363,9 @@ fn sweep<B: Backend>(
             let dims = GemmDims::new(m, s.n, s.k)?;
             let reference = gemm_ref_cols(o.dtype, dims, &inputs.x0, &inputs.w0, &cols);
             let auto_spec = o.profile.map(|p| select(s, m, Some(p)).spec(o.dtype));
+            // Verify every candidate (and select()'s choice) first; then time the verified ones
+            // interleaved, so a transient slowdown does not favour one of them.
+            let mut verified: Vec<(GemmSpec, bool, f64)> = Vec::new();
             for (spec, is_auto) in cands
                 .iter()
                 .map(|c| (c, false))
@@ -376,23 +379,28 @@ fn sweep<B: Backend>(
                         wrong: matches!(e, FdppError::WrongResult { .. }),
                         reason: e.to_string(),
                     }),
-                    Ok(err) => match inputs.time(b, spec, m, o.timing) {
-                        Ok(stats) => {
-                            let mut r = GemmRecord::new(ctx, s.kind.name(), spec, dims, stats, err);
-                            if is_auto {
-                                r.implementation = format!("auto={}", r.implementation);
-                                r.imp = "auto".into();
-                            }
-                            records.push(r)
-                        }
-                        Err(e) => rejected.push(Rejected {
-                            what,
-                            wrong: false,
-                            reason: format!("timing failed: {e}"),
-                        }),
-                    },
+                    Ok(err) => verified.push((*spec, is_auto, err)),
                 }
                 pb.inc(1);
+            }
+            let specs: Vec<GemmSpec> = verified.iter().map(|v| v.0).collect();
+            let times = inputs.time_interleaved(b, &specs, m, o.timing, crate::tune::sweep::TIMING_ROUNDS);
+            for ((spec, is_auto, err), t) in verified.into_iter().zip(times) {
+                match t {
+                    Ok(stats) => {
+                        let mut r = GemmRecord::new(ctx, s.kind.name(), &spec, dims, stats, err);
+                        if is_auto {
+                            r.implementation = format!("auto={}", r.implementation);
+                            r.imp = "auto".into();
+                        }
+                        records.push(r)
+                    }
+                    Err(e) => rejected.push(Rejected {
+                        what: format!("{spec} at {} M={m}", s.label()),
+                        wrong: false,
+                        reason: format!("timing failed: {e}"),
+                    }),
+                }
             }
         }
     }

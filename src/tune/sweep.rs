@@ -115,9 +115,36 @@ pub fn sweep_shape<B: Backend>(
     let specs = candidates(b, opts.dtype, shape);
     let mut results: Vec<Vec<Measurement>> = vec![Vec::with_capacity(opts.m_grid.len()); specs.len()];
     for &m in &opts.m_grid {
-        for (spec, out) in specs.iter().zip(results.iter_mut()) {
+        // Verify every candidate first, then time the verified ones interleaved (see
+        // GemmInputs::time_interleaved): only a candidate that computed the right answer is timed.
+        let mut verified: Vec<(usize, f64)> = Vec::new();
+        let mut row: Vec<Option<Measurement>> = vec![None; specs.len()];
+        for (i, spec) in specs.iter().enumerate() {
             on_step(&format!("{} M={m} {spec}", shape.label()));
-            out.push(measure(b, &mut inputs, &verifier, spec, m, opts.timing));
+            match verifier.check(b, &mut inputs, spec, m) {
+                Ok(nmse) => verified.push((i, nmse)),
+                Err(e) => row[i] = Some(classify(e, m, "")),
+            }
+        }
+        let timed_specs: Vec<GemmSpec> = verified.iter().map(|&(i, _)| specs[i]).collect();
+        let times = inputs.time_interleaved(b, &timed_specs, m, opts.timing, TIMING_ROUNDS);
+        for (&(i, nmse), t) in verified.iter().zip(times) {
+            row[i] = Some(match t {
+                Ok(s) => Measurement::Ok {
+                    m,
+                    samples: s.samples,
+                    median_us: s.median_us,
+                    min_us: s.min_us,
+                    max_us: s.max_us,
+                    nmse,
+                },
+                Err(e) => classify(e, m, "failed while timed: "),
+            });
+        }
+        for (out, r) in results.iter_mut().zip(row) {
+            if let Some(r) = r {
+                out.push(r);
+            }
         }
     }
     let candidates = specs
@@ -141,16 +168,12 @@ pub fn sweep_shape<B: Backend>(
     ))
 }
 
-/// Verify, then time, one candidate at one M.
-fn measure<B: Backend>(
-    b: &B,
-    inputs: &mut GemmInputs<B>,
-    verifier: &Verifier,
-    spec: &GemmSpec,
-    m: usize,
-    timing: TimingOpts,
-) -> Measurement {
-    let classify = |e: FdppError, when: &str| match e {
+/// Rounds over which each candidate's timed runs are spread (GemmInputs::time_interleaved).
+pub const TIMING_ROUNDS: usize = 5;
+
+/// An error of a candidate at M: `Unsupported` skips it there, anything else rejects it.
+fn classify(e: FdppError, m: usize, when: &str) -> Measurement {
+    match e {
         FdppError::Unsupported { .. } => Measurement::Skipped {
             m,
             reason: e.to_string(),
@@ -159,21 +182,6 @@ fn measure<B: Backend>(
             m,
             reason: format!("{when}{e}"),
         },
-    };
-    let nmse = match verifier.check(b, inputs, spec, m) {
-        Ok(v) => v,
-        Err(e) => return classify(e, ""),
-    };
-    match inputs.time(b, spec, m, timing) {
-        Ok(s) => Measurement::Ok {
-            m,
-            samples: s.samples,
-            median_us: s.median_us,
-            min_us: s.min_us,
-            max_us: s.max_us,
-            nmse,
-        },
-        Err(e) => classify(e, "failed while timed: "),
     }
 }
 
