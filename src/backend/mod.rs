@@ -162,7 +162,8 @@ pub trait Backend {
     fn copy_gbps(&self) -> Result<f64>;
 
     /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
-    /// all runs back to back between events and synchronize once; the CPU times with the clock.
+    /// all runs back to back between events and synchronize once (after one untimed lead-in call
+    /// `f(reps)`); the CPU times with the clock.
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;
 }
 

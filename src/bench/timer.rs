@@ -64,6 +64,10 @@ pub struct GemmInputs<B: Backend> {
     pub x0: Vec<u16>,
     pub w0: Vec<u16>,
     pub y: B::Buffer,
+    /// The copy the next run uses. One cursor across every candidate and every call, so that two
+    /// consecutive kernels never read the same copy (a candidate that started on the copy its
+    /// predecessor just read would find it in L2 and time faster than the roofline).
+    cursor: usize,
 }
 
 impl<B: Backend> GemmInputs<B> {
@@ -99,6 +103,7 @@ impl<B: Backend> GemmInputs<B> {
             x0,
             w0,
             y,
+            cursor: 0,
         })
     }
 
@@ -128,26 +133,21 @@ impl<B: Backend> GemmInputs<B> {
                     .collect()
             }
         };
-        let c = self.copies();
         let rounds = rounds.clamp(1, opts.reps.max(1));
         let per_round = opts.reps.max(1).div_ceil(rounds);
         let mut out: Vec<Result<Vec<f64>>> = specs.iter().map(|_| Ok(Vec::new())).collect();
         for (spec, slot) in specs.iter().zip(out.iter_mut()) {
-            for i in 0..opts.warmup {
-                if let Err(e) = b.gemm(spec, dims, &self.xs[i % c], &self.ws[i % c], &mut self.y) {
+            for _ in 0..opts.warmup {
+                if let Err(e) = self.run_next(b, spec, dims) {
                     *slot = Err(e);
                     break;
                 }
             }
         }
-        for r in 0..rounds {
+        for _ in 0..rounds {
             for (spec, slot) in specs.iter().zip(out.iter_mut()) {
                 let Ok(samples) = slot else { continue };
-                let (xs, ws, y) = (&self.xs, &self.ws, &mut self.y);
-                let base = r * per_round;
-                match b.time_each(per_round, &mut |i| {
-                    b.gemm(spec, dims, &xs[(base + i) % c], &ws[(base + i) % c], y)
-                }) {
+                match b.time_each(per_round, &mut |_| self.run_next(b, spec, dims)) {
                     Ok(ms) => samples.extend(ms),
                     Err(e) => *slot = Err(e),
                 }
@@ -165,15 +165,20 @@ impl<B: Backend> GemmInputs<B> {
             .collect()
     }
 
+    /// One run of `spec` on the next copy of the inputs.
+    fn run_next(&mut self, b: &B, spec: &GemmSpec, dims: GemmDims) -> Result<()> {
+        let j = self.cursor % self.copies();
+        self.cursor = self.cursor.wrapping_add(1);
+        b.gemm(spec, dims, &self.xs[j], &self.ws[j], &mut self.y)
+    }
+
     /// Time `spec` at M rows: warm-up, then `opts.reps` runs rotating over the copies.
     pub fn time(&mut self, b: &B, spec: &GemmSpec, m: usize, opts: TimingOpts) -> Result<Stats> {
         let dims = GemmDims::new(m, self.n, self.k)?;
-        let c = self.copies();
-        for i in 0..opts.warmup {
-            b.gemm(spec, dims, &self.xs[i % c], &self.ws[i % c], &mut self.y)?;
+        for _ in 0..opts.warmup {
+            self.run_next(b, spec, dims)?;
         }
-        let (xs, ws, y) = (&self.xs, &self.ws, &mut self.y);
-        let ms = b.time_each(opts.reps.max(1), &mut |i| b.gemm(spec, dims, &xs[i % c], &ws[i % c], y))?;
+        let ms = b.time_each(opts.reps.max(1), &mut |_| self.run_next(b, spec, dims))?;
         Stats::from_ms(&ms)
             .ok_or_else(|| crate::error::FdppError::device("timer", format!("{spec}: no timed runs came back")))
     }
