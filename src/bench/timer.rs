@@ -144,8 +144,13 @@ impl<B: Backend> GemmInputs<B> {
                 }
             }
         }
-        for _ in 0..rounds {
-            for (spec, slot) in specs.iter().zip(out.iter_mut()) {
+        for r in 0..rounds {
+            // Rotate the order every round: what ran just before a candidate changes its time
+            // (seen on the H100: a gemv block right after a cuBLAS block ran ~9 % slower), so each
+            // candidate takes every position once rather than always following the same one.
+            let start = r * specs.len() / rounds;
+            for idx in (0..specs.len()).map(|i| (i + start) % specs.len()) {
+                let (spec, slot) = (&specs[idx], &mut out[idx]);
                 let Ok(samples) = slot else { continue };
                 match b.time_each(per_round, &mut |_| self.run_next(b, spec, dims)) {
                     Ok(ms) => samples.extend(ms),
