@@ -1,5 +1,7 @@
 //! Timing of one GEMM candidate on any backend.
 
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
@@ -145,11 +147,13 @@ impl<B: Backend> GemmInputs<B> {
             }
         }
         for r in 0..rounds {
-            // Rotate the order every round: what ran just before a candidate changes its time
-            // (seen on the H100: a gemv block right after a cuBLAS block ran ~9 % slower), so each
-            // candidate takes every position once rather than always following the same one.
-            let start = r * specs.len() / rounds;
-            for idx in (0..specs.len()).map(|i| (i + start) % specs.len()) {
+            // A new order every round: what ran just before a candidate changes its time (seen on
+            // the H100: a gemv block right after a cuBLAS block ran ~10 % slower, lead-in run or
+            // not), so no candidate may always follow the same one. A rotation keeps neighbours;
+            // a seeded shuffle does not, and stays reproducible.
+            let mut order: Vec<usize> = (0..specs.len()).collect();
+            order.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(0x5eed ^ r as u64));
+            for idx in order {
                 let (spec, slot) = (&specs[idx], &mut out[idx]);
                 let Ok(samples) = slot else { continue };
                 match b.time_each(per_round, &mut |_| self.run_next(b, spec, dims)) {
