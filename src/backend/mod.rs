@@ -3,6 +3,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod kernel_cache;
 pub mod rocm;
 
 use serde::{Deserialize, Serialize};

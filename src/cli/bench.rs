@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::{Rng, SeedableRng};
 
 use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
@@ -18,9 +17,9 @@ use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::profile::Profile;
 use crate::provenance::BuildInfo;
-use crate::reference::gemm::{gemm_ref_cols, nmse};
 use crate::report::{self, GemmRecord, RunContext};
 use crate::select::select;
+use crate::tune::verify::{Verifier, DEFAULT_SAMPLE_COLS};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -155,18 +154,6 @@ fn m_list(given: &[usize], kind: BackendKind) -> anyhow::Result<Vec<usize>> {
     ms.sort_unstable();
     ms.dedup();
     Ok(ms)
-}
-
-/// Output columns compared with the reference: both ends, an even spread, and a few random
-/// ones (so a tiling bug at an unlucky stride is still likely to be hit).
-fn sample_columns(n: usize, seed: u64) -> Vec<usize> {
-    let spread = n.min(48);
-    let mut cols: Vec<usize> = (0..spread).map(|i| i * (n - 1) / (spread - 1).max(1)).collect();
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    cols.extend((0..16).map(|_| rng.gen_range(0..n)));
-    cols.sort_unstable();
-    cols.dedup();
-    cols
 }
 
 /// A candidate that was not timed, and why.
@@ -358,10 +345,11 @@ fn sweep<B: Backend>(
         pb.set_message(format!("{}: uploading inputs", s.label()));
         let mut inputs = GemmInputs::new(b, o.dtype, s.n, s.k, max_m, o.cache_bytes, o.seed)
             .with_context(|| format!("inputs for {} {}", ctx.model, s.label()))?;
-        let cols = sample_columns(s.n, o.seed ^ s.n as u64);
+        // The same verification as the tuner: f64 reference on sampled columns, poisoned output,
+        // nothing written past M rows.
+        let verifier = Verifier::new(&inputs, max_m, DEFAULT_SAMPLE_COLS)?;
         for &m in o.ms {
             let dims = GemmDims::new(m, s.n, s.k)?;
-            let reference = gemm_ref_cols(o.dtype, dims, &inputs.x0, &inputs.w0, &cols);
             let auto_spec = o.profile.map(|p| select(s, m, Some(p)).spec(o.dtype));
             // Verify every candidate (and select()'s choice) first; then time the verified ones
             // interleaved, so a transient slowdown does not favour one of them.
@@ -373,7 +361,7 @@ fn sweep<B: Backend>(
             {
                 pb.set_message(format!("{} M={m} {spec}", s.kind));
                 let what = format!("{spec} at {} M={m}", s.label());
-                match verify(b, &mut inputs, spec, dims, &cols, &reference)? {
+                match verifier.check(b, &mut inputs, spec, m) {
                     Err(e) => rejected.push(Rejected {
                         what,
                         wrong: matches!(e, FdppError::WrongResult { .. }),
@@ -435,50 +423,6 @@ fn auto_summary(records: &[GemmRecord]) -> String {
     out
 }
 
-/// Run `spec` once into a poisoned output and compare the sampled columns with the reference.
-/// Outer error: the backend itself failed (abort the run). Inner error: this candidate is
-/// rejected (unsupported, failed to run, or wrong). Ok(Ok(nmse)) when it passes.
-fn verify<B: Backend>(
-    b: &B,
-    inputs: &mut GemmInputs<B>,
-    spec: &GemmSpec,
-    dims: GemmDims,
-    cols: &[usize],
-    reference: &[f64],
-) -> anyhow::Result<Result<f64, FdppError>> {
-    b.fill(&mut inputs.y, spec.dtype.poison())?;
-    if let Err(e) = b.gemm(spec, dims, &inputs.xs[0], &inputs.ws[0], &mut inputs.y) {
-        return Ok(Err(e));
-    }
-    b.synchronize()?;
-    let y = b.download(&inputs.y)?;
-    if y.len() < dims.m * dims.n {
-        return Ok(Err(FdppError::Shape {
-            what: format!("{spec} output at {}", dims.label()),
-            expected: format!(">= {} elements", dims.m * dims.n),
-            found: y.len().to_string(),
-        }));
-    }
-    let mut out = Vec::with_capacity(dims.m * cols.len());
-    for m in 0..dims.m {
-        for &c in cols {
-            out.push(spec.dtype.to_f32(y[m * dims.n + c]) as f64);
-        }
-    }
-    let err = nmse(&out, reference);
-    let limit = spec.dtype.nmse_limit();
-    if err.is_finite() && err <= limit {
-        Ok(Ok(err))
-    } else {
-        Ok(Err(FdppError::WrongResult {
-            spec: spec.uri(),
-            shape: dims.label(),
-            nmse: err,
-            limit,
-        }))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,18 +466,6 @@ mod tests {
         assert_eq!(m_list(&[], BackendKind::Cuda).unwrap().last(), Some(&128));
         assert_eq!(m_list(&[8, 1, 8, 3], BackendKind::Cuda).unwrap(), [1, 3, 8]);
         assert!(m_list(&[0], BackendKind::Cpu).is_err());
-    }
-
-    #[test]
-    fn sampled_columns_cover_both_ends_and_stay_in_range() {
-        for n in [1, 7, 1000, 11008] {
-            let seed = rand::random();
-            let c = sample_columns(n, seed);
-            assert_eq!(c.first(), Some(&0));
-            assert_eq!(c.last(), Some(&(n - 1)));
-            assert!(c.windows(2).all(|w| w[0] < w[1]));
-            assert!(c.len() <= 64 && c.len() >= n.min(48));
-        }
     }
 
     /// The CPU backend with two bugs planted: gemv's outputs are 5% off, and flat_gemm refuses

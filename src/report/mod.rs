@@ -82,18 +82,9 @@ pub fn imp_rank(imp: &str) -> usize {
     }
 }
 
-/// Write through a sibling temporary file and rename, so that a reader never sees half a
-/// report and an interrupted run leaves the previous file intact.
-pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
-    let mut tmp_name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    tmp_name.push(".tmp");
-    let tmp = path.with_file_name(tmp_name);
-    std::fs::write(&tmp, contents).map_err(|e| FdppError::io(path, format!("cannot write: {e}")))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        FdppError::io(path, format!("cannot replace: {e}"))
-    })
-}
+/// Reports are written the way profiles are: through a sibling temporary file, fsync and
+/// rename, so a reader never sees half a file and an interrupted run leaves the old one intact.
+pub use crate::profile::write_atomic;
 
 /// Writes `<dir>/<stem>.csv`, `<dir>/<stem>.json` and one `<dir>/<stem>-<shape>.svg` per shape
 /// (time against M, one line per implementation, `marks[shape]` drawn as vertical lines).

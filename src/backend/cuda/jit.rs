@@ -147,53 +147,12 @@ unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8
     Ok(buf)
 }
 
-/// Outcome of a cached compile, for messages and tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheUse {
-    Hit,
-    Compiled,
-    /// Compiled, but the cache could not be written (kept in memory).
-    CompiledUncached,
-}
+pub use crate::backend::kernel_cache::CacheUse;
 
 /// CUBIN from the cache, or compiled and stored. `warn` receives one message when the cache is
 /// not writable.
 pub fn cubin_cached(src: &KernelSource, arch: &str, warn: &mut dyn FnMut(String)) -> Result<(Vec<u8>, CacheUse)> {
-    let path = cache_path(src, arch);
-    if let Some(p) = &path {
-        if let Ok(bytes) = std::fs::read(p) {
-            if !bytes.is_empty() {
-                return Ok((bytes, CacheUse::Hit));
-            }
-        }
-    }
-    let cubin = compile_cubin(src, arch)?;
-    let Some(p) = path else {
-        warn("no cache directory (HOME unset): kernels are compiled in memory every run".into());
-        return Ok((cubin, CacheUse::CompiledUncached));
-    };
-    match write_atomic(&p, &cubin) {
-        Ok(()) => Ok((cubin, CacheUse::Compiled)),
-        Err(e) => {
-            warn(format!(
-                "kernel cache {} not writable ({e}); compiled in memory",
-                p.display()
-            ));
-            Ok((cubin, CacheUse::CompiledUncached))
-        }
-    }
-}
-
-fn write_atomic(p: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = p.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        p.file_name().and_then(|s| s.to_str()).unwrap_or("k"),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, p)
+    crate::backend::kernel_cache::cached(cache_path(src, arch), || compile_cubin(src, arch), warn)
 }
 
 /// "sm_90a" for compute capability (9, 0) (Hopper gets the arch-specific target), "sm_86" etc.

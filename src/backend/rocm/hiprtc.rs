@@ -7,7 +7,7 @@
 //! (src/cli/kernels.rs); the backend compiles in-process only for the arch its own driver reports.
 
 use std::ffi::{c_char, c_void, CString};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
@@ -232,51 +232,11 @@ unsafe fn program_log(api: &HiprtcApi, prog: Prog) -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
-/// Outcome of a cached compile, for messages and tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheUse {
-    Hit,
-    Compiled,
-    CompiledUncached,
-}
+pub use crate::backend::kernel_cache::CacheUse;
 
 /// Code object from the cache, or compiled and stored; an unwritable cache costs one warning.
 pub fn code_object_cached(src: &KernelSource, arch: &str, warn: &mut dyn FnMut(String)) -> Result<(Vec<u8>, CacheUse)> {
-    let path = cache_path(src, arch);
-    if let Some(p) = &path {
-        if let Ok(bytes) = std::fs::read(p) {
-            if !bytes.is_empty() {
-                return Ok((bytes, CacheUse::Hit));
-            }
-        }
-    }
-    let co = compile_code_object(src, arch)?;
-    let Some(p) = path else {
-        warn("no cache directory (HOME unset): kernels are compiled in memory every run".into());
-        return Ok((co, CacheUse::CompiledUncached));
-    };
-    match write_atomic(&p, &co) {
-        Ok(()) => Ok((co, CacheUse::Compiled)),
-        Err(e) => {
-            warn(format!(
-                "kernel cache {} not writable ({e}); compiled in memory",
-                p.display()
-            ));
-            Ok((co, CacheUse::CompiledUncached))
-        }
-    }
-}
-
-fn write_atomic(p: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = p.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        p.file_name().and_then(|s| s.to_str()).unwrap_or("k"),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, p)
+    crate::backend::kernel_cache::cached(cache_path(src, arch), || compile_code_object(src, arch), warn)
 }
 
 #[cfg(test)]
