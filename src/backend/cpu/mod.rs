@@ -204,20 +204,14 @@ fn check_dtypes(op: &str, dtype: DType, bufs: &[&CpuBuffer]) -> Result<()> {
 /// SHA-256 (first 16 hex digits) of the kernel sources compiled into this binary, so that a
 /// profile timed with other CPU kernels is recognised as such.
 fn kernel_source_hash() -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for src in [
-        include_str!("simd.rs"),
-        include_str!("gemv.rs"),
-        include_str!("flat_gemm.rs"),
-        include_str!("gemm.rs"),
-        include_str!("attention.rs"),
-    ] {
-        h.update(src.as_bytes());
-    }
-    let digest = h.finalize();
-    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
-    format!("cpu-{hex}")
+    let files = [
+        ("simd.rs", include_str!("simd.rs")),
+        ("gemv.rs", include_str!("gemv.rs")),
+        ("flat_gemm.rs", include_str!("flat_gemm.rs")),
+        ("gemm.rs", include_str!("gemm.rs")),
+        ("attention.rs", include_str!("attention.rs")),
+    ];
+    format!("cpu-{}", crate::backend::kernel_cache::hash_files(&files))
 }
 
 /// The narrow B_N offered besides [`flat_gemm::DEFAULT_BLOCK_N`]: twice the tasks, half the

@@ -8,9 +8,8 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
-use sha2::{Digest, Sha256};
 
-use super::sources::{hex16, KernelSource};
+use super::sources::KernelSource;
 use crate::error::{FdppError, Result};
 
 /// Is libnvrtc loadable? Probed first because cudarc panics when a library is missing.
@@ -43,18 +42,6 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
     c.into_iter().find(|p| p.join("cuda_fp16.h").is_file())
 }
 
-pub fn cache_root() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("FDPP_CACHE_DIR") {
-        return Some(p.into());
-    }
-    if let Ok(p) = std::env::var("XDG_CACHE_HOME") {
-        return Some(Path::new(&p).join("fdpp"));
-    }
-    std::env::var("HOME")
-        .ok()
-        .map(|h| Path::new(&h).join(".cache").join("fdpp"))
-}
-
 /// NVRTC options for a source on an arch ("sm_90a").
 fn options(src: &KernelSource, arch: &str) -> Vec<String> {
     let mut o = vec![
@@ -74,23 +61,8 @@ fn options(src: &KernelSource, arch: &str) -> Vec<String> {
     o
 }
 
-/// Hash of everything that determines the CUBIN.
-fn compile_key(src: &KernelSource, arch: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(src.text.as_bytes());
-    for (k, v) in &src.defines {
-        h.update(format!("\0{k}={v}").as_bytes());
-    }
-    h.update(arch.as_bytes());
-    hex16(&h.finalize())
-}
-
 pub fn cache_path(src: &KernelSource, arch: &str) -> Option<PathBuf> {
-    cache_root().map(|r| {
-        r.join(crate::VERSION)
-            .join(arch)
-            .join(format!("{}-{}.cubin", src.uri, compile_key(src, arch)))
-    })
+    src.cache_path(arch, "nvrtc", "cubin")
 }
 
 /// Compile with NVRTC to CUBIN. Errors carry the NVRTC log and the spec URI.

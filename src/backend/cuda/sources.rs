@@ -3,7 +3,8 @@
 //! A [`KernelSource`] names the file and the `-D` definitions of one specialisation; its URI
 //! (e.g. `flat_gemm_f16_bn64`) names every compile-time parameter, as the on-disk cache key does.
 
-use sha2::{Digest, Sha256};
+use crate::backend::kernel_cache::{dtype_define, hash_files};
+pub use crate::backend::kernel_cache::{hex16, KernelSource};
 
 use crate::dtype::DType;
 use crate::ops::gemm::{GemmImpl, GemmSpec};
@@ -36,34 +37,11 @@ pub const FLAT_THREADS: u32 = 128;
 
 /// SHA-256 over all kernel sources, hex, first 16 digits.
 pub fn kernel_hash() -> String {
-    let mut h = Sha256::new();
-    for (name, text) in FILES {
-        h.update(name.as_bytes());
-        h.update([0]);
-        h.update(text.as_bytes());
-        h.update([0]);
-    }
-    hex16(&h.finalize())
-}
-
-pub fn hex16(bytes: &[u8]) -> String {
-    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelSource {
-    pub uri: String,
-    /// The file with `#include "common.cuh"` expanded in place (NVRTC gets one string).
-    pub text: String,
-    pub defines: Vec<(String, String)>,
+    hash_files(FILES)
 }
 
 fn expand(file: &str) -> String {
     file.replace("#include \"common.cuh\"", COMMON)
-}
-
-fn dtype_define(dt: DType) -> (String, String) {
-    ("FDPP_BF16".into(), if dt == DType::Bf16 { "1" } else { "0" }.into())
 }
 
 /// The source to compile for a GEMM spec, or None for ImplC (a library, nothing to compile).

@@ -10,11 +10,8 @@ use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use sha2::{Digest, Sha256};
-
 use super::loader::{candidates, Lib, LoadError};
 use super::sources::KernelSource;
-use crate::backend::cuda::sources::hex16;
 use crate::error::{FdppError, Result};
 
 type Prog = *mut c_void;
@@ -139,23 +136,8 @@ pub fn options(src: &KernelSource, arch: &str) -> Vec<String> {
     o
 }
 
-fn compile_key(src: &KernelSource, arch: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(src.text.as_bytes());
-    for (k, v) in &src.defines {
-        h.update(format!("\0{k}={v}").as_bytes());
-    }
-    h.update(b"\0hiprtc\0");
-    h.update(arch.as_bytes());
-    hex16(&h.finalize())
-}
-
 pub fn cache_path(src: &KernelSource, arch: &str) -> Option<PathBuf> {
-    crate::backend::cuda::jit::cache_root().map(|r| {
-        r.join(crate::VERSION)
-            .join(arch)
-            .join(format!("{}-{}.hsaco", src.uri, compile_key(src, arch)))
-    })
+    src.cache_path(arch, "hiprtc", "hsaco")
 }
 
 /// Compile with hiprtc in this process. Errors carry the hiprtc log and the options.
@@ -258,9 +240,13 @@ mod tests {
     fn the_cache_key_changes_with_arch_and_defines() {
         let all = all_sources();
         let (a, b) = (&all[0], &all[1]);
-        assert_ne!(compile_key(a, "gfx90a"), compile_key(a, "gfx940"));
-        assert_ne!(compile_key(a, "gfx90a"), compile_key(b, "gfx90a"));
-        assert_eq!(compile_key(a, "gfx90a"), compile_key(a, "gfx90a"));
+        std::env::set_var("FDPP_CACHE_DIR", "/tmp/fdpp-key-test");
+        assert_ne!(cache_path(a, "gfx90a"), cache_path(a, "gfx940"));
+        assert_ne!(cache_path(a, "gfx90a"), cache_path(b, "gfx90a"));
+        assert_eq!(cache_path(a, "gfx90a"), cache_path(a, "gfx90a"));
+        let mut edited = a.clone();
+        edited.text.push(' ');
+        assert_ne!(cache_path(a, "gfx90a"), cache_path(&edited, "gfx90a"));
     }
 
     #[test]

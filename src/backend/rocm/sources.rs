@@ -1,10 +1,9 @@
 //! The HIP kernel sources (kernels_hip/), embedded in the binary, and the compile-time
 //! specialisations of each, in the shape of the CUDA backend's `sources.rs`.
 
-use sha2::{Digest, Sha256};
-
 use super::launch::GEMV_WAVES;
-use crate::backend::cuda::sources::hex16;
+pub use crate::backend::kernel_cache::KernelSource;
+use crate::backend::kernel_cache::{dtype_define, hash_files};
 use crate::dtype::DType;
 use crate::ops::gemm::{GemmImpl, GemmSpec};
 
@@ -23,31 +22,11 @@ pub use super::launch::GEMV_INFLIGHT;
 
 /// SHA-256 over all HIP kernel sources, hex, first 16 digits.
 pub fn kernel_hash() -> String {
-    let mut h = Sha256::new();
-    for (name, text) in FILES {
-        h.update(name.as_bytes());
-        h.update([0]);
-        h.update(text.as_bytes());
-        h.update([0]);
-    }
-    hex16(&h.finalize())
-}
-
-/// One specialisation: the URI names every compile-time parameter (the cache key does too).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelSource {
-    pub uri: String,
-    /// The file with `#include "common.h"` expanded in place (hiprtc gets one string).
-    pub text: String,
-    pub defines: Vec<(String, String)>,
+    hash_files(FILES)
 }
 
 fn expand(file: &str) -> String {
     file.replace("#include \"common.h\"", COMMON)
-}
-
-fn dtype_define(dt: DType) -> (String, String) {
-    ("FDPP_BF16".into(), if dt == DType::Bf16 { "1" } else { "0" }.into())
 }
 
 /// The source of a GEMM spec, or None for ImplC (rocBLAS: nothing to compile).
