@@ -4,6 +4,7 @@ pub mod config;
 pub mod hf;
 pub mod presets;
 pub mod shapes;
+pub mod weights;
 
 pub use config::{ModelArch, ModelConfig};
 pub use shapes::{AttentionGeometry, LinearKind, LinearShape, ModelShapes};
