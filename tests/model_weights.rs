@@ -92,7 +92,7 @@ fn a_complete_checkpoint_loads_and_round_trips_the_bits() {
 #[test]
 fn f32_and_bf16_files_are_converted_at_load() {
     let dir = tempfile::tempdir().unwrap();
-    let names = vec![("a".to_string(), vec![3, 5]), ("b".to_string(), vec![7])];
+    let names = [("a".to_string(), vec![3, 5]), ("b".to_string(), vec![7])];
     let f32s = tensors(&names[..1], Dtype::F32, 7);
     let bf16s = tensors(&names[1..], Dtype::BF16, 8);
     write(&dir.path().join("a.safetensors"), &f32s, Dtype::F32);
