@@ -1,11 +1,12 @@
 //! The CPU GEMM implementations against the f64 reference, through the same harness as
 //! `fdpp check`; and the harness itself, against backends broken on purpose.
 
-use fdpp::backend::cpu::{CpuBackend, CpuBuffer};
-use fdpp::backend::{Backend, DeviceInfo};
+use fdpp::backend::cpu::hooked::HookedCpu;
+use fdpp::backend::cpu::CpuBackend;
+use fdpp::backend::Backend;
 use fdpp::check::{check_gemm, gemm_cases_quick, CheckRow, GemmCase, Status};
 use fdpp::dtype::DType;
-use fdpp::error::{FdppError, Result};
+use fdpp::error::FdppError;
 use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 
 fn assert_all_pass(rows: &[CheckRow], expected_rows: usize) {
@@ -107,7 +108,7 @@ fn bad_arguments_are_errors_not_panics() {
     assert!(out.iter().all(|&v| dt.to_f32(v) == 2.0), "{out:?}");
 }
 
-/// How [`Broken`] spoils the CPU's correct output.
+/// How [`broken`] spoils the CPU's correct output.
 #[derive(Clone, Copy, Debug)]
 enum Fault {
     /// Adds 8 to the last output element.
@@ -121,62 +122,26 @@ enum Fault {
 }
 
 /// The CPU backend with one deliberate fault, to prove the harness catches it.
-struct Broken {
-    inner: CpuBackend,
-    fault: Fault,
-}
-
-impl Backend for Broken {
-    type Buffer = CpuBuffer;
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
-    fn kernel_hash(&self) -> String {
-        self.inner.kernel_hash()
-    }
-    fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
-        self.inner.alloc(dtype, len)
-    }
-    fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
-        self.inner.upload(dtype, bits)
-    }
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
-        self.inner.download(buf)
-    }
-    fn fill(&self, buf: &mut CpuBuffer, bits: u16) -> Result<()> {
-        self.inner.fill(buf, bits)
-    }
-    fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
-        self.inner.gemm_candidates(dtype, n, k)
-    }
-    fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
+fn broken(fault: Fault) -> HookedCpu {
+    HookedCpu::new(move |inner, spec, dims, x, w, y| {
         let last = dims.m * dims.n - 1;
         let before = y.data[last];
-        if matches!(self.fault, Fault::DeclineLargeM) && dims.m > 4 {
+        if matches!(fault, Fault::DeclineLargeM) && dims.m > 4 {
             return Err(FdppError::Unsupported {
                 spec: spec.uri(),
                 what: format!("M = {} > 4", dims.m),
             });
         }
-        self.inner.gemm(spec, dims, x, w, y)?;
+        inner.gemm(spec, dims, x, w, y)?;
         let dt = spec.dtype;
-        match self.fault {
+        match fault {
             Fault::Corrupt => y.data[last] = dt.from_f32(dt.to_f32(y.data[last]) + 8.0),
             Fault::Unwritten => y.data[last] = before,
             Fault::PastEnd => y.data[last + 1] = dt.from_f32(1.0),
             Fault::DeclineLargeM => {}
         }
         Ok(())
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.inner.synchronize()
-    }
-    fn copy_gbps(&self) -> Result<f64> {
-        self.inner.copy_gbps()
-    }
-    fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
-        self.inner.time_each(reps, f)
-    }
+    })
 }
 
 fn broken_cases() -> Vec<GemmCase> {
@@ -192,10 +157,7 @@ fn broken_cases() -> Vec<GemmCase> {
 }
 
 fn rows_of(fault: Fault) -> Vec<CheckRow> {
-    let b = Broken {
-        inner: CpuBackend::new(),
-        fault,
-    };
+    let b = broken(fault);
     let mut rows = Vec::new();
     for case in broken_cases() {
         let specs = b.gemm_candidates(case.dtype, case.dims.n, case.dims.k);

@@ -4,15 +4,16 @@
 use std::cell::Cell;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
-use fdpp::backend::cpu::{CpuBackend, CpuBuffer};
-use fdpp::backend::{Backend, BackendChoice, DeviceInfo};
+use fdpp::backend::cpu::hooked::HookedCpu;
+use fdpp::backend::{Backend, BackendChoice};
 use fdpp::cli::tune::{run_with_backend, TuneArgs};
 use fdpp::cli::Format;
 use fdpp::dtype::DType;
-use fdpp::error::{FdppError, Result};
+use fdpp::error::FdppError;
 use fdpp::model::{LinearKind, LinearShape, ModelArch, ModelConfig, ModelShapes};
-use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use fdpp::ops::gemm::GemmImpl;
 use fdpp::profile::{Measurement, Profile};
 use fdpp::select::select;
 use fdpp::tune::SweepOpts;
@@ -29,59 +30,23 @@ enum Fault {
     UploadFailsForLen(usize),
 }
 
+/// The CPU backend with one fault; `uploads` counts the uploads it saw.
 struct Faulty {
-    inner: CpuBackend,
-    fault: Fault,
-    uploads: Cell<usize>,
+    b: HookedCpu,
+    uploads: Rc<Cell<usize>>,
 }
 
 impl Faulty {
     fn new(fault: Fault) -> Self {
-        Faulty {
-            inner: CpuBackend::new(),
-            fault,
-            uploads: Cell::new(0),
-        }
-    }
-}
-
-impl Backend for Faulty {
-    type Buffer = CpuBuffer;
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
-    fn kernel_hash(&self) -> String {
-        self.inner.kernel_hash()
-    }
-    fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
-        self.inner.alloc(dtype, len)
-    }
-    fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
-        self.uploads.set(self.uploads.get() + 1);
-        if let Fault::UploadFailsForLen(len) = self.fault {
-            if bits.len() == len {
-                return Err(FdppError::device("cpu", "out of memory (injected)"));
-            }
-        }
-        self.inner.upload(dtype, bits)
-    }
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
-        self.inner.download(buf)
-    }
-    fn fill(&self, buf: &mut CpuBuffer, bits: u16) -> Result<()> {
-        self.inner.fill(buf, bits)
-    }
-    fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
-        self.inner.gemm_candidates(dtype, n, k)
-    }
-    fn gemm(&self, spec: &GemmSpec, d: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
-        match (self.fault, spec.imp) {
+        let uploads = Rc::new(Cell::new(0));
+        let seen = uploads.clone();
+        let b = HookedCpu::new(move |inner, spec, d, x, w, y| match (fault, spec.imp) {
             (Fault::FlatGemmGarbage, GemmImpl::FlatGemm) => {
                 y.data[..d.m * d.n].fill(spec.dtype.from_f32(0.25));
                 Ok(())
             }
             (Fault::FlatGemmLastColumn, GemmImpl::FlatGemm) => {
-                self.inner.gemm(spec, d, x, w, y)?;
+                inner.gemm(spec, d, x, w, y)?;
                 for r in 0..d.m {
                     y.data[r * d.n + d.n - 1] = spec.dtype.from_f32(7.0);
                 }
@@ -91,17 +56,18 @@ impl Backend for Faulty {
                 spec: spec.uri(),
                 what: format!("M={} (at most 2)", d.m),
             }),
-            _ => self.inner.gemm(spec, d, x, w, y),
-        }
-    }
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
-    fn copy_gbps(&self) -> Result<f64> {
-        self.inner.copy_gbps()
-    }
-    fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
-        self.inner.time_each(reps, f)
+            _ => inner.gemm(spec, d, x, w, y),
+        })
+        .with_upload_hook(move |_, bits| {
+            seen.set(seen.get() + 1);
+            match fault {
+                Fault::UploadFailsForLen(len) if bits.len() == len => {
+                    Err(FdppError::device("cpu", "out of memory (injected)"))
+                }
+                _ => Ok(()),
+            }
+        });
+        Faulty { b, uploads }
     }
 }
 
@@ -152,7 +118,7 @@ fn all_plans_avoid(p: &Profile, imp: GemmImpl, ms: impl Iterator<Item = usize> +
 fn wrong_fast_candidate_is_rejected_and_never_selected() {
     let dir = tempfile::tempdir().unwrap();
     let a = args(dir.path(), 20);
-    let out = run_with_backend(&Faulty::new(Fault::FlatGemmGarbage), &a, &tiny()).unwrap();
+    let out = run_with_backend(&Faulty::new(Fault::FlatGemmGarbage).b, &a, &tiny()).unwrap();
     // What is on disk is what select reads.
     let p = Profile::load(a.out.as_ref().unwrap()).unwrap();
     assert_eq!(p, out.profile);
@@ -194,7 +160,7 @@ fn wrong_fast_candidate_is_rejected_and_never_selected() {
 
 #[test]
 fn a_wrong_last_column_alone_is_caught() {
-    let b = Faulty::new(Fault::FlatGemmLastColumn);
+    let b = Faulty::new(Fault::FlatGemmLastColumn).b;
     let shape = LinearShape {
         kind: LinearKind::Ffn1,
         k: 40,
@@ -213,7 +179,7 @@ fn a_wrong_last_column_alone_is_caught() {
 fn unsupported_m_is_skipped_not_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let a = args(dir.path(), 5);
-    let out = run_with_backend(&Faulty::new(Fault::GemvUpTo2), &a, &tiny()).unwrap();
+    let out = run_with_backend(&Faulty::new(Fault::GemvUpTo2).b, &a, &tiny()).unwrap();
     let p = out.profile;
     for sp in &p.shapes {
         let gemv = sp.candidates.iter().find(|c| c.imp == GemmImpl::Gemv).unwrap();
@@ -246,7 +212,7 @@ fn failed_tune_leaves_the_previous_profile_intact() {
     // Fails while preparing the third shape (ffn1's weights, [N=192, K=64]), after two shapes
     // were measured.
     let b = Faulty::new(Fault::UploadFailsForLen(192 * 64));
-    let e = match run_with_backend(&b, &a, &tiny()) {
+    let e = match run_with_backend(&b.b, &a, &tiny()) {
         Ok(_) => panic!("the tune should fail"),
         Err(e) => format!("{e:#}"),
     };

@@ -470,67 +470,27 @@ mod tests {
 
     /// The CPU backend with two bugs planted: gemv's outputs are 5% off, and flat_gemm refuses
     /// M > 1. The sweep must time neither where they fail.
-    struct Faulty(crate::backend::cpu::CpuBackend);
-
-    impl Backend for Faulty {
-        type Buffer = crate::backend::cpu::CpuBuffer;
-        fn info(&self) -> &crate::backend::DeviceInfo {
-            self.0.info()
-        }
-        fn kernel_hash(&self) -> String {
-            self.0.kernel_hash()
-        }
-        fn alloc(&self, dtype: DType, len: usize) -> crate::Result<Self::Buffer> {
-            self.0.alloc(dtype, len)
-        }
-        fn upload(&self, dtype: DType, bits: &[u16]) -> crate::Result<Self::Buffer> {
-            self.0.upload(dtype, bits)
-        }
-        fn download(&self, buf: &Self::Buffer) -> crate::Result<Vec<u16>> {
-            self.0.download(buf)
-        }
-        fn fill(&self, buf: &mut Self::Buffer, bits: u16) -> crate::Result<()> {
-            self.0.fill(buf, bits)
-        }
-        fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
-            self.0.gemm_candidates(dtype, n, k)
-        }
-        fn gemm(
-            &self,
-            spec: &GemmSpec,
-            dims: GemmDims,
-            x: &Self::Buffer,
-            w: &Self::Buffer,
-            y: &mut Self::Buffer,
-        ) -> crate::Result<()> {
+    fn faulty() -> crate::backend::cpu::hooked::HookedCpu {
+        crate::backend::cpu::hooked::HookedCpu::new(|inner, spec, dims, x, w, y| {
             if spec.imp == GemmImpl::FlatGemm && dims.m > 1 {
                 return Err(FdppError::Unsupported {
                     spec: spec.uri(),
                     what: format!("M={}", dims.m),
                 });
             }
-            self.0.gemm(spec, dims, x, w, y)?;
+            inner.gemm(spec, dims, x, w, y)?;
             if spec.imp == GemmImpl::Gemv {
                 for v in &mut y.data[..dims.m * dims.n] {
                     *v = spec.dtype.from_f32(spec.dtype.to_f32(*v) * 1.05);
                 }
             }
             Ok(())
-        }
-        fn synchronize(&self) -> crate::Result<()> {
-            Ok(())
-        }
-        fn copy_gbps(&self) -> crate::Result<f64> {
-            Ok(1.0)
-        }
-        fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> crate::Result<()>) -> crate::Result<Vec<f64>> {
-            self.0.time_each(reps, f)
-        }
+        })
     }
 
     #[test]
     fn wrong_and_unsupported_candidates_are_rejected_not_timed() {
-        let b = Faulty(crate::backend::cpu::CpuBackend::new());
+        let b = faulty();
         let ctx = RunContext {
             build: BuildInfo::current(),
             device: "faulty".into(),

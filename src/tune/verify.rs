@@ -157,8 +157,9 @@ pub fn verify_gemm<B: Backend>(b: &B, inputs: &mut GemmInputs<B>, spec: &GemmSpe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::{CpuBackend, CpuBuffer};
-    use crate::backend::{Backend, DeviceInfo};
+    use crate::backend::cpu::hooked::HookedCpu;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::Backend;
     use crate::dtype::DType;
     use crate::ops::gemm::GemmImpl;
 
@@ -209,56 +210,13 @@ mod tests {
         assert!(v.check(&b, &mut inp, &spec, 0).is_err());
     }
 
-    /// Delegates to the CPU backend, then damages the output as told.
-    struct Damaging {
-        inner: CpuBackend,
-        damage: fn(&mut Vec<u16>, GemmDims),
-    }
-
-    impl Backend for Damaging {
-        type Buffer = CpuBuffer;
-        fn info(&self) -> &DeviceInfo {
-            self.inner.info()
-        }
-        fn kernel_hash(&self) -> String {
-            self.inner.kernel_hash()
-        }
-        fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
-            self.inner.alloc(dtype, len)
-        }
-        fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
-            self.inner.upload(dtype, bits)
-        }
-        fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
-            self.inner.download(buf)
-        }
-        fn fill(&self, buf: &mut CpuBuffer, bits: u16) -> Result<()> {
-            self.inner.fill(buf, bits)
-        }
-        fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
-            self.inner.gemm_candidates(dtype, n, k)
-        }
-        fn gemm(&self, spec: &GemmSpec, d: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
-            self.inner.gemm(spec, d, x, w, y)?;
-            (self.damage)(&mut y.data, d);
-            Ok(())
-        }
-        fn synchronize(&self) -> Result<()> {
-            Ok(())
-        }
-        fn copy_gbps(&self) -> Result<f64> {
-            self.inner.copy_gbps()
-        }
-        fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
-            self.inner.time_each(reps, f)
-        }
-    }
-
     fn check_with(damage: fn(&mut Vec<u16>, GemmDims), m: usize) -> Result<f64> {
-        let b = Damaging {
-            inner: CpuBackend::new(),
-            damage,
-        };
+        // The CPU backend, then the output damaged as told.
+        let b = HookedCpu::new(move |inner, spec, d, x, w, y| {
+            inner.gemm(spec, d, x, w, y)?;
+            damage(&mut y.data, d);
+            Ok(())
+        });
         let mut inp = GemmInputs::new(&b, DType::F16, 200, 64, 6, 1 << 20, 3)?;
         let v = Verifier::new(&inp, 6, 32)?;
         v.check(&b, &mut inp, &GemmSpec::new(GemmImpl::FlatGemm, DType::F16), m)

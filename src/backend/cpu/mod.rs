@@ -10,6 +10,7 @@ mod attention;
 mod flat_gemm;
 mod gemm;
 mod gemv;
+pub mod hooked;
 mod info;
 mod simd;
 
