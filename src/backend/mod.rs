@@ -13,6 +13,7 @@ use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -156,6 +157,73 @@ pub trait Backend {
         Err(attention_unsupported(self.info(), "attention_prefill"))
     }
 
+    // The small ops of a layer (see [`crate::ops::layer`] for the layouts). Backends without
+    // kernels for them keep these defaults, which decline (`Unsupported`).
+
+    /// out = table[ids].
+    fn embedding(&self, p: &EmbeddingParams, table: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
+        let _ = (p, table, out);
+        Err(op_unsupported(self.info(), "embedding"))
+    }
+
+    /// residual += delta (when given); out = rmsnorm(residual) · weight.
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        residual: &mut Self::Buffer,
+        delta: Option<&Self::Buffer>,
+        weight: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, residual, delta, weight, out);
+        Err(op_unsupported(self.info(), "add_rmsnorm"))
+    }
+
+    /// Split the fused QKV output into q, k, v, adding the bias (Qwen) and rotating q and k.
+    fn qkv_rope(
+        &self,
+        p: &RopeParams,
+        qkv: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, qkv, bias, q, k, v);
+        Err(op_unsupported(self.info(), "qkv_rope"))
+    }
+
+    /// out = silu(gate) · up over the fused FFN1 output.
+    fn silu_mul(&self, p: &SiluMulParams, gate_up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
+        let _ = (p, gate_up, out);
+        Err(op_unsupported(self.info(), "silu_mul"))
+    }
+
+    /// Write new tokens' k and v into the paged cache (the decode step's append).
+    fn kv_append(
+        &self,
+        p: &KvAppendParams,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+    ) -> Result<()> {
+        let _ = (p, k, v, kv);
+        Err(op_unsupported(self.info(), "kv_append"))
+    }
+
+    /// dst[i] = src[rows[i]].
+    fn gather_rows(&self, p: &GatherParams, src: &Self::Buffer, dst: &mut Self::Buffer) -> Result<()> {
+        let _ = (p, src, dst);
+        Err(op_unsupported(self.info(), "gather_rows"))
+    }
+
+    /// Every element i set to [`crate::ops::layer::random_value`]`(seed, i, scale)` in the
+    /// buffer's dtype, generated where the buffer lives (random-weight models never cross the bus).
+    fn fill_random(&self, buf: &mut Self::Buffer, seed: u64, scale: f32) -> Result<()> {
+        let _ = (buf, seed, scale);
+        Err(op_unsupported(self.info(), "fill_random"))
+    }
+
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
@@ -166,6 +234,13 @@ pub trait Backend {
     /// all runs back to back between events and synchronize once (after one untimed lead-in call
     /// `f(reps)`); the CPU times with the clock.
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;
+}
+
+fn op_unsupported(info: &DeviceInfo, op: &str) -> FdppError {
+    FdppError::Unsupported {
+        spec: format!("{op} on {} ({})", info.backend, info.name),
+        what: "this op yet (no kernel for this backend)".into(),
+    }
 }
 
 fn attention_unsupported(info: &DeviceInfo, op: &str) -> FdppError {
