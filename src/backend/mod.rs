@@ -157,6 +157,41 @@ pub trait Backend {
         Err(attention_unsupported(self.info(), "attention_prefill"))
     }
 
+    /// As [`attention_decode`](Self::attention_decode), without waiting for the device to report
+    /// the recompute count: the hot path of the engine and of timed loops. Flagged rows are still
+    /// recomputed; their number is added to the running total [`take_recomputed`](Self::take_recomputed)
+    /// returns.
+    fn attention_decode_enqueue(
+        &self,
+        p: &DecodeParams,
+        q: &Self::Buffer,
+        kv: &PagedKv<Self::Buffer>,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, q, kv, out);
+        Err(attention_unsupported(self.info(), "attention_decode"))
+    }
+
+    /// As [`attention_prefill`](Self::attention_prefill), counting as
+    /// [`attention_decode_enqueue`](Self::attention_decode_enqueue) does.
+    fn attention_prefill_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, q, k, v, kv, out);
+        Err(attention_unsupported(self.info(), "attention_prefill"))
+    }
+
+    /// Rows recomputed by the enqueue paths since the last call (waits for the device).
+    fn take_recomputed(&self) -> Result<usize> {
+        Ok(0)
+    }
+
     // The small ops of a layer (see [`crate::ops::layer`] for the layouts). Backends without
     // kernels for them keep these defaults, which decline (`Unsupported`).
 

@@ -41,6 +41,8 @@ impl DeviceBuffer for CpuBuffer {
 
 pub struct CpuBackend {
     info: DeviceInfo,
+    /// Rows recomputed by the enqueue attention paths since the last `take_recomputed`.
+    recomputed: std::sync::atomic::AtomicUsize,
 }
 
 impl Default for CpuBackend {
@@ -51,7 +53,10 @@ impl Default for CpuBackend {
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { info: info::cpu_info() }
+        CpuBackend {
+            info: info::cpu_info(),
+            recomputed: Default::default(),
+        }
     }
 }
 
@@ -137,6 +142,38 @@ impl Backend for CpuBackend {
         check_dtypes("attention_decode", p.dtype, &[q, &kv.k, &kv.v, out])?;
         let units = self.info.compute_units as usize;
         attention::decode(p, &kv.layout, units, &q.data, (&kv.k.data, &kv.v.data), &mut out.data)
+    }
+
+    fn attention_decode_enqueue(
+        &self,
+        p: &DecodeParams,
+        q: &CpuBuffer,
+        kv: &PagedKv<CpuBuffer>,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let s = self.attention_decode(p, q, kv, out)?;
+        self.recomputed
+            .fetch_add(s.recomputed, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn attention_prefill_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &CpuBuffer,
+        k: &CpuBuffer,
+        v: &CpuBuffer,
+        kv: &mut PagedKv<CpuBuffer>,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let s = self.attention_prefill(p, q, k, v, kv, out)?;
+        self.recomputed
+            .fetch_add(s.recomputed, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn take_recomputed(&self) -> Result<usize> {
+        Ok(self.recomputed.swap(0, std::sync::atomic::Ordering::Relaxed))
     }
 
     fn attention_prefill(

@@ -10,6 +10,11 @@ use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 
+/// gemv entry points by rows of x (the kernels hold M rows of accumulators in registers).
+const GEMV_M: [&str; 8] = [
+    "gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
+];
+
 /// The 16-byte vector paths need every row of x and W to start on a 16-byte boundary.
 fn vec_ok(d: &GemmDims) -> bool {
     d.k.is_multiple_of(8)
@@ -53,7 +58,8 @@ fn gemv(
     w: &CudaBuffer,
     y: &mut CudaBuffer,
 ) -> Result<()> {
-    let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
+    let uri = spec.uri();
+    let src = || sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")));
     let (rows, ksplit) = sources::gemv_layout(spec.block_n.unwrap_or(8));
     let rows_per_block = rows * GEMV_WARPS / ksplit;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
@@ -70,13 +76,13 @@ fn gemv(
         let xo = xp + (2 * m0 * d.k) as u64;
         let yo = yp + (2 * m0 * d.n) as u64;
         if vec_ok(&d) {
-            let f = b.function(&src, &format!("gemv_m{mm}"), 0)?;
+            let f = b.function_of(&uri, GEMV_M[mm - 1], 0, src)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&xo).arg(&wp).arg(&yo).arg(&n).arg(&k);
             // SAFETY: pointers cover [M, K], [N, K], [M, N] (checked above); grid matches the kernel.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
         } else {
-            let f = b.function(&src, "gemv_scalar", 0)?;
+            let f = b.function_of(&uri, "gemv_scalar", 0, src)?;
             let mm32 = mm as i32;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&xo).arg(&wp).arg(&yo).arg(&mm32).arg(&n).arg(&k);
@@ -96,7 +102,6 @@ fn flat(
     w: &CudaBuffer,
     y: &mut CudaBuffer,
 ) -> Result<()> {
-    let src = sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))?;
     let bn = spec.block_n.unwrap_or(64);
     // M padded to 8 (FlashDecoding++ §4): 1, 2 or 4 n8-tiles per block; larger M takes more
     // blocks along y (each re-reads W, so B stops paying there and the tuner's M2 shows it).
@@ -119,8 +124,17 @@ fn flat(
             ),
         });
     }
-    let name = format!("flat_gemm_mt{mt}_{}", if vec_ok(&d) { "v" } else { "s" });
-    let f = b.function(&src, &name, smem)?;
+    let name = match (mt, vec_ok(&d)) {
+        (1, true) => "flat_gemm_mt1_v",
+        (1, false) => "flat_gemm_mt1_s",
+        (2, true) => "flat_gemm_mt2_v",
+        (2, false) => "flat_gemm_mt2_s",
+        (_, true) => "flat_gemm_mt4_v",
+        (_, false) => "flat_gemm_mt4_s",
+    };
+    let f = b.function_of(&spec.uri(), name, smem, || {
+        sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))
+    })?;
     let (m, n, k) = (
         i32_of(d.m, "M", spec)?,
         i32_of(d.n, "N", spec)?,

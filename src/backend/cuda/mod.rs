@@ -1,6 +1,7 @@
 //! The CUDA backend: cudarc with dynamic loading (the binary needs no CUDA to build), kernels
 //! compiled at run time by NVRTC for the device's arch, cuBLAS as ImplC.
 
+pub mod attention;
 pub mod gemm;
 pub mod jit;
 pub mod probe;
@@ -43,14 +44,19 @@ pub(crate) fn drv(what: &str) -> impl Fn(cudarc::driver::DriverError) -> FdppErr
     move |e| FdppError::device("cuda", format!("{what}: {e:?}"))
 }
 
+/// The loaded functions of one spec uri by name, with the dynamic shared memory allowed.
+type FunctionsOf = HashMap<String, (CudaFunction, u32)>;
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     blas: CudaBlas,
     modules: RefCell<HashMap<String, Arc<CudaModule>>>,
-    /// Loaded functions by (spec uri, name), with the shared-memory limit already raised.
-    functions: RefCell<HashMap<(String, String), (CudaFunction, u32)>>,
+    /// Loaded functions by spec uri then name, with the shared-memory limit already raised.
+    functions: RefCell<HashMap<String, FunctionsOf>>,
+    /// Device scratch of the attention launches (block tables, partials, counters).
+    attn: RefCell<attention::Scratch>,
     max_smem: u32,
 }
 
@@ -95,6 +101,7 @@ impl CudaBackend {
             blas,
             modules: RefCell::new(HashMap::new()),
             functions: RefCell::new(HashMap::new()),
+            attn: RefCell::new(attention::Scratch::default()),
             max_smem,
         })
     }
@@ -118,19 +125,33 @@ impl CudaBackend {
     }
 
     /// A kernel function, with its dynamic shared-memory limit raised to at least `smem` bytes.
-    pub(crate) fn function(&self, src: &sources::KernelSource, name: &str, smem: u32) -> Result<CudaFunction> {
-        let key = (src.uri.clone(), name.to_string());
-        if let Some((f, have)) = self.functions.borrow().get(&key) {
-            if *have >= smem {
-                return Ok(f.clone());
+    /// The source is built only on the first call for this (uri, name): a launch of a loaded
+    /// kernel costs a hash lookup, not a source expansion.
+    pub(crate) fn function_of(
+        &self,
+        uri: &str,
+        name: &str,
+        smem: u32,
+        source: impl FnOnce() -> Result<sources::KernelSource>,
+    ) -> Result<CudaFunction> {
+        if let Some(per_uri) = self.functions.borrow().get(uri) {
+            if let Some((f, have)) = per_uri.get(name) {
+                if *have >= smem {
+                    return Ok(f.clone());
+                }
             }
         }
+        let src = source()?;
         let f = self
-            .module(src)?
+            .module(&src)?
             .load_function(name)
             .map_err(drv(&format!("{}: function {name}", src.uri)))?;
         gemm::set_smem(&f, smem)?;
-        self.functions.borrow_mut().insert(key, (f.clone(), smem));
+        self.functions
+            .borrow_mut()
+            .entry(uri.to_string())
+            .or_default()
+            .insert(name.to_string(), (f.clone(), smem));
         Ok(f)
     }
 
@@ -201,6 +222,54 @@ impl Backend for CudaBackend {
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
         gemm::run(self, spec, dims, x, w, y)
+    }
+
+    fn attention_decode(
+        &self,
+        p: &crate::ops::attention::DecodeParams,
+        q: &CudaBuffer,
+        kv: &crate::kv::PagedKv<CudaBuffer>,
+        out: &mut CudaBuffer,
+    ) -> Result<crate::ops::attention::AttnStats> {
+        attention::decode(self, p, q, kv, out, true)
+    }
+
+    fn attention_decode_enqueue(
+        &self,
+        p: &crate::ops::attention::DecodeParams,
+        q: &CudaBuffer,
+        kv: &crate::kv::PagedKv<CudaBuffer>,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        attention::decode(self, p, q, kv, out, false).map(|_| ())
+    }
+
+    fn attention_prefill(
+        &self,
+        p: &crate::ops::attention::PrefillParams,
+        q: &CudaBuffer,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        kv: &mut crate::kv::PagedKv<CudaBuffer>,
+        out: &mut CudaBuffer,
+    ) -> Result<crate::ops::attention::AttnStats> {
+        attention::prefill(self, p, q, k, v, kv, out, true)
+    }
+
+    fn attention_prefill_enqueue(
+        &self,
+        p: &crate::ops::attention::PrefillParams,
+        q: &CudaBuffer,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        kv: &mut crate::kv::PagedKv<CudaBuffer>,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        attention::prefill(self, p, q, k, v, kv, out, false).map(|_| ())
+    }
+
+    fn take_recomputed(&self) -> Result<usize> {
+        attention::take_recomputed(self)
     }
 
     fn synchronize(&self) -> Result<()> {

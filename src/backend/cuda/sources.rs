@@ -12,8 +12,12 @@ use crate::ops::gemm::{GemmImpl, GemmSpec};
 const COMMON: &str = include_str!("../../../kernels_cuda/common.cuh");
 const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
+const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
+const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
+const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 
-/// Every (file, text) pair that goes into a compile; their hash is the profiles' kernel hash.
+/// The files of the GEMM kernels: their hash is the profiles' kernel hash (a profile holds GEMM
+/// timings; an edit to another kernel does not invalidate it).
 const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("flat_gemm.cu", FLAT_GEMM)];
 
 /// Rows per warp offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N is
@@ -42,6 +46,7 @@ pub fn kernel_hash() -> String {
 
 fn expand(file: &str) -> String {
     file.replace("#include \"common.cuh\"", COMMON)
+        .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
 }
 
 /// The source to compile for a GEMM spec, or None for ImplC (a library, nothing to compile).
@@ -94,11 +99,66 @@ pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
 
 /// Every kernel source fdpp compiles.
 pub fn all_sources() -> Vec<KernelSource> {
-    [DType::F16, DType::Bf16]
+    let mut v: Vec<KernelSource> = [DType::F16, DType::Bf16]
         .iter()
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
-        .collect()
+        .collect();
+    for dt in [DType::F16, DType::Bf16] {
+        for &d in &crate::ops::attention::SUPPORTED_HEAD_DIMS {
+            for hg in ATTN_HEADS_PER_BLOCK {
+                v.push(attn_decode_source(dt, d, *hg));
+            }
+            v.push(attn_prefill_source(dt, d));
+        }
+    }
+    v
+}
+
+/// Query heads one decode block serves (the kernel's HG): a GQA group of up to 4 in one block,
+/// larger groups in chunks of 4 (the chunks of one split run side by side and share K/V in L2).
+pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 4];
+
+/// HG for a GQA group size.
+pub fn attn_heads_per_block(group: usize) -> usize {
+    group.clamp(1, 4)
+}
+
+/// Split-KV decode (sync, combine, async) for one dtype, head_dim and heads-per-block.
+pub fn attn_decode_source(dtype: DType, head_dim: usize, hg: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("attn_decode_{dtype}_d{head_dim}_hg{hg}"),
+        text: expand(ATTN_DECODE),
+        defines: vec![
+            dtype_define(dtype),
+            ("FDPP_D".into(), head_dim.to_string()),
+            ("FDPP_HG".into(), hg.to_string()),
+        ],
+    }
+}
+
+/// Causal tiled prefill (sync and async) for one dtype and head_dim.
+pub fn attn_prefill_source(dtype: DType, head_dim: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("attn_prefill_{dtype}_d{head_dim}"),
+        text: expand(ATTN_PREFILL),
+        defines: vec![dtype_define(dtype), ("FDPP_D".into(), head_dim.to_string())],
+    }
+}
+
+/// Query rows per prefill block and keys per tile (must match attn_prefill.cu).
+pub const PREFILL_BM: usize = 64;
+pub fn prefill_bn(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Dynamic shared memory of a prefill block: Q, and two stages of K and V.
+pub fn prefill_smem_bytes(head_dim: usize) -> u32 {
+    ((PREFILL_BM * head_dim + 4 * prefill_bn(head_dim) * head_dim) * 2) as u32
 }
 
 /// (rows per warp, warps per row) of a gemv block with `rows_per_block` rows and GEMV_WARPS warps.

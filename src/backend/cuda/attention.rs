@@ -1,0 +1,377 @@
+//! Launching the attention kernels (kernels_cuda/attn_decode.cu, attn_prefill.cu) on CUDA.
+//!
+//! The block tables and lengths arrive as host arrays (see [`crate::ops::attention`]); they are
+//! copied into a grow-only device buffer on the launch stream, so back-to-back steps queue
+//! without a host synchronisation. Rows the async scheme recomputes are counted on the device:
+//! the counting entry points read that count back (one synchronisation), the enqueue entry
+//! points add it to a running total read later.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::sources::{attn_decode_source, attn_heads_per_block, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
+use super::{drv, CudaBackend, CudaBuffer};
+use crate::backend::{Backend, DeviceBuffer};
+use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
+use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::layer::KvAppendParams;
+
+const THREADS: u32 = 128;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// Counter slots: the running total of the enqueue paths, and the per-call slot the counting
+/// paths reset and read.
+const RUNNING: usize = 0;
+const PER_CALL: usize = 1;
+
+/// Device scratch of the attention launches, grown on demand and kept.
+#[derive(Default)]
+pub struct Scratch {
+    ints: Option<CudaSlice<i32>>,
+    /// Sync decode partials: acc [rows][splits][D], then (m, l) [rows][splits].
+    partials: Option<CudaSlice<f32>>,
+    /// Async decode accumulators; zero between launches (the kernel restores what it used).
+    accum: Option<CudaSlice<f32>>,
+    counters: Option<CudaSlice<u32>>,
+}
+
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    b: &CudaBackend,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+    what: &str,
+) -> Result<()> {
+    if slot.as_ref().is_none_or(|s| s.len() < len) {
+        // Zeroed: the async accumulators and the counters rely on it.
+        let s = b
+            .stream()
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(drv(&format!("allocating attention {what} ({len} elements)")))?;
+        *slot = Some(s);
+    }
+    Ok(())
+}
+
+/// Device pointer of a scratch slot that `grow` has filled.
+fn ptr_of<T>(b: &CudaBackend, slot: &Option<CudaSlice<T>>) -> Result<u64> {
+    use cudarc::driver::DevicePtr;
+    let s = slot
+        .as_ref()
+        .ok_or_else(|| FdppError::device("cuda", "attention scratch used before it was allocated"))?;
+    let (p, _sync) = s.device_ptr(b.stream());
+    Ok(p)
+}
+
+/// Copy `host` into the int scratch (after anything queued before it) and return its pointer.
+fn upload_ints(b: &CudaBackend, sc: &mut Scratch, host: &[i32]) -> Result<u64> {
+    grow(b, &mut sc.ints, host.len(), "block tables")?;
+    let dst = sc
+        .ints
+        .as_mut()
+        .ok_or_else(|| FdppError::device("cuda", "attention int scratch missing"))?;
+    b.stream()
+        .memcpy_htod(host, &mut dst.slice_mut(0..host.len()))
+        .map_err(drv("uploading block tables"))?;
+    ptr_of(b, &sc.ints)
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| FdppError::InvalidArgument(format!("attention: {what} = {v} does not fit i32")))
+}
+
+fn check_dtypes(what: &str, want: crate::dtype::DType, bufs: &[&CudaBuffer]) -> Result<()> {
+    if bufs.iter().any(|x| x.dtype() != want) {
+        return Err(FdppError::InvalidArgument(format!(
+            "{what}: every buffer must be {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// Reset the per-call counter slot (counting calls only).
+fn reset_counter(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
+    grow(b, &mut sc.counters, 2, "counters")?;
+    let c = sc
+        .counters
+        .as_mut()
+        .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
+    b.stream()
+        .memset_zeros(&mut c.slice_mut(PER_CALL..PER_CALL + 1))
+        .map_err(drv("resetting the recompute counter"))?;
+    Ok(ptr_of(b, &sc.counters)? + 4 * PER_CALL as u64)
+}
+
+fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
+    if counting {
+        reset_counter(b, sc)
+    } else {
+        grow(b, &mut sc.counters, 2, "counters")?;
+        Ok(ptr_of(b, &sc.counters)? + 4 * RUNNING as u64)
+    }
+}
+
+fn read_counter(b: &CudaBackend, sc: &Scratch, slot: usize) -> Result<usize> {
+    let c = sc
+        .counters
+        .as_ref()
+        .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
+    let v = b
+        .stream()
+        .clone_dtoh(&c.slice(slot..slot + 1))
+        .map_err(drv("reading the recompute counter"))?;
+    Ok(v.first().copied().unwrap_or(0) as usize)
+}
+
+/// Read and reset the running recompute total of the enqueue paths.
+pub fn take_recomputed(b: &CudaBackend) -> Result<usize> {
+    let mut sc = b.attn.borrow_mut();
+    if sc.counters.is_none() {
+        return Ok(0);
+    }
+    let n = read_counter(b, &sc, RUNNING)?;
+    if let Some(c) = sc.counters.as_mut() {
+        b.stream()
+            .memset_zeros(&mut c.slice_mut(RUNNING..RUNNING + 1))
+            .map_err(drv("resetting the recompute counter"))?;
+    }
+    Ok(n)
+}
+
+/// The async window in the kernels' log2 units: (φ, a, b) · log2(e).
+fn window(scheme: SoftmaxScheme) -> (f32, f32, f32) {
+    match scheme {
+        SoftmaxScheme::Sync => (0.0, 0.0, 0.0),
+        SoftmaxScheme::Async { phi, a, b } => (phi * LOG2E, a * LOG2E, b * LOG2E),
+    }
+}
+
+/// Split-KV decode. `counting`: wait for the device and return the exact recompute count.
+pub fn decode(
+    b: &CudaBackend,
+    p: &DecodeParams,
+    q: &CudaBuffer,
+    kv: &PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+) -> Result<AttnStats> {
+    p.validate(&kv.layout, q.len(), out.len(), (kv.k.len(), kv.v.len()))?;
+    check_dtypes("decode attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
+    let g = p.geom;
+    let (bsz, heads, kvh, d) = (p.batch(), g.num_heads, g.num_kv_heads, g.head_dim);
+    let hg = attn_heads_per_block(g.group());
+    let chunks = g.group() / hg;
+    let max_len = (0..bsz).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
+    let splits = p
+        .num_splits
+        .unwrap_or_else(|| num_splits(bsz, kvh * chunks, max_len, b.info().compute_units as usize));
+    let rows = bsz * heads;
+    let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
+    let src = || Ok(attn_decode_source(p.dtype, d, hg));
+
+    let mut sc = b.attn.borrow_mut();
+    let mut host = p.tables.block_table.clone();
+    host.extend_from_slice(&p.tables.seq_lens);
+    let tables = upload_ints(b, &mut sc, &host)?;
+    let lens = tables + 4 * p.tables.block_table.len() as u64;
+    let (max_pages, page_size) = (
+        i32_of(p.tables.max_pages, "max_pages")?,
+        i32_of(kv.layout.page_size, "page_size")?,
+    );
+    let (h32, g32, s32) = (
+        i32_of(heads, "heads")?,
+        i32_of(kvh, "kv heads")?,
+        i32_of(splits, "splits")?,
+    );
+    let scale2 = g.scale() * LOG2E;
+    let cfg = LaunchConfig {
+        grid_dim: ((chunks * splits) as u32, (bsz * kvh) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
+    let what = format!("{uri} at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
+    let recomputed = match p.scheme {
+        SoftmaxScheme::Sync => {
+            let part = if splits > 1 {
+                grow(b, &mut sc.partials, rows * splits * (d + 2), "partials")?;
+                ptr_of(b, &sc.partials)?
+            } else {
+                0
+            };
+            let f = b.function_of(&uri, "attn_decode_sync", 0, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&s32)
+                .arg(&scale2);
+            l.arg(&part).arg(&op);
+            // SAFETY: buffer lengths and tables are validated above; part covers rows·splits·(D+2).
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            if splits > 1 {
+                let f = b.function_of(&uri, "attn_combine", 0, src)?;
+                let r32 = i32_of(rows, "rows")?;
+                let mut l = b.stream().launch_builder(&f);
+                l.arg(&part).arg(&r32).arg(&s32).arg(&op);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: as above.
+                unsafe { l.launch(cfg) }.map_err(drv(&format!("launch combine of {what}")))?;
+            }
+            0
+        }
+        SoftmaxScheme::Async { .. } => {
+            let (phi2, a2, b2) = window(p.scheme);
+            grow(b, &mut sc.accum, rows * (d + 3) + bsz * kvh * chunks, "accumulators")?;
+            let ws = ptr_of(b, &sc.accum)?;
+            let counter = counter_ptr(b, &mut sc, counting)?;
+            let f = b.function_of(&uri, "attn_decode_async", 0, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&s32)
+                .arg(&scale2);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&ws).arg(&counter).arg(&op);
+            // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            b.check_launch(&what)?;
+            if counting {
+                read_counter(b, &sc, PER_CALL)?
+            } else {
+                0
+            }
+        }
+    };
+    b.check_launch(&what)?;
+    Ok(AttnStats { rows, recomputed })
+}
+
+/// Causal prefill: append the new K and V to the cache, then attend.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill(
+    b: &CudaBackend,
+    p: &PrefillParams,
+    q: &CudaBuffer,
+    k: &CudaBuffer,
+    v: &CudaBuffer,
+    kv: &mut PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+) -> Result<AttnStats> {
+    p.validate(
+        &kv.layout,
+        (q.len(), out.len()),
+        (k.len(), v.len()),
+        (kv.k.len(), kv.v.len()),
+    )?;
+    check_dtypes("prefill attention", p.dtype, &[q, k, v, &kv.k, &kv.v, out])?;
+    b.kv_append(
+        &KvAppendParams {
+            tables: p.tables.clone(),
+            new_lens: p.new_lens.clone(),
+        },
+        k,
+        v,
+        kv,
+    )?;
+    let g = p.geom;
+    let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
+    // One tile per 64 new rows of a sequence; the longest key ranges first (causal balance).
+    let mut tiles: Vec<[i32; 4]> = Vec::new();
+    for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
+        for i in (0..n).step_by(PREFILL_BM) {
+            let rows = PREFILL_BM.min(n - i);
+            tiles.push([
+                i32_of(seq, "sequence")?,
+                i32_of(row0 + i, "row")?,
+                i32_of(prefix + i, "position")?,
+                rows as i32,
+            ]);
+        }
+    }
+    tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[3]));
+    let ntiles = tiles.len();
+    let uri = format!("attn_prefill_{}_d{d}", p.dtype);
+    let src = || Ok(attn_prefill_source(p.dtype, d));
+    let smem = prefill_smem_bytes(d);
+    if smem > b.max_smem_per_block() {
+        return Err(FdppError::Unsupported {
+            spec: uri,
+            what: format!(
+                "head_dim {d} on this device ({} KiB of shared memory needed, {} KiB allowed)",
+                smem >> 10,
+                b.max_smem_per_block() >> 10
+            ),
+        });
+    }
+
+    let mut sc = b.attn.borrow_mut();
+    let mut host = p.tables.block_table.clone();
+    // The tile list follows the table; int4 loads want it 16-byte aligned.
+    while !host.len().is_multiple_of(4) {
+        host.push(-1);
+    }
+    let tiles_at = host.len();
+    host.extend(tiles.iter().flatten());
+    let table = upload_ints(b, &mut sc, &host)?;
+    let tiles_ptr = table + 4 * tiles_at as u64;
+    let (max_pages, page_size) = (
+        i32_of(p.tables.max_pages, "max_pages")?,
+        i32_of(kv.layout.page_size, "page_size")?,
+    );
+    let (h32, g32) = (i32_of(heads, "heads")?, i32_of(kvh, "kv heads")?);
+    let scale2 = g.scale() * LOG2E;
+    let cfg = LaunchConfig {
+        grid_dim: (ntiles as u32, heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
+    let what = format!("{uri} at {} new tokens of {} sequences", p.tokens(), p.batch());
+    let recomputed = match p.scheme {
+        SoftmaxScheme::Sync => {
+            let f = b.function_of(&uri, "attn_prefill_sync", smem, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&scale2)
+                .arg(&op);
+            // SAFETY: lengths and tables validated above; the tile list covers every new row once.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            0
+        }
+        SoftmaxScheme::Async { .. } => {
+            let (phi2, a2, b2) = window(p.scheme);
+            let counter = counter_ptr(b, &mut sc, counting)?;
+            let f = b.function_of(&uri, "attn_prefill_async", smem, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
+            // SAFETY: as above.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            b.check_launch(&what)?;
+            if counting {
+                read_counter(b, &sc, PER_CALL)?
+            } else {
+                0
+            }
+        }
+    };
+    b.check_launch(&what)?;
+    Ok(AttnStats {
+        rows: p.tokens() * heads,
+        recomputed,
+    })
+}
