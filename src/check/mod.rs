@@ -4,11 +4,13 @@
 
 pub mod attention;
 pub mod gemm;
+pub mod layer;
 
 use serde::Serialize;
 
 pub use attention::{attention_cases, attention_cases_quick, check_attention, AttnCase, AttnCheckRow};
 pub use gemm::{check_gemm, gemm_cases, gemm_cases_quick, GemmCase, GUARD_ELEMS};
+pub use layer::{check_layer, layer_cases, layer_cases_quick, LayerCase, LayerCheckRow, LayerShape};
 
 use crate::backend::BackendKind;
 use crate::dtype::DType;

@@ -6,8 +6,8 @@ use clap::{Args, ValueEnum};
 use super::Format;
 use crate::backend::{open, probe_all, Backend, BackendChoice, BackendKind};
 use crate::check::{
-    attention_cases, attention_cases_quick, check_attention, check_gemm, gemm_cases, gemm_cases_quick, tally,
-    AttnCheckRow, CheckRow, Status,
+    attention_cases, attention_cases_quick, check_attention, check_gemm, check_layer, gemm_cases, gemm_cases_quick,
+    layer_cases, layer_cases_quick, tally, AttnCheckRow, CheckRow, LayerCheckRow, Status,
 };
 
 /// `--backend` of `fdpp check`: one backend, `auto`, or `all` present on this machine.
@@ -25,19 +25,22 @@ pub enum CheckBackend {
 /// `--op` of `fdpp check`: which op families to check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
 pub enum CheckOp {
-    /// GEMM and attention.
+    /// GEMM, attention and the small layer ops.
     #[default]
     All,
     Gemm,
     /// Decode and prefill attention, sync and async softmax.
     Attention,
+    /// The small ops of a layer: embedding, add_rmsnorm, qkv_rope, silu_mul, kv_append,
+    /// gather_rows, fill_random.
+    Layer,
 }
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {
-    /// Op families to check. With `all`, md and csv print the GEMM table then the attention
-    /// table (separated by a blank line), and json one array holding both kinds of rows (each
-    /// row names its `op`).
+    /// Op families to check. With `all`, md and csv print the GEMM table, the attention table
+    /// and the layer-op table (separated by blank lines), and json one array holding every kind
+    /// of row (each row names its `op`).
     #[arg(long, value_enum, default_value_t = CheckOp::All)]
     pub op: CheckOp,
     #[arg(long, value_enum, default_value_t = CheckBackend::Auto)]
@@ -63,10 +66,11 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         CheckBackend::Rocm => vec![BackendChoice::Rocm],
         CheckBackend::All => all_available(),
     };
-    let (gemm, attn) = match a.op {
-        CheckOp::All => (true, true),
-        CheckOp::Gemm => (true, false),
-        CheckOp::Attention => (false, true),
+    let (gemm, attn, layer) = match a.op {
+        CheckOp::All => (true, true, true),
+        CheckOp::Gemm => (true, false, false),
+        CheckOp::Attention => (false, true, false),
+        CheckOp::Layer => (false, false, true),
     };
     let cases = match (gemm, a.quick) {
         (false, _) => vec![],
@@ -78,8 +82,14 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         (true, true) => attention_cases_quick(),
         (true, false) => attention_cases(),
     };
+    let layer_cases = match (layer, a.quick) {
+        (false, _) => vec![],
+        (true, true) => layer_cases_quick(),
+        (true, false) => layer_cases(),
+    };
     let mut rows = Vec::new();
     let mut attn_rows = Vec::new();
+    let mut layer_rows = Vec::new();
     for choice in choices {
         let (any, note) = open(choice, a.device).context("fdpp check: opening the backend")?;
         eprintln!("{note}");
@@ -87,9 +97,16 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         rows.extend(got);
         let got = crate::with_backend!(&any, b => check_backend_attention(b, &attn_cases, a.seed))?;
         attn_rows.extend(got);
+        let got = crate::with_backend!(&any, b => check_backend_layer(b, &layer_cases, a.seed))?;
+        layer_rows.extend(got);
     }
-    println!("{}", render_all(&rows, &attn_rows, gemm, attn, a.format)?);
-    let (passed, failed, skipped) = add3(tally(&rows), attn_tally(&attn_rows));
+    let tables = Tables {
+        gemm: gemm.then_some(&rows[..]),
+        attention: attn.then_some(&attn_rows[..]),
+        layer: layer.then_some(&layer_rows[..]),
+    };
+    println!("{}", render_all(&tables, a.format)?);
+    let (passed, failed, skipped) = add3(add3(tally(&rows), attn_tally(&attn_rows)), layer_tally(&layer_rows));
     eprintln!("{passed} passed, {failed} failed, {skipped} skipped");
     if failed > 0 {
         bail!("{failed} of {} checks failed", passed + failed);
@@ -152,6 +169,24 @@ fn check_backend_attention<B: Backend>(
     Ok(rows)
 }
 
+/// Every small layer-op case on one backend.
+fn check_backend_layer<B: Backend>(
+    b: &B,
+    cases: &[crate::check::LayerCase],
+    seed: u64,
+) -> anyhow::Result<Vec<LayerCheckRow>> {
+    if cases.is_empty() {
+        return Ok(vec![]);
+    }
+    let rows = check_layer(b, cases, seed).with_context(|| format!("{} layer ops", b.info().backend))?;
+    for r in &rows {
+        if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
+            eprintln!("FAIL {} {}: {reason}", r.spec, r.case);
+        }
+    }
+    Ok(rows)
+}
+
 fn add3(a: (usize, usize, usize), b: (usize, usize, usize)) -> (usize, usize, usize) {
     (a.0 + b.0, a.1 + b.1, a.2 + b.2)
 }
@@ -165,32 +200,110 @@ fn attn_tally(rows: &[AttnCheckRow]) -> (usize, usize, usize) {
     })
 }
 
+/// Counts of (passed, failed, skipped) layer-op rows.
+fn layer_tally(rows: &[LayerCheckRow]) -> (usize, usize, usize) {
+    rows.iter().fold((0, 0, 0), |(p, f, s), r| match r.status {
+        Status::Pass => (p + 1, f, s),
+        Status::Fail(_) => (p, f + 1, s),
+        Status::Skipped(_) => (p, f, s + 1),
+    })
+}
+
+/// The rows of each op family that was checked (None: not asked for, no table).
+struct Tables<'a> {
+    gemm: Option<&'a [CheckRow]>,
+    attention: Option<&'a [AttnCheckRow]>,
+    layer: Option<&'a [LayerCheckRow]>,
+}
+
 /// The tables of the op families that were checked (see [`CheckArgs::op`]).
-fn render_all(
-    rows: &[CheckRow],
-    attn: &[AttnCheckRow],
-    gemm_on: bool,
-    attn_on: bool,
-    format: Format,
-) -> anyhow::Result<String> {
+fn render_all(t: &Tables, format: Format) -> anyhow::Result<String> {
     if format == Format::Json {
         let mut all: Vec<serde_json::Value> = Vec::new();
-        for r in rows {
+        for r in t.gemm.unwrap_or_default() {
             all.push(serde_json::to_value(r)?);
         }
-        for r in attn {
+        for r in t.attention.unwrap_or_default() {
+            all.push(serde_json::to_value(r)?);
+        }
+        for r in t.layer.unwrap_or_default() {
             all.push(serde_json::to_value(r)?);
         }
         return Ok(serde_json::to_string_pretty(&all)?);
     }
     let mut parts = Vec::new();
-    if gemm_on {
+    if let Some(rows) = t.gemm {
         parts.push(render(rows, format)?);
     }
-    if attn_on {
-        parts.push(render_attention(attn, format)?);
+    if let Some(rows) = t.attention {
+        parts.push(render_attention(rows, format)?);
+    }
+    if let Some(rows) = t.layer {
+        parts.push(render_layer(rows, format)?);
     }
     Ok(parts.join("\n\n"))
+}
+
+/// Layer-op rows as md or csv (json goes through [`render_all`]).
+fn render_layer(rows: &[LayerCheckRow], format: Format) -> anyhow::Result<String> {
+    let num = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
+    let count = |v: Option<usize>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
+    match format {
+        Format::Json => Ok(serde_json::to_string_pretty(rows)?),
+        Format::Csv => {
+            let mut w = csv::Writer::from_writer(Vec::new());
+            w.write_record([
+                "backend",
+                "op",
+                "spec",
+                "case",
+                "dtype",
+                "nmse",
+                "max_rel_err",
+                "mismatches",
+                "status",
+                "reason",
+            ])?;
+            for r in rows {
+                w.write_record([
+                    r.backend.name(),
+                    &r.op,
+                    &r.spec,
+                    &r.case,
+                    r.dtype.name(),
+                    &num(r.nmse),
+                    &num(r.max_rel_err),
+                    &count(r.mismatches),
+                    r.status.label(),
+                    r.status.reason().unwrap_or(""),
+                ])?;
+            }
+            Ok(String::from_utf8(w.into_inner()?)?.trim_end().to_string())
+        }
+        Format::Md => {
+            let mut s = String::from(
+                "| backend | spec | case | NMSE | max rel err | mismatches | status |\n\
+                 |---|---|---|---:|---:|---:|---|\n",
+            );
+            for r in rows {
+                let status = match r.status.reason() {
+                    Some(reason) => format!("{}: {}", r.status.label(), reason.replace('|', "/")),
+                    None => r.status.label().to_string(),
+                };
+                s.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | {} |\n",
+                    r.backend,
+                    r.spec,
+                    r.case,
+                    num(r.nmse),
+                    num(r.max_rel_err),
+                    count(r.mismatches),
+                    status
+                ));
+            }
+            Ok(s.trim_end().to_string())
+        }
+    }
 }
 
 /// Attention rows as md or csv (json goes through [`render_all`]).
@@ -411,10 +524,72 @@ mod tests {
             assert_eq!(line.matches('|').count(), 8, "{line}");
         }
         assert!(md.contains("| 1 / 8 |"));
-        let all = render_all(&rows(), &[row], true, true, Format::Json).expect("json");
+        let gemm_rows = rows();
+        let tables = Tables {
+            gemm: Some(&gemm_rows),
+            attention: Some(std::slice::from_ref(&row)),
+            layer: None,
+        };
+        let all = render_all(&tables, Format::Json).expect("json");
         let v: serde_json::Value = serde_json::from_str(&all).expect("parse");
         assert_eq!(v.as_array().map(|a| a.len()), Some(4));
         assert_eq!(v[3]["op"], "attention");
         assert_eq!(v[3]["recomputed"], 1);
+    }
+
+    #[test]
+    fn layer_rows_render_in_every_format() {
+        let row = |spec: &str, status| LayerCheckRow {
+            backend: BackendKind::Cpu,
+            op: "layer".into(),
+            spec: spec.into(),
+            case: "rows=3 hidden=4097 +delta eps=1e-5".into(),
+            dtype: DType::Bf16,
+            nmse: Some(3e-6),
+            max_rel_err: Some(4e-3),
+            mismatches: Some(0),
+            status,
+        };
+        let rows = vec![
+            row("add_rmsnorm_bf16", Status::Pass),
+            row(
+                "gather_rows_bf16",
+                Status::Fail("dst: 2 of 9 elements differ, a|b".into()),
+            ),
+        ];
+        let csv = render_layer(&rows, Format::Csv).expect("csv");
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(
+            lines[0],
+            "backend,op,spec,case,dtype,nmse,max_rel_err,mismatches,status,reason"
+        );
+        assert_eq!(
+            lines[1],
+            "cpu,layer,add_rmsnorm_bf16,rows=3 hidden=4097 +delta eps=1e-5,bf16,3.000e-6,4.000e-3,0,pass,"
+        );
+        assert!(
+            lines[2].ends_with(",fail,\"dst: 2 of 9 elements differ, a|b\""),
+            "{}",
+            lines[2]
+        );
+        let md = render_layer(&rows, Format::Md).expect("md");
+        for line in md.lines() {
+            assert_eq!(line.matches('|').count(), 8, "{line}");
+        }
+        let tables = Tables {
+            gemm: None,
+            attention: Some(&[]),
+            layer: Some(&rows),
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&render_all(&tables, Format::Json).expect("json")).expect("parse");
+        assert_eq!(v.as_array().map(|a| a.len()), Some(2));
+        assert_eq!(v[1]["op"], "layer");
+        assert_eq!(v[1]["mismatches"], 0);
+        assert_eq!(v[1]["status"], "fail");
+        // md with two families: two tables, one blank line between them.
+        let both = render_all(&tables, Format::Md).expect("md");
+        assert_eq!(both.matches("| backend | spec | case |").count(), 2, "{both}");
     }
 }
