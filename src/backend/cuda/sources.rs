@@ -12,9 +12,15 @@ use crate::ops::gemm::{GemmImpl, GemmSpec};
 const COMMON: &str = include_str!("../../../kernels_cuda/common.cuh");
 const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
+const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 
 /// Every (file, text) pair that goes into a compile; their hash is the profiles' kernel hash.
-const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("flat_gemm.cu", FLAT_GEMM)];
+const FILES: &[(&str, &str)] = &[
+    ("common.cuh", COMMON),
+    ("gemv.cu", GEMV),
+    ("flat_gemm.cu", FLAT_GEMM),
+    ("layer.cu", LAYER),
+];
 
 /// Rows per warp offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N is
 /// chosen per shape by the tuner).
@@ -92,13 +98,26 @@ pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
     v
 }
 
+/// The small per-layer ops of one dtype (kernels_cuda/layer.cu): one module holds every entry
+/// point, named by [`crate::backend::layer_plan::LayerKernel`].
+pub fn layer_source(dtype: DType) -> KernelSource {
+    KernelSource {
+        uri: format!("layer_{dtype}"),
+        text: expand(LAYER),
+        defines: vec![dtype_define(dtype)],
+    }
+}
+
 /// Every kernel source fdpp compiles.
 pub fn all_sources() -> Vec<KernelSource> {
-    [DType::F16, DType::Bf16]
+    let dtypes = [DType::F16, DType::Bf16];
+    let mut v: Vec<KernelSource> = dtypes
         .iter()
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
-        .collect()
+        .collect();
+    v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
+    v
 }
 
 /// (rows per warp, warps per row) of a gemv block with `rows_per_block` rows and GEMV_WARPS warps.
