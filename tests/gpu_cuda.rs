@@ -72,3 +72,28 @@ fn the_cubin_cache_hits_on_the_second_compile_and_misses_after_an_edit() {
     assert_eq!(fourth, jit::CacheUse::CompiledUncached);
     assert_eq!(warns.len(), 1, "{warns:?}");
 }
+
+#[test]
+#[ignore = "needs NVRTC"]
+fn nvrtc_compiles_every_layer_kernel_entry_point() {
+    use fdpp::backend::layer_plan::LayerKernel;
+    for dt in [DType::F16, DType::Bf16] {
+        let src = sources::layer_source(dt);
+        for arch in ["sm_80", "sm_90a"] {
+            let cubin = jit::compile_cubin(&src, arch).unwrap_or_else(|e| panic!("{e}"));
+            for k in LayerKernel::ALL {
+                // Entry points are exported symbols of the CUBIN (an ELF): their names are in it.
+                let name = k.name().as_bytes();
+                let nul_terminated: Vec<u8> = name.iter().copied().chain([0]).collect();
+                assert!(
+                    cubin
+                        .windows(nul_terminated.len())
+                        .any(|w| w == nul_terminated.as_slice()),
+                    "{} on {arch}: no entry point {}",
+                    src.uri,
+                    k.name()
+                );
+            }
+        }
+    }
+}

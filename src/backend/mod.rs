@@ -4,6 +4,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod kernel_cache;
+pub mod layer_plan;
 pub mod rocm;
 
 use serde::{Deserialize, Serialize};

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod gemm;
 pub mod jit;
+pub mod layer;
 pub mod probe;
 pub mod sources;
 
@@ -18,7 +19,9 @@ use cudarc::nvrtc::Ptx;
 use super::{Backend, BackendStatus, DeviceBuffer, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 
 pub use probe::probe as probe_status;
 
@@ -58,6 +61,8 @@ pub struct CudaBackend {
     /// Device scratch of the attention launches (block tables, partials, counters).
     attn: RefCell<attention::Scratch>,
     max_smem: u32,
+    /// The small per-layer ops' loaded kernels and argument scratch (layer.rs).
+    layer: RefCell<layer::LayerState>,
 }
 
 impl CudaBackend {
@@ -103,6 +108,7 @@ impl CudaBackend {
             functions: RefCell::new(HashMap::new()),
             attn: RefCell::new(attention::Scratch::default()),
             max_smem,
+            layer: RefCell::default(),
         })
     }
 
@@ -270,6 +276,55 @@ impl Backend for CudaBackend {
 
     fn take_recomputed(&self) -> Result<usize> {
         attention::take_recomputed(self)
+    }
+
+    fn embedding(&self, p: &EmbeddingParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        layer::embedding(self, p, table, out)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        residual: &mut CudaBuffer,
+        delta: Option<&CudaBuffer>,
+        weight: &CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        layer::add_rmsnorm(self, p, residual, delta, weight, out)
+    }
+
+    fn qkv_rope(
+        &self,
+        p: &RopeParams,
+        qkv: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        q: &mut CudaBuffer,
+        k: &mut CudaBuffer,
+        v: &mut CudaBuffer,
+    ) -> Result<()> {
+        layer::qkv_rope(self, p, qkv, bias, q, k, v)
+    }
+
+    fn silu_mul(&self, p: &SiluMulParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        layer::silu_mul(self, p, gate_up, out)
+    }
+
+    fn kv_append(
+        &self,
+        p: &KvAppendParams,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        kv: &mut PagedKv<CudaBuffer>,
+    ) -> Result<()> {
+        layer::kv_append(self, p, k, v, kv)
+    }
+
+    fn gather_rows(&self, p: &GatherParams, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
+        layer::gather_rows(self, p, src, dst)
+    }
+
+    fn fill_random(&self, buf: &mut CudaBuffer, seed: u64, scale: f32) -> Result<()> {
+        layer::fill_random(self, buf, seed, scale)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -15,6 +15,7 @@ const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
 const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
 const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
+const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 
 /// The files of the GEMM kernels: their hash is the profiles' kernel hash (a profile holds GEMM
 /// timings; an edit to another kernel does not invalidate it).
@@ -97,14 +98,26 @@ pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
     v
 }
 
+/// The small per-layer ops of one dtype (kernels_cuda/layer.cu): one module holds every entry
+/// point, named by [`crate::backend::layer_plan::LayerKernel`].
+pub fn layer_source(dtype: DType) -> KernelSource {
+    KernelSource {
+        uri: format!("layer_{dtype}"),
+        text: expand(LAYER),
+        defines: vec![dtype_define(dtype)],
+    }
+}
+
 /// Every kernel source fdpp compiles.
 pub fn all_sources() -> Vec<KernelSource> {
-    let mut v: Vec<KernelSource> = [DType::F16, DType::Bf16]
+    let dtypes = [DType::F16, DType::Bf16];
+    let mut v: Vec<KernelSource> = dtypes
         .iter()
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
         .collect();
-    for dt in [DType::F16, DType::Bf16] {
+    v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
+    for dt in dtypes {
         for &d in &crate::ops::attention::SUPPORTED_HEAD_DIMS {
             for hg in ATTN_HEADS_PER_BLOCK {
                 v.push(attn_decode_source(dt, d, *hg));

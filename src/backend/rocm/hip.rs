@@ -58,6 +58,8 @@ pub struct HipApi {
     pub free: unsafe extern "C" fn(*mut c_void) -> HipError,
     pub memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, i32) -> HipError,
     pub memcpy_dtod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> HipError,
+    /// From pageable host memory HIP copies synchronously, so the source may be reused at once.
+    pub memcpy_htod_async: unsafe extern "C" fn(*mut c_void, *const c_void, usize, Stream) -> HipError,
     pub memset_d16_async: unsafe extern "C" fn(*mut c_void, u16, usize, Stream) -> HipError,
     pub stream_create: unsafe extern "C" fn(*mut Stream) -> HipError,
     pub stream_destroy: unsafe extern "C" fn(Stream) -> HipError,
@@ -113,6 +115,7 @@ impl HipApi {
                 free: lib.sym("hipFree")?,
                 memcpy: lib.sym("hipMemcpy")?,
                 memcpy_dtod_async: lib.sym("hipMemcpyDtoDAsync")?,
+                memcpy_htod_async: lib.sym("hipMemcpyHtoDAsync")?,
                 memset_d16_async: lib.sym("hipMemsetD16Async")?,
                 stream_create: lib.sym("hipStreamCreate")?,
                 stream_destroy: lib.sym("hipStreamDestroy")?,

@@ -10,6 +10,7 @@ pub mod blas;
 pub mod hip;
 pub mod hiprtc;
 pub mod launch;
+pub mod layer;
 pub mod loader;
 pub mod probe;
 pub mod sources;
@@ -21,7 +22,9 @@ use std::ffi::{c_void, CString};
 use super::{Backend, BackendStatus, DeviceBuffer, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 use hip::{Function, HipApi, Module, Stream};
 
 pub fn probe() -> BackendStatus {
@@ -86,6 +89,8 @@ pub struct RocmBackend {
     stream: Stream,
     modules: RefCell<HashMap<String, Module>>,
     functions: RefCell<HashMap<(String, String), Function>>,
+    /// The small per-layer ops' loaded kernels and argument scratch (layer.rs).
+    layer: RefCell<layer::LayerState>,
     _owned_stream: OwnedStream,
 }
 
@@ -116,6 +121,7 @@ impl RocmBackend {
             stream,
             modules: RefCell::new(HashMap::new()),
             functions: RefCell::new(HashMap::new()),
+            layer: RefCell::default(),
             _owned_stream: owned,
         })
     }
@@ -360,6 +366,55 @@ impl Backend for RocmBackend {
                 format!("rocblas_gemm_ex {spec} at {}: status {s}", dims.label()),
             )
         })
+    }
+
+    fn embedding(&self, p: &EmbeddingParams, table: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+        layer::embedding(self, p, table, out)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        residual: &mut RocmBuffer,
+        delta: Option<&RocmBuffer>,
+        weight: &RocmBuffer,
+        out: &mut RocmBuffer,
+    ) -> Result<()> {
+        layer::add_rmsnorm(self, p, residual, delta, weight, out)
+    }
+
+    fn qkv_rope(
+        &self,
+        p: &RopeParams,
+        qkv: &RocmBuffer,
+        bias: Option<&RocmBuffer>,
+        q: &mut RocmBuffer,
+        k: &mut RocmBuffer,
+        v: &mut RocmBuffer,
+    ) -> Result<()> {
+        layer::qkv_rope(self, p, qkv, bias, q, k, v)
+    }
+
+    fn silu_mul(&self, p: &SiluMulParams, gate_up: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+        layer::silu_mul(self, p, gate_up, out)
+    }
+
+    fn kv_append(
+        &self,
+        p: &KvAppendParams,
+        k: &RocmBuffer,
+        v: &RocmBuffer,
+        kv: &mut PagedKv<RocmBuffer>,
+    ) -> Result<()> {
+        layer::kv_append(self, p, k, v, kv)
+    }
+
+    fn gather_rows(&self, p: &GatherParams, src: &RocmBuffer, dst: &mut RocmBuffer) -> Result<()> {
+        layer::gather_rows(self, p, src, dst)
+    }
+
+    fn fill_random(&self, buf: &mut RocmBuffer, seed: u64, scale: f32) -> Result<()> {
+        layer::fill_random(self, buf, seed, scale)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -10,8 +10,14 @@ use crate::ops::gemm::{GemmImpl, GemmSpec};
 const COMMON: &str = include_str!("../../../kernels_hip/common.h");
 const GEMV: &str = include_str!("../../../kernels_hip/gemv.hip");
 const FLAT_GEMM: &str = include_str!("../../../kernels_hip/flat_gemm.hip");
+const LAYER: &str = include_str!("../../../kernels_hip/layer.hip");
 
-const FILES: &[(&str, &str)] = &[("common.h", COMMON), ("gemv.hip", GEMV), ("flat_gemm.hip", FLAT_GEMM)];
+const FILES: &[(&str, &str)] = &[
+    ("common.h", COMMON),
+    ("gemv.hip", GEMV),
+    ("flat_gemm.hip", FLAT_GEMM),
+    ("layer.hip", LAYER),
+];
 
 /// Rows per wavefront offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N
 /// is chosen per shape by the tuner). No pipeline-depth axis: the AMD flat_gemm does not stage
@@ -72,13 +78,26 @@ pub fn all_gemm_specs(dtype: DType) -> Vec<GemmSpec> {
     v
 }
 
+/// The small per-layer ops of one dtype (kernels_hip/layer.hip), one module with every entry
+/// point of [`crate::backend::layer_plan::LayerKernel`].
+pub fn layer_source(dtype: DType) -> KernelSource {
+    KernelSource {
+        uri: format!("layer_{dtype}"),
+        text: expand(LAYER),
+        defines: vec![dtype_define(dtype)],
+    }
+}
+
 /// Every kernel source fdpp compiles for ROCm.
 pub fn all_sources() -> Vec<KernelSource> {
-    [DType::F16, DType::Bf16]
+    let dtypes = [DType::F16, DType::Bf16];
+    let mut v: Vec<KernelSource> = dtypes
         .iter()
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
-        .collect()
+        .collect();
+    v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
+    v
 }
 
 #[cfg(test)]
@@ -88,7 +107,7 @@ mod tests {
     #[test]
     fn every_source_is_self_contained_and_uniquely_named() {
         let all = all_sources();
-        assert_eq!(all.len(), 2 * (GEMV_ROWS.len() + FLAT_BN.len()));
+        assert_eq!(all.len(), 2 * (GEMV_ROWS.len() + FLAT_BN.len() + 1));
         let mut uris: Vec<&str> = all.iter().map(|s| s.uri.as_str()).collect();
         uris.sort();
         uris.dedup();
@@ -109,6 +128,17 @@ mod tests {
             assert!(src.defines.contains(&("FDPP_BF16".into(), "1".into())));
         }
         assert!(gemm_source(&GemmSpec::new(GemmImpl::Gemm, DType::F16)).is_none());
+    }
+
+    #[test]
+    fn each_dtype_has_one_layer_module() {
+        for dt in [DType::F16, DType::Bf16] {
+            let s = layer_source(dt);
+            assert_eq!(s.uri, format!("layer_{dt}"));
+            assert_eq!(s.defines, vec![dtype_define(dt)]);
+            assert!(s.text.contains("add_rmsnorm_v") && s.text.contains("wave_sum"));
+            assert!(all_sources().contains(&s));
+        }
     }
 
     #[test]

@@ -1,0 +1,306 @@
+//! Launching the small per-layer kernels (kernels_cuda/layer.cu) on CUDA.
+//!
+//! The launch path is kept short on the host, since these kernels run for microseconds: each
+//! dtype's module is compiled (or read from the disk cache) and all its entry points are looked up
+//! once, then found by [`LayerKernel::index`] with no string building or hashing per launch. The
+//! host arrays a launch reads (token ids, positions and inverse frequencies, KV slots, gathered
+//! rows) are packed into one reused host buffer and copied with one async upload into a grow-only
+//! device scratch; stream order keeps a later upload from overwriting arrays an earlier kernel
+//! still reads.
+
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{drv, sources, CudaBackend, CudaBuffer};
+use crate::backend::layer_plan::{self as plan, i32_dim, ArgPack, LayerKernel, LayerLaunch};
+use crate::backend::DeviceBuffer;
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+
+/// What the backend keeps between launches of the layer kernels.
+#[derive(Default)]
+pub struct LayerState {
+    /// Every entry point of each dtype's module (f16, bf16), by [`LayerKernel::index`].
+    kernels: [Option<Vec<CudaFunction>>; 2],
+    /// Grow-only device copy of `pack`.
+    scratch: Option<CudaSlice<u8>>,
+    pack: ArgPack,
+}
+
+fn dtype_slot(dt: DType) -> usize {
+    match dt {
+        DType::F16 => 0,
+        DType::Bf16 => 1,
+    }
+}
+
+/// The loaded entry point `k` of the `dt` module; the first call per dtype loads all of them.
+fn kernel(b: &CudaBackend, st: &mut LayerState, dt: DType, k: LayerKernel) -> Result<CudaFunction> {
+    let slot = &mut st.kernels[dtype_slot(dt)];
+    if slot.is_none() {
+        let src = sources::layer_source(dt);
+        let module = b.module(&src)?;
+        let fns = LayerKernel::ALL
+            .iter()
+            .map(|k| {
+                module
+                    .load_function(k.name())
+                    .map_err(drv(&format!("{}: function {}", src.uri, k.name())))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        *slot = Some(fns);
+    }
+    slot.as_ref()
+        .and_then(|f| f.get(k.index()))
+        .cloned()
+        .ok_or_else(|| FdppError::device("cuda", format!("layer kernel {} not loaded", k.name())))
+}
+
+/// Copy the packed host arrays into the scratch (growing it first when too small); returns the
+/// device address of the pack's byte 0.
+fn upload_pack(b: &CudaBackend, st: &mut LayerState) -> Result<u64> {
+    let LayerState { scratch, pack, .. } = st;
+    let need = pack.bytes().len();
+    let have = scratch.as_ref().map_or(0, |s| s.len());
+    if need > have {
+        // The old scratch is freed in stream order (after every kernel that reads it).
+        *scratch = None;
+        let cap = plan::scratch_capacity(have, need);
+        // SAFETY: written by the copy below before any kernel reads it; kernels read only the
+        // bytes of their own pack.
+        *scratch = Some(unsafe { b.stream().alloc::<u8>(cap) }.map_err(drv("allocating the layer-op scratch"))?);
+    }
+    let s = scratch
+        .as_mut()
+        .ok_or_else(|| FdppError::device("cuda", "layer-op scratch missing"))?;
+    if need > 0 {
+        // Pageable source: the call returns once the bytes are staged, so the pack may be
+        // reused right away.
+        b.stream()
+            .memcpy_htod(pack.bytes(), &mut s.slice_mut(..need))
+            .map_err(drv("uploading layer-op arguments"))?;
+    }
+    let (p, _sync) = s.device_ptr(b.stream());
+    Ok(p)
+}
+
+fn config(l: &LayerLaunch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: l.grid,
+        block_dim: (l.block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Every buffer in `dt`, or an error naming the op and the buffer.
+fn check_dtypes(op: &str, dt: DType, bufs: &[(&str, &CudaBuffer)]) -> Result<()> {
+    match bufs.iter().find(|(_, b)| b.dtype() != dt) {
+        Some((name, b)) => Err(FdppError::InvalidArgument(format!(
+            "{op}: {name} is {}, the op runs in {dt}",
+            b.dtype()
+        ))),
+        None => Ok(()),
+    }
+}
+
+pub fn add_rmsnorm(
+    b: &CudaBackend,
+    p: &RmsNormParams,
+    residual: &mut CudaBuffer,
+    delta: Option<&CudaBuffer>,
+    weight: &CudaBuffer,
+    out: &mut CudaBuffer,
+) -> Result<()> {
+    p.validate(residual.len(), delta.map(|d| d.len()), weight.len(), out.len())?;
+    check_dtypes(
+        "add_rmsnorm",
+        p.dtype,
+        &[("residual", residual), ("weight", weight), ("out", out)],
+    )?;
+    if let Some(d) = delta {
+        check_dtypes("add_rmsnorm", p.dtype, &[("delta", d)])?;
+    }
+    let l = plan::rmsnorm(p, 32)?;
+    let hidden = i32_dim(p.hidden, "hidden", "add_rmsnorm")?;
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (rp, dp, wp, op) = (
+        b.ptr(residual),
+        delta.map_or(0, |d| b.ptr(d)),
+        b.ptr(weight),
+        b.ptr(out),
+    );
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&rp).arg(&dp).arg(&wp).arg(&op).arg(&hidden).arg(&p.eps);
+    // SAFETY: validate() checked every buffer against rows × hidden; delta 0 is the kernel's "none".
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch add_rmsnorm"))?;
+    b.check_launch("add_rmsnorm")
+}
+
+pub fn qkv_rope(
+    b: &CudaBackend,
+    p: &RopeParams,
+    qkv: &CudaBuffer,
+    bias: Option<&CudaBuffer>,
+    q: &mut CudaBuffer,
+    k: &mut CudaBuffer,
+    v: &mut CudaBuffer,
+) -> Result<()> {
+    p.validate(qkv.len(), bias.map(|x| x.len()), q.len(), k.len(), v.len())?;
+    check_dtypes("qkv_rope", p.dtype, &[("qkv", qkv), ("q", q), ("k", k), ("v", v)])?;
+    if let Some(x) = bias {
+        check_dtypes("qkv_rope", p.dtype, &[("bias", x)])?;
+    }
+    let l = plan::rope(p)?;
+    let g = &p.geom;
+    let dims = [
+        i32_dim(g.num_heads, "num_heads", "qkv_rope")?,
+        i32_dim(g.num_kv_heads, "num_kv_heads", "qkv_rope")?,
+        i32_dim(g.head_dim, "head_dim", "qkv_rope")?,
+    ];
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, p.dtype, l.kernel)?;
+    st.pack.clear();
+    let pos_at = st.pack.push_i32s(p.positions.iter().copied());
+    let freq_at = st.pack.push_f32s(&p.inv_freq);
+    let base = upload_pack(b, &mut st)?;
+    let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
+    let (xp, bp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)));
+    let (qp, kp, vp) = (b.ptr(q), b.ptr(k), b.ptr(v));
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&xp).arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq);
+    a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]);
+    // SAFETY: validate() checked qkv, bias, q, k, v against tokens and the geometry; positions
+    // (tokens i32) and inv_freq (head_dim / 2 f32, 16-byte aligned) are in the scratch.
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch qkv_rope"))?;
+    b.check_launch("qkv_rope")
+}
+
+pub fn silu_mul(b: &CudaBackend, p: &SiluMulParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+    p.validate(gate_up.len(), out.len())?;
+    check_dtypes("silu_mul", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
+    let l = plan::silu_mul(p)?;
+    let (rows, inter) = (
+        i32_dim(p.rows, "rows", "silu_mul")?,
+        i32_dim(p.inter, "inter", "silu_mul")?,
+    );
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (gp, op) = (b.ptr(gate_up), b.ptr(out));
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&gp).arg(&op).arg(&rows).arg(&inter);
+    // SAFETY: validate() checked gate_up (rows × 2·inter) and out (rows × inter).
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch silu_mul"))?;
+    b.check_launch("silu_mul")
+}
+
+/// dst[i] = src[rows[i]] over rows of `width`, for the embedding lookup and gather_rows.
+fn gather(
+    b: &CudaBackend,
+    dt: DType,
+    rows: &[i32],
+    width: usize,
+    src: &CudaBuffer,
+    dst: &mut CudaBuffer,
+    op: &'static str,
+) -> Result<()> {
+    let l = plan::gather(rows.len(), width)?;
+    let w = i32_dim(width, "row width", op)?;
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, dt, l.kernel)?;
+    st.pack.clear();
+    st.pack.push_i32s(rows.iter().copied());
+    let rp = upload_pack(b, &mut st)?;
+    let (sp, dp) = (b.ptr(src), b.ptr(dst));
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&sp).arg(&dp).arg(&rp).arg(&w);
+    // SAFETY: the caller validated every row index against src and dst against rows × width.
+    unsafe { a.launch(config(&l)) }.map_err(drv(op))?;
+    b.check_launch(op)
+}
+
+pub fn embedding(b: &CudaBackend, p: &EmbeddingParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+    p.validate(table.len(), out.len())?;
+    check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
+    gather(b, p.dtype, &p.ids, p.hidden, table, out, "launch embedding")
+}
+
+pub fn gather_rows(b: &CudaBackend, p: &GatherParams, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
+    p.validate(src.len(), dst.len())?;
+    check_dtypes("gather_rows", p.dtype, &[("src", src), ("dst", dst)])?;
+    gather(b, p.dtype, &p.rows, p.width, src, dst, "launch gather_rows")
+}
+
+pub fn kv_append(
+    b: &CudaBackend,
+    p: &KvAppendParams,
+    k: &CudaBuffer,
+    v: &CudaBuffer,
+    kv: &mut PagedKv<CudaBuffer>,
+) -> Result<()> {
+    let layout = kv.layout;
+    layout.validate()?;
+    p.validate(&layout, k.len(), v.len(), (kv.k.len(), kv.v.len()))?;
+    check_dtypes(
+        "kv_append",
+        layout.dtype,
+        &[("k", k), ("v", v), ("K pool", &kv.k), ("V pool", &kv.v)],
+    )?;
+    let l = plan::scatter_kv(p.tokens(), layout.token_elems())?;
+    let w = i32_dim(layout.token_elems(), "kv_heads × head_dim", "kv_append")?;
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, layout.dtype, l.kernel)?;
+    st.pack.clear();
+    st.pack.push_i32s(plan::kv_slot_rows(p, &layout)?);
+    let sp = upload_pack(b, &mut st)?;
+    let (kp, vp, kpool, vpool) = (b.ptr(k), b.ptr(v), b.ptr(&kv.k), b.ptr(&kv.v));
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&kp).arg(&vp).arg(&kpool).arg(&vpool).arg(&sp).arg(&w);
+    // SAFETY: validate() checked k and v against the new tokens and every used block-table entry
+    // against the pool, so each slot row lies inside both pools.
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch kv_append"))?;
+    b.check_launch("kv_append")
+}
+
+pub fn fill_random(b: &CudaBackend, buf: &mut CudaBuffer, seed: u64, scale: f32) -> Result<()> {
+    let len = buf.len() as u64;
+    if len == 0 {
+        return Ok(());
+    }
+    let l = plan::fill_random(buf.len());
+    let f = kernel(b, &mut b.layer.borrow_mut(), buf.dtype(), l.kernel)?;
+    let p = b.ptr(buf);
+    let mut a = b.stream().launch_builder(&f);
+    a.arg(&p).arg(&len).arg(&seed).arg(&scale);
+    // SAFETY: the kernel writes elements 0..len of buf.
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch fill_random"))?;
+    b.check_launch("fill_random")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_dtype_has_one_self_contained_layer_module_in_the_compiled_set() {
+        for dt in [DType::F16, DType::Bf16] {
+            let s = sources::layer_source(dt);
+            assert_eq!(s.uri, format!("layer_{dt}"));
+            assert_eq!(s.defines, vec![crate::backend::kernel_cache::dtype_define(dt)]);
+            assert!(
+                !s.text.contains("#include \"common.cuh\""),
+                "common.cuh is expanded in place"
+            );
+            assert!(s.text.contains("__device__ __forceinline__ float warp_sum"));
+            assert!(sources::all_sources().contains(&s), "fdpp kernels check compiles it");
+        }
+        assert_eq!((dtype_slot(DType::F16), dtype_slot(DType::Bf16)), (0, 1));
+    }
+
+    #[test]
+    fn a_layer_state_starts_empty() {
+        let st = LayerState::default();
+        assert!(st.kernels.iter().all(|k| k.is_none()));
+        assert!(st.scratch.is_none());
+        assert!(st.pack.bytes().is_empty());
+    }
+}

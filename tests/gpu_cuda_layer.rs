@@ -1,0 +1,336 @@
+//! The CUDA layer ops (kernels_cuda/layer.cu) against the CPU backend on fresh random inputs:
+//! copies (embedding, gather_rows, kv_append) and the residual of add_rmsnorm bit for bit,
+//! fill_random bit for bit with `random_value`, and the computed outputs (rmsnorm, RoPE,
+//! SiLU·mul) within one rounding of the 16-bit type. Odd widths reach every vector variant.
+//! Run on a GPU machine with `cargo test --test gpu_cuda_layer -- --ignored`.
+
+use fdpp::backend::cpu::CpuBackend;
+use fdpp::backend::cuda::CudaBackend;
+use fdpp::backend::Backend;
+use fdpp::dtype::{random_bits, DType};
+use fdpp::error::FdppError;
+use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
+use fdpp::ops::attention::AttnGeometry;
+use fdpp::ops::layer::{
+    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
+
+fn open() -> (CpuBackend, CudaBackend) {
+    (CpuBackend::new(), CudaBackend::open(0).expect("CUDA device 0"))
+}
+
+fn rng() -> rand::rngs::SmallRng {
+    rand::rngs::SmallRng::seed_from_u64(rand::random())
+}
+
+/// Every element of `got` within one rounding of the 16-bit type of `want` (plus a small
+/// absolute slack for results that cancel to near zero), and no NaN where `want` has none.
+fn assert_close(dt: DType, got: &[u16], want: &[u16], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let rel = match dt {
+        DType::F16 => 1.0 / 1024.0,
+        DType::Bf16 => 1.0 / 128.0,
+    };
+    let mut bad = vec![];
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (dt.to_f32(g), dt.to_f32(w));
+        let ok = g == w || (w.is_nan() && g.is_nan()) || (g - w).abs() <= rel * w.abs() + 1e-4;
+        if !ok {
+            bad.push(format!("[{i}] got {g} want {w}"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{what} ({dt}): {} of {} differ, first: {:?}",
+        bad.len(),
+        got.len(),
+        &bad[..bad.len().min(8)]
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fill_random_equals_random_value_bit_for_bit() {
+    let (cpu, gpu) = open();
+    for dt in DTYPES {
+        for (len, seed, scale) in [
+            (1, 0, 1.0),
+            (7, 3, 0.02),
+            (8, u64::MAX, 0.5),
+            (1001, 42, 0.02),
+            ((1 << 20) + 3, 7, 1.0),
+        ] {
+            let mut g = gpu.alloc(dt, len).unwrap();
+            gpu.fill_random(&mut g, seed, scale).unwrap();
+            let got = gpu.download(&g).unwrap();
+            let want: Vec<u16> = (0..len as u64)
+                .map(|i| dt.from_f32(random_value(seed, i, scale)))
+                .collect();
+            assert_eq!(got, want, "{dt} len {len} seed {seed}");
+            let mut c = cpu.alloc(dt, len).unwrap();
+            cpu.fill_random(&mut c, seed, scale).unwrap();
+            assert_eq!(cpu.download(&c).unwrap(), got, "cpu vs cuda, {dt} len {len}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn embedding_and_gather_rows_copy_exactly_at_every_width() {
+    let (cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        // Widths for the 16-, 8-, 4- and 2-byte paths.
+        for width in [4096usize, 4100, 4098, 4097] {
+            let vocab = 1000;
+            let table_bits = random_bits(dt, vocab * width, 1.0, r.gen());
+            let (tc, tg) = (
+                cpu.upload(dt, &table_bits).unwrap(),
+                gpu.upload(dt, &table_bits).unwrap(),
+            );
+            // Growing, then shrinking, id lists: the argument scratch grows and is reused.
+            for n in [3usize, 3000, 2] {
+                let mut ids: Vec<i32> = (0..n).map(|_| r.gen_range(0..vocab as i32)).collect();
+                ids[0] = vocab as i32 - 1;
+                let p = EmbeddingParams {
+                    ids,
+                    vocab,
+                    hidden: width,
+                    dtype: dt,
+                };
+                let mut oc = cpu.alloc(dt, n * width).unwrap();
+                let mut og = gpu.alloc(dt, n * width).unwrap();
+                cpu.embedding(&p, &tc, &mut oc).unwrap();
+                gpu.embedding(&p, &tg, &mut og).unwrap();
+                assert_eq!(
+                    gpu.download(&og).unwrap(),
+                    cpu.download(&oc).unwrap(),
+                    "embedding {dt} w{width} n{n}"
+                );
+            }
+            let rows: Vec<i32> = (0..37).map(|_| r.gen_range(0..vocab as i32)).collect();
+            let p = GatherParams {
+                rows: rows.clone(),
+                width,
+                dtype: dt,
+            };
+            let mut oc = cpu.alloc(dt, rows.len() * width).unwrap();
+            let mut og = gpu.alloc(dt, rows.len() * width).unwrap();
+            cpu.gather_rows(&p, &tc, &mut oc).unwrap();
+            gpu.gather_rows(&p, &tg, &mut og).unwrap();
+            let got = gpu.download(&og).unwrap();
+            assert_eq!(got, cpu.download(&oc).unwrap(), "gather_rows {dt} w{width}");
+            assert_eq!(&got[..width], &table_bits[rows[0] as usize * width..][..width]);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn add_rmsnorm_matches_with_and_without_delta() {
+    let (cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        // 40000 is past the kernel's register cache (4 vectors × 1024 threads × 8).
+        for (rows, hidden, with_delta) in [(3, 4096, true), (2, 5120, false), (4, 1001, true), (1, 40000, true)] {
+            let p = RmsNormParams {
+                rows,
+                hidden,
+                eps: 1e-5,
+                dtype: dt,
+            };
+            let res = random_bits(dt, rows * hidden, 2.0, r.gen());
+            let delta = random_bits(dt, rows * hidden, 1.0, r.gen());
+            let weight = random_bits(dt, hidden, 1.0, r.gen());
+            let (mut rc, mut rg) = (cpu.upload(dt, &res).unwrap(), gpu.upload(dt, &res).unwrap());
+            let (dc, dg) = (cpu.upload(dt, &delta).unwrap(), gpu.upload(dt, &delta).unwrap());
+            let (wc, wg) = (cpu.upload(dt, &weight).unwrap(), gpu.upload(dt, &weight).unwrap());
+            let mut oc = cpu.alloc(dt, rows * hidden).unwrap();
+            let mut og = gpu.alloc(dt, rows * hidden).unwrap();
+            cpu.add_rmsnorm(&p, &mut rc, with_delta.then_some(&dc), &wc, &mut oc)
+                .unwrap();
+            gpu.add_rmsnorm(&p, &mut rg, with_delta.then_some(&dg), &wg, &mut og)
+                .unwrap();
+            let what = format!("add_rmsnorm rows {rows} hidden {hidden} delta {with_delta}");
+            assert_eq!(
+                gpu.download(&rg).unwrap(),
+                cpu.download(&rc).unwrap(),
+                "{what}: residual"
+            );
+            assert_close(dt, &gpu.download(&og).unwrap(), &cpu.download(&oc).unwrap(), &what);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn qkv_rope_matches_at_long_positions_with_and_without_bias() {
+    let (cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        for (h, g, d, theta, with_bias) in [
+            (32, 8, 128, 10_000f64, false),
+            (16, 4, 128, 1_000_000f64, true),
+            (4, 4, 64, 10_000f64, true),
+            (16, 1, 256, 500_000f64, false),
+        ] {
+            let geom = AttnGeometry::new(h, g, d).unwrap();
+            let inv_freq: Vec<f32> = (0..d / 2)
+                .map(|i| theta.powf(-2.0 * i as f64 / d as f64) as f32)
+                .collect();
+            let positions = vec![0, 1, 7, 4095, 65_535, 131_071, r.gen_range(0..200_000)];
+            let p = RopeParams {
+                geom,
+                dtype: dt,
+                positions,
+                inv_freq,
+            };
+            let t = p.tokens();
+            let qkv = random_bits(dt, t * p.qkv_width(), 1.0, r.gen());
+            let bias = random_bits(dt, p.qkv_width(), 0.5, r.gen());
+            let (xc, xg) = (cpu.upload(dt, &qkv).unwrap(), gpu.upload(dt, &qkv).unwrap());
+            let (bc, bg) = (cpu.upload(dt, &bias).unwrap(), gpu.upload(dt, &bias).unwrap());
+            let mut outs_c = [t * h * d, t * g * d, t * g * d].map(|n| cpu.alloc(dt, n).unwrap());
+            let mut outs_g = [t * h * d, t * g * d, t * g * d].map(|n| gpu.alloc(dt, n).unwrap());
+            {
+                let [q, k, v] = &mut outs_c;
+                cpu.qkv_rope(&p, &xc, with_bias.then_some(&bc), q, k, v).unwrap();
+            }
+            {
+                let [q, k, v] = &mut outs_g;
+                gpu.qkv_rope(&p, &xg, with_bias.then_some(&bg), q, k, v).unwrap();
+            }
+            for (name, (c, g)) in ["q", "k", "v"].iter().zip(outs_c.iter().zip(&outs_g)) {
+                let what = format!("qkv_rope {} bias {with_bias}: {name}", p.geom.label());
+                assert_close(dt, &gpu.download(g).unwrap(), &cpu.download(c).unwrap(), &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn silu_mul_matches_on_the_vector_and_scalar_paths() {
+    let (cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        for (rows, inter) in [(1, 11008), (5, 14336), (3, 1001)] {
+            let p = SiluMulParams { rows, inter, dtype: dt };
+            let gu = random_bits(dt, 2 * rows * inter, 6.0, r.gen());
+            let (gc, gg) = (cpu.upload(dt, &gu).unwrap(), gpu.upload(dt, &gu).unwrap());
+            let mut oc = cpu.alloc(dt, rows * inter).unwrap();
+            let mut og = gpu.alloc(dt, rows * inter).unwrap();
+            cpu.silu_mul(&p, &gc, &mut oc).unwrap();
+            gpu.silu_mul(&p, &gg, &mut og).unwrap();
+            let what = format!("silu_mul rows {rows} inter {inter}");
+            assert_close(dt, &gpu.download(&og).unwrap(), &cpu.download(&oc).unwrap(), &what);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kv_append_writes_the_same_slots_as_the_cpu() {
+    let (cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        // Token widths for the 16-, 8- and 2-byte scatter paths.
+        for (kv_heads, head_dim) in [(8, 128), (3, 36), (1, 7)] {
+            let layout = PagedKvLayout::new(16, 64, kv_heads, head_dim, dt).unwrap();
+            let mut pages: Vec<u32> = (0..64).collect();
+            pages.shuffle(&mut r);
+            // A decode token, a chunk crossing a page boundary, and a whole prefill.
+            let (seq_lens, new_lens) = ([10usize, 40, 17], [1i32, 10, 17]);
+            let mut at = 0;
+            let tables: Vec<BlockTable> = seq_lens
+                .iter()
+                .map(|&len| {
+                    let n = layout.pages_for(len);
+                    let t = BlockTable {
+                        pages: pages[at..at + n].to_vec(),
+                        seq_len: len,
+                    };
+                    at += n;
+                    t
+                })
+                .collect();
+            let p = KvAppendParams {
+                tables: FlatBlockTables::new(&layout, &tables).unwrap(),
+                new_lens: new_lens.to_vec(),
+            };
+            let n = p.tokens() * layout.token_elems();
+            let (k, v) = (random_bits(dt, n, 1.0, r.gen()), random_bits(dt, n, 1.0, r.gen()));
+            let pool_k = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+            let pool_v = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+            let mut kv_c = PagedKv {
+                layout,
+                k: cpu.upload(dt, &pool_k).unwrap(),
+                v: cpu.upload(dt, &pool_v).unwrap(),
+            };
+            let mut kv_g = PagedKv {
+                layout,
+                k: gpu.upload(dt, &pool_k).unwrap(),
+                v: gpu.upload(dt, &pool_v).unwrap(),
+            };
+            cpu.kv_append(
+                &p,
+                &cpu.upload(dt, &k).unwrap(),
+                &cpu.upload(dt, &v).unwrap(),
+                &mut kv_c,
+            )
+            .unwrap();
+            gpu.kv_append(
+                &p,
+                &gpu.upload(dt, &k).unwrap(),
+                &gpu.upload(dt, &v).unwrap(),
+                &mut kv_g,
+            )
+            .unwrap();
+            let what = format!("kv_append {}", layout.label());
+            let got_k = gpu.download(&kv_g.k).unwrap();
+            assert_eq!(got_k, cpu.download(&kv_c.k).unwrap(), "{what}: K pool");
+            assert_eq!(
+                gpu.download(&kv_g.v).unwrap(),
+                cpu.download(&kv_c.v).unwrap(),
+                "{what}: V pool"
+            );
+            assert_ne!(got_k, pool_k, "{what}: something was written");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_layer_op_inputs_are_refused_before_any_launch() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let table = gpu.alloc(DType::F16, 10 * 8).unwrap();
+    let mut out = gpu.alloc(DType::Bf16, 2 * 8).unwrap();
+    let p = EmbeddingParams {
+        ids: vec![1, 2],
+        vocab: 10,
+        hidden: 8,
+        dtype: DType::F16,
+    };
+    match gpu.embedding(&p, &table, &mut out) {
+        Err(FdppError::InvalidArgument(m)) => assert!(m.contains("out is bf16"), "{m}"),
+        other => panic!("expected a dtype error, got {other:?}"),
+    }
+    let bad_id = EmbeddingParams { ids: vec![10], ..p };
+    let mut out16 = gpu.alloc(DType::F16, 8).unwrap();
+    assert!(gpu.embedding(&bad_id, &table, &mut out16).is_err());
+    let mut short = gpu.alloc(DType::F16, 7).unwrap();
+    let sp = SiluMulParams {
+        rows: 1,
+        inter: 8,
+        dtype: DType::F16,
+    };
+    assert!(matches!(
+        gpu.silu_mul(&sp, &table, &mut short),
+        Err(FdppError::Shape { .. })
+    ));
+    gpu.synchronize().unwrap();
+}
