@@ -31,6 +31,8 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Every GEMM implementation on the model's linear shapes, at each M.
     Gemm(GemmBenchArgs),
+    /// Attention variants (sync, async softmax; naive split-free decode) over batch × kv_len.
+    Attention(super::bench_attention::AttnBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -78,6 +80,7 @@ pub struct GemmBenchArgs {
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     match a.what {
         BenchCommand::Gemm(g) => run_gemm(g),
+        BenchCommand::Attention(at) => super::bench_attention::run(at),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Command-line entry: one file per subcommand.
 
 pub mod bench;
+pub mod bench_attention;
 pub mod check;
 pub mod devices;
 pub mod kernels;

@@ -209,3 +209,152 @@ pub fn shape_chart_svg(subtitle: &str, g: &ShapeGroup<'_>, marks: &[Mark]) -> Re
     }
     Ok(Some(svg))
 }
+
+/// One line of a [`LineChart`]: `family` picks the hue (every series of one family shares it and
+/// differs in lightness), points are (x, y) with x > 0.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Series {
+    pub label: String,
+    pub family: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A rate against a size: log2 x axis with ticks at the xs measured, linear y axis from 0, and
+/// labelled horizontal reference lines (rooflines).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LineChart<'a> {
+    pub caption: &'a str,
+    pub subtitle: &'a str,
+    pub x_desc: &'a str,
+    pub y_desc: &'a str,
+    pub series: Vec<Series>,
+    pub hlines: Vec<(String, f64)>,
+}
+
+/// Three significant digits without trailing zeros, scientific below 0.001 (a rate on the CPU
+/// backend is a few GB/s, i.e. 0.00x TB/s; on a GPU it is 2.x TB/s).
+fn rate_label(v: f64) -> String {
+    let a = v.abs();
+    if a == 0.0 || !a.is_finite() {
+        return format!("{v}");
+    }
+    if a < 1e-3 {
+        return format!("{v:.1e}");
+    }
+    let digits = (2 - a.log10().floor() as i32).clamp(0, 5) as usize;
+    let s = format!("{v:.digits$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// Hues of the families in order of first appearance.
+const FAMILY_HUES: [f64; 6] = [0.60, 0.33, 0.0, 0.80, 0.12, 0.50];
+
+/// Render a [`LineChart`] to SVG text. None when no series has a finite point with x > 0. A
+/// reference line more than twice the largest value is left out (it would flatten the data).
+pub fn line_chart_svg(c: &LineChart<'_>) -> Result<Option<String>, String> {
+    let finite = |p: &&(f64, f64)| p.0 > 0.0 && p.0.is_finite() && p.1.is_finite();
+    let pts: Vec<(f64, f64)> = c
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().filter(finite))
+        .copied()
+        .collect();
+    if pts.is_empty() {
+        return Ok(None);
+    }
+    let (x_min, x_max) = pts
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(lo, hi), p| (lo.min(p.0), hi.max(p.0)));
+    let v_max = pts.iter().fold(0f64, |m, p| m.max(p.1));
+    let hlines: Vec<&(String, f64)> = c
+        .hlines
+        .iter()
+        .filter(|h| h.1.is_finite() && h.1 > 0.0 && (v_max <= 0.0 || h.1 <= 2.0 * v_max))
+        .collect();
+    let top = hlines.iter().fold(v_max, |m, h| m.max(h.1));
+    let y_hi = if top > 0.0 { top * 1.15 } else { 1.0 };
+    let (x_lo, x_hi) = (x_min / 1.25, x_max * 1.25);
+    let mut x_ticks: Vec<f64> = pts.iter().map(|p| p.0).collect();
+    x_ticks.sort_by(f64::total_cmp);
+    x_ticks.dedup();
+
+    let mut families: Vec<&str> = Vec::new();
+    for s in &c.series {
+        if !families.contains(&s.family.as_str()) {
+            families.push(&s.family);
+        }
+    }
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        let e = |e: DrawingAreaErrorKind<_>| format!("drawing chart {}: {e}", c.caption);
+        root.fill(&WHITE).map_err(e)?;
+        let root = root.titled(c.caption, ("sans-serif", 22)).map_err(e)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(c.subtitle, ("sans-serif", 15))
+            .margin(14)
+            .x_label_area_size(52)
+            .y_label_area_size(84)
+            .build_cartesian_2d((x_lo..x_hi).log_scale().with_key_points(x_ticks), 0f64..y_hi)
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_label_formatter(&|v| m_label(*v))
+            .y_label_formatter(&|v| rate_label(*v))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 16))
+            .x_desc(c.x_desc)
+            .y_desc(c.y_desc)
+            .light_line_style(WHITE.mix(0.0))
+            .draw()
+            .map_err(e)?;
+
+        for s in &c.series {
+            let fi = families.iter().position(|f| *f == s.family).unwrap_or(0);
+            let members: Vec<&Series> = c.series.iter().filter(|o| o.family == s.family).collect();
+            let variant = members.iter().position(|o| std::ptr::eq(*o, s)).unwrap_or(0);
+            let light = if members.len() <= 1 {
+                0.42
+            } else {
+                0.28 + 0.32 * variant as f64 / (members.len() - 1) as f64
+            };
+            let style = ShapeStyle::from(HSLColor(FAMILY_HUES[fi % FAMILY_HUES.len()], 0.85, light)).stroke_width(2);
+            let line: Vec<(f64, f64)> = s.points.iter().filter(finite).copied().collect();
+            chart
+                .draw_series(LineSeries::new(line.clone(), style))
+                .map_err(e)?
+                .label(s.label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 22, y)], style));
+            chart
+                .draw_series(line.iter().map(|p| Circle::new(*p, 4, style.filled())))
+                .map_err(e)?;
+        }
+
+        let mark_style = ShapeStyle::from(BLACK.mix(0.65)).stroke_width(1);
+        for (label, y) in hlines {
+            chart
+                .draw_series(DashedLineSeries::new(vec![(x_lo, *y), (x_hi, *y)], 7, 5, mark_style))
+                .map_err(e)?;
+            chart
+                .draw_series(std::iter::once(
+                    EmptyElement::at((x_lo, *y)) + Text::new(label.clone(), (6, -18), ("sans-serif", 14)),
+                ))
+                .map_err(e)?;
+        }
+
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.4))
+            .label_font(("sans-serif", 15))
+            .draw()
+            .map_err(e)?;
+        root.present().map_err(e)?;
+    }
+    Ok(Some(svg))
+}

@@ -2,6 +2,7 @@
 //! Every tune and bench run writes its files through [`write_gemm_report`].
 
 pub mod annotate;
+pub mod attention;
 pub mod chart;
 pub mod csv;
 pub mod json;
