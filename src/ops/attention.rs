@@ -183,18 +183,24 @@ pub struct AttnStats {
 }
 
 /// Minimum keys per split: a split shorter than this spends more on its combine entry and its
-/// launch share than it saves.
-pub const MIN_SPLIT_TOKENS: usize = 256;
+/// launch share than it saves (64 keys of d128 K and V are 32 KiB per kv head; the partial a
+/// split writes is 0.5 KiB per query head).
+pub const MIN_SPLIT_TOKENS: usize = 64;
+/// Blocks per SM the split count aims for: a decode block is latency-bound (each token group
+/// has a few 16-byte loads in flight), so it takes several resident blocks per SM, and several
+/// waves of them, to keep enough bytes in flight for the copy bandwidth (measured on the H100:
+/// 2 blocks per SM reached 0.74 TB/s at batch 1, kv_len 1024; see reports/NOTES.md).
+pub const BLOCKS_PER_SM: usize = 8;
 /// Most splits of one row (the combine step reads all of them).
 pub const MAX_SPLITS: usize = 64;
 
-/// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items to
-/// fill about two waves of `sm_count` SMs (one item is one thread block serving a whole GQA head
+/// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
+/// [`BLOCKS_PER_SM`] per SM (one item is one thread block serving a whole GQA head
 /// group), with every split at least [`MIN_SPLIT_TOKENS`] keys long and at most [`MAX_SPLITS`]
 /// splits. Large batches get one split (the batch alone fills the device).
 pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize) -> usize {
     let items = (batch * kv_heads).max(1);
-    let target = 2 * sm_count.max(1);
+    let target = BLOCKS_PER_SM * sm_count.max(1);
     let want = target.div_ceil(items);
     let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
     want.min(by_len).clamp(1, MAX_SPLITS)
@@ -407,13 +413,14 @@ mod tests {
 
     #[test]
     fn splits_fill_two_waves_and_respect_the_minimum_length() {
-        // 1 sequence, 8 kv heads, 132 SMs: 264 / 8 = 33 splits wanted, 16384 / 256 = 64 allowed.
-        assert_eq!(num_splits(1, 8, 16384, 132), 33);
-        // Short context: limited by the 256-token minimum.
-        assert_eq!(num_splits(1, 8, 1000, 132), 3);
+        // 1 sequence, 32 kv heads, 132 SMs: 1056 / 32 = 33 splits wanted, 16384 / 64 allowed.
+        assert_eq!(num_splits(1, 32, 16384, 132), 33);
+        // Short context: limited by the 64-token minimum.
+        assert_eq!(num_splits(1, 8, 1000, 132), 15);
         assert_eq!(num_splits(1, 8, 97, 132), 1);
-        // A large batch fills the device alone.
-        assert_eq!(num_splits(64, 8, 16384, 132), 1);
+        // A large batch fills the device alone, a middling one takes a few splits.
+        assert_eq!(num_splits(64, 32, 16384, 132), 1);
+        assert_eq!(num_splits(64, 8, 16384, 132), 3);
         // Never more than MAX_SPLITS.
         assert_eq!(num_splits(1, 1, 1 << 20, 132), MAX_SPLITS);
         assert_eq!(num_splits(0, 0, 0, 0), 1);

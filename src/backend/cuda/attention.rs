@@ -17,6 +17,8 @@ use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, 
 use crate::ops::layer::KvAppendParams;
 
 const THREADS: u32 = 128;
+/// Threads of a prefill block: 16 query rows per warp (attn_prefill.cu's WARPS).
+const PREFILL_THREADS: u32 = (PREFILL_BM / 16 * 32) as u32;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
 /// Counter slots: the running total of the enqueue paths, and the per-call slot the counting
@@ -163,7 +165,7 @@ pub fn decode(
     let max_len = (0..bsz).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
     let splits = p
         .num_splits
-        .unwrap_or_else(|| num_splits(bsz, kvh * chunks, max_len, b.info().compute_units as usize));
+        .unwrap_or_else(|| num_splits(bsz, kvh, max_len, b.info().compute_units as usize));
     let rows = bsz * heads;
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
@@ -284,7 +286,7 @@ pub fn prefill(
     )?;
     let g = p.geom;
     let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
-    // One tile per 64 new rows of a sequence; the longest key ranges first (causal balance).
+    // One tile per PREFILL_BM new rows of a sequence; the longest key ranges first (causal balance).
     let mut tiles: Vec<[i32; 4]> = Vec::new();
     for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
         for i in (0..n).step_by(PREFILL_BM) {
@@ -331,7 +333,7 @@ pub fn prefill(
     let scale2 = g.scale() * LOG2E;
     let cfg = LaunchConfig {
         grid_dim: (ntiles as u32, heads as u32, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (PREFILL_THREADS, 1, 1),
         shared_mem_bytes: smem,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));

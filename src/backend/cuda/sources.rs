@@ -160,7 +160,7 @@ pub fn attn_prefill_source(dtype: DType, head_dim: usize) -> KernelSource {
 }
 
 /// Query rows per prefill block and keys per tile (must match attn_prefill.cu).
-pub const PREFILL_BM: usize = 64;
+pub const PREFILL_BM: usize = 128;
 pub fn prefill_bn(head_dim: usize) -> usize {
     if head_dim == 256 {
         32
