@@ -1,4 +1,9 @@
 //! The inference engine: memory plan, forward pass over a backend, batching and sampling.
 
+pub mod activations;
+pub mod forward;
+pub mod kv;
+pub mod linear;
+pub mod memory;
 pub mod rope;
 pub mod sampler;

@@ -290,7 +290,10 @@ mod tests {
         let f = freqs(params(1.0, 0, 0.5), &logits, 20_000);
         let used = f.iter().filter(|&&x| x > 0.0).count();
         assert!((400..=501).contains(&used), "{used}");
-        assert!(f[..495].iter().all(|&x| x == 0.0), "the least likely half is never drawn");
+        assert!(
+            f[..495].iter().all(|&x| x == 0.0),
+            "the least likely half is never drawn"
+        );
     }
 
     #[test]
@@ -312,7 +315,13 @@ mod tests {
     fn seeds_repeat_and_streams_differ() {
         let logits = vec![0.0f32; 50];
         let draw = |seed: u64, stream: u64| {
-            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0, 0, 1.0) }, stream);
+            let mut s = Sampler::new(
+                SamplingParams {
+                    seed,
+                    ..params(1.0, 0, 1.0)
+                },
+                stream,
+            );
             (0..20).map(|_| s.sample(&logits, &[]).expect("s")).collect::<Vec<_>>()
         };
         assert_eq!(draw(1, 0), draw(1, 0));

@@ -301,11 +301,10 @@ pub struct HfExtras {
 /// rope_scaling type is an error naming the supported ones: running with unscaled frequencies
 /// would produce plausible but wrong text.
 pub fn parse_extras(text: &str, path: &Path) -> Result<HfExtras> {
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| FdppError::Config {
-            path: path.to_path_buf(),
-            msg: format!("malformed JSON at line {}, column {}", e.line(), e.column()),
-        })?;
+    let value: Value = serde_json::from_str(text).map_err(|e| FdppError::Config {
+        path: path.to_path_buf(),
+        msg: format!("malformed JSON at line {}, column {}", e.line(), e.column()),
+    })?;
     let Value::Object(obj) = &value else {
         return Err(FdppError::Config {
             path: path.to_path_buf(),
@@ -367,7 +366,10 @@ fn rope_scaling(f: &Fields) -> Result<Option<RopeScaling>> {
     let Value::Object(inner) = v else {
         return Err(f.err(format!("field '{key}' must be an object, found {}", describe(v))));
     };
-    let sub = Fields { obj: inner, path: f.path };
+    let sub = Fields {
+        obj: inner,
+        path: f.path,
+    };
     let kind = match (sub.str_opt("rope_type")?, sub.str_opt("type")?) {
         (Some(t), _) | (None, Some(t)) => t,
         (None, None) if key == "rope_parameters" => "default",

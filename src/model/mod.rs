@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod hf;
+pub mod llama;
 pub mod presets;
 pub mod shapes;
 pub mod weights;
