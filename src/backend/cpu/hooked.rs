@@ -7,7 +7,9 @@ use super::{CpuBackend, CpuBuffer};
 use crate::backend::{Backend, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 
 /// Runs one GEMM; receives the real CPU backend to delegate to.
 pub type GemmHook = dyn Fn(&CpuBackend, &GemmSpec, GemmDims, &CpuBuffer, &CpuBuffer, &mut CpuBuffer) -> Result<()>;
@@ -65,6 +67,42 @@ impl Backend for HookedCpu {
     }
     fn gemm(&self, spec: &GemmSpec, d: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
         (self.gemm)(&self.inner, spec, d, x, w, y)
+    }
+    fn embedding(&self, p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        self.inner.embedding(p, table, out)
+    }
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        residual: &mut CpuBuffer,
+        delta: Option<&CpuBuffer>,
+        weight: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.inner.add_rmsnorm(p, residual, delta, weight, out)
+    }
+    fn qkv_rope(
+        &self,
+        p: &RopeParams,
+        qkv: &CpuBuffer,
+        bias: Option<&CpuBuffer>,
+        q: &mut CpuBuffer,
+        k: &mut CpuBuffer,
+        v: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.inner.qkv_rope(p, qkv, bias, q, k, v)
+    }
+    fn silu_mul(&self, p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        self.inner.silu_mul(p, gate_up, out)
+    }
+    fn kv_append(&self, p: &KvAppendParams, k: &CpuBuffer, v: &CpuBuffer, kv: &mut PagedKv<CpuBuffer>) -> Result<()> {
+        self.inner.kv_append(p, k, v, kv)
+    }
+    fn gather_rows(&self, p: &GatherParams, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+        self.inner.gather_rows(p, src, dst)
+    }
+    fn fill_random(&self, buf: &mut CpuBuffer, seed: u64, scale: f32) -> Result<()> {
+        self.inner.fill_random(buf, seed, scale)
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()

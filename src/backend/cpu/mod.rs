@@ -12,6 +12,7 @@ mod gemm;
 mod gemv;
 pub mod hooked;
 mod info;
+pub mod layer;
 mod simd;
 
 use std::time::Instant;
@@ -24,6 +25,7 @@ use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 
 pub struct CpuBuffer {
     pub dtype: DType,
@@ -157,6 +159,49 @@ impl Backend for CpuBackend {
         check_dtypes("attention_prefill", p.dtype, &[q, k, v, &kv.k, &kv.v, out])?;
         let pools = (&mut kv.k.data[..], &mut kv.v.data[..]);
         attention::prefill(p, &kv.layout, &q.data, (&k.data, &v.data), pools, &mut out.data)
+    }
+
+    fn embedding(&self, p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        layer::embedding(p, table, out)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        residual: &mut CpuBuffer,
+        delta: Option<&CpuBuffer>,
+        weight: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        layer::add_rmsnorm(p, residual, delta, weight, out)
+    }
+
+    fn qkv_rope(
+        &self,
+        p: &RopeParams,
+        qkv: &CpuBuffer,
+        bias: Option<&CpuBuffer>,
+        q: &mut CpuBuffer,
+        k: &mut CpuBuffer,
+        v: &mut CpuBuffer,
+    ) -> Result<()> {
+        layer::qkv_rope(p, qkv, bias, q, k, v)
+    }
+
+    fn silu_mul(&self, p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        layer::silu_mul(p, gate_up, out)
+    }
+
+    fn kv_append(&self, p: &KvAppendParams, k: &CpuBuffer, v: &CpuBuffer, kv: &mut PagedKv<CpuBuffer>) -> Result<()> {
+        layer::kv_append(p, k, v, kv)
+    }
+
+    fn gather_rows(&self, p: &GatherParams, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+        layer::gather_rows(p, src, dst)
+    }
+
+    fn fill_random(&self, buf: &mut CpuBuffer, seed: u64, scale: f32) -> Result<()> {
+        layer::fill_random(buf, seed, scale)
     }
 
     fn synchronize(&self) -> Result<()> {

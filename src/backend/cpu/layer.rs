@@ -1,0 +1,283 @@
+//! The small ops of a layer on the CPU (see [`crate::ops::layer`] for the layouts): the CPU
+//! backend runs real small models end to end, so these are multithreaded over rows (tokens)
+//! like the GEMMs, widen a row to f32 once, and round to the 16-bit type once per output.
+//!
+//! Every function validates its params against the buffer lengths and dtypes before it touches
+//! memory, so that a bad call is a clean error and leaves every buffer as it was.
+
+use rayon::prelude::*;
+
+use super::{simd, CpuBuffer};
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::kv::paged::{write_tokens, PagedKv};
+use crate::ops::layer::{
+    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+};
+
+/// Every named buffer must hold `dtype`; the error names the first that does not.
+fn check_dtypes(op: &str, dtype: DType, bufs: &[(&str, &CpuBuffer)]) -> Result<()> {
+    match bufs.iter().find(|(_, b)| b.dtype != dtype) {
+        Some((name, b)) => Err(FdppError::InvalidArgument(format!(
+            "{op}: buffer '{name}' holds {}, the call is {dtype}; every buffer must be {dtype}",
+            b.dtype
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// out[t] = table[ids[t]].
+pub fn embedding(p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+    p.validate(table.data.len(), out.data.len())?;
+    check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
+    let h = p.hidden;
+    out.data[..p.ids.len() * h]
+        .par_chunks_mut(h)
+        .zip(p.ids.par_iter())
+        .for_each(|(o, &id)| {
+            // Validated: 0 <= id < vocab.
+            let at = id as usize * h;
+            o.copy_from_slice(&table.data[at..at + h]);
+        });
+    Ok(())
+}
+
+/// residual += delta (stored rounded); out = residual · rsqrt(mean(residual²) + eps) · weight.
+///
+/// HF's LlamaRMSNorm rounds the normalised value to the dtype before multiplying by the weight
+/// (two roundings); here the product is taken in f32 and rounded once. Both stay within the
+/// 16-bit types' tolerance of the exact result.
+pub fn add_rmsnorm(
+    p: &RmsNormParams,
+    residual: &mut CpuBuffer,
+    delta: Option<&CpuBuffer>,
+    weight: &CpuBuffer,
+    out: &mut CpuBuffer,
+) -> Result<()> {
+    p.validate(
+        residual.data.len(),
+        delta.map(|d| d.data.len()),
+        weight.data.len(),
+        out.data.len(),
+    )?;
+    let mut named = vec![("residual", &*residual), ("weight", weight), ("out", &*out)];
+    if let Some(d) = delta {
+        named.push(("delta", d));
+    }
+    check_dtypes("add_rmsnorm", p.dtype, &named)?;
+    let (dt, h, n) = (p.dtype, p.hidden, p.rows * p.hidden);
+    let mut w = vec![0f32; h];
+    simd::widen(dt, &weight.data[..h], &mut w);
+    let delta = delta.map(|d| &d.data[..n]);
+    residual.data[..n]
+        .par_chunks_mut(h)
+        .zip(out.data[..n].par_chunks_mut(h))
+        .enumerate()
+        .for_each_init(
+            || (vec![0f32; h], vec![0f32; h]),
+            |(x, dx), (r, (res, o))| {
+                simd::widen(dt, res, x);
+                if let Some(d) = delta {
+                    simd::widen(dt, &d[r * h..(r + 1) * h], dx);
+                    // The sum is stored in the dtype and the norm reads the stored value, as HF
+                    // keeps the residual stream in the model's dtype.
+                    for ((xv, &dv), rv) in x.iter_mut().zip(dx.iter()).zip(res.iter_mut()) {
+                        *rv = dt.from_f32(*xv + dv);
+                        *xv = dt.to_f32(*rv);
+                    }
+                }
+                let inv = 1.0 / (sum_squares(x) / h as f32 + p.eps).sqrt();
+                for ((ov, &xv), &wv) in o.iter_mut().zip(x.iter()).zip(&w) {
+                    *ov = dt.from_f32(xv * inv * wv);
+                }
+            },
+        );
+    Ok(())
+}
+
+/// Σ x² in f32 with eight independent running sums (one per lane of a vector), reduced
+/// pairwise: shorter dependency chains and a smaller rounding error than one running sum.
+fn sum_squares(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (chunks, tail) = x.as_chunks::<8>();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v * v;
+        }
+    }
+    for (a, v) in acc.iter_mut().zip(tail) {
+        *a += v * v;
+    }
+    let s = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Split the fused QKV rows into q, k, v: bias added (when given), q and k heads rotated in the
+/// rotate-half form, v copied.
+///
+/// HF rounds the projection (with its bias) to the dtype, takes cos and sin rounded to the
+/// dtype and rotates in the dtype; here bias, rotation and cos/sin stay in f32 and each output
+/// is rounded once. The angle θ = position · inv_freq is taken in f32 as HF takes it.
+pub fn qkv_rope(
+    p: &RopeParams,
+    qkv: &CpuBuffer,
+    bias: Option<&CpuBuffer>,
+    q: &mut CpuBuffer,
+    k: &mut CpuBuffer,
+    v: &mut CpuBuffer,
+) -> Result<()> {
+    p.validate(
+        qkv.data.len(),
+        bias.map(|b| b.data.len()),
+        q.data.len(),
+        k.data.len(),
+        v.data.len(),
+    )?;
+    let mut named = vec![("qkv", qkv), ("q", &*q), ("k", &*k), ("v", &*v)];
+    if let Some(b) = bias {
+        named.push(("bias", b));
+    }
+    check_dtypes("qkv_rope", p.dtype, &named)?;
+    let g = p.geom;
+    let (dt, d, t) = (p.dtype, g.head_dim, p.tokens());
+    let (qw, kw, width) = (g.num_heads * d, g.num_kv_heads * d, p.qkv_width());
+    let bias: Option<Vec<f32>> = bias.map(|b| {
+        let mut f = vec![0f32; width];
+        simd::widen(dt, &b.data[..width], &mut f);
+        f
+    });
+    q.data[..t * qw]
+        .par_chunks_mut(qw)
+        .zip(k.data[..t * kw].par_chunks_mut(kw))
+        .zip(v.data[..t * kw].par_chunks_mut(kw))
+        .zip(qkv.data[..t * width].par_chunks(width))
+        .zip(p.positions.par_iter())
+        .for_each_init(
+            || (vec![0f32; width], vec![0f32; d / 2], vec![0f32; d / 2]),
+            |(x, cos, sin), ((((qo, ko), vo), row), &pos)| {
+                simd::widen(dt, row, x);
+                if let Some(b) = &bias {
+                    for (xv, bv) in x.iter_mut().zip(b) {
+                        *xv += bv;
+                    }
+                }
+                for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&p.inv_freq) {
+                    let theta = pos as f32 * f;
+                    *c = theta.cos();
+                    *s = theta.sin();
+                }
+                let (xq, rest) = x.split_at(qw);
+                let (xk, xv) = rest.split_at(kw);
+                rotate_heads(dt, xq, cos, sin, qo);
+                rotate_heads(dt, xk, cos, sin, ko);
+                dt.narrow(xv, vo);
+            },
+        );
+    Ok(())
+}
+
+/// Rotate-half RoPE of every head of `x` (heads of `2 · cos.len()` elements) into `out`.
+fn rotate_heads(dt: DType, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [u16]) {
+    let half = cos.len();
+    for (xh, oh) in x.chunks_exact(2 * half).zip(out.chunks_exact_mut(2 * half)) {
+        let (x1, x2) = xh.split_at(half);
+        let (o1, o2) = oh.split_at_mut(half);
+        for i in 0..half {
+            o1[i] = dt.from_f32(x1[i] * cos[i] - x2[i] * sin[i]);
+            o2[i] = dt.from_f32(x2[i] * cos[i] + x1[i] * sin[i]);
+        }
+    }
+}
+
+/// out[r][i] = silu(gate[r][i]) · up[r][i]. HF rounds silu(gate) to the dtype before the
+/// product; here it is one f32 expression rounded once.
+pub fn silu_mul(p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+    p.validate(gate_up.data.len(), out.data.len())?;
+    check_dtypes("silu_mul", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
+    let (dt, inter) = (p.dtype, p.inter);
+    // Chunks of at most SILU_CHUNK outputs, so that one long row (decode: rows = 1) is still
+    // spread over the threads.
+    let chunk = inter.min(SILU_CHUNK);
+    out.data[..p.rows * inter]
+        .par_chunks_mut(inter)
+        .enumerate()
+        .flat_map(|(r, o)| o.par_chunks_mut(chunk).enumerate().map(move |(c, oc)| (r, c, oc)))
+        .for_each_init(
+            || (vec![0f32; chunk], vec![0f32; chunk]),
+            |(gf, uf), (r, c, oc)| {
+                let at = r * 2 * inter + c * chunk;
+                let n = oc.len();
+                simd::widen(dt, &gate_up.data[at..at + n], &mut gf[..n]);
+                simd::widen(dt, &gate_up.data[at + inter..at + inter + n], &mut uf[..n]);
+                for ((o, &g), &u) in oc.iter_mut().zip(gf.iter()).zip(uf.iter()) {
+                    *o = dt.from_f32(g / (1.0 + (-g).exp()) * u);
+                }
+            },
+        );
+    Ok(())
+}
+
+/// Outputs per task of [`silu_mul`].
+const SILU_CHUNK: usize = 4096;
+
+/// Writes the new tokens' k and v at positions seq_len − new_len .. seq_len of each sequence.
+pub fn kv_append(p: &KvAppendParams, k: &CpuBuffer, v: &CpuBuffer, kv: &mut PagedKv<CpuBuffer>) -> Result<()> {
+    let layout = kv.layout;
+    layout.validate()?;
+    p.validate(&layout, k.data.len(), v.data.len(), (kv.k.data.len(), kv.v.data.len()))?;
+    check_dtypes(
+        "kv_append",
+        layout.dtype,
+        &[("k", k), ("v", v), ("K pool", &kv.k), ("V pool", &kv.v)],
+    )?;
+    let te = layout.token_elems();
+    let mut row0 = 0;
+    for (b, &n) in p.new_lens.iter().enumerate() {
+        // Validated: 1 <= n <= seq_len(b), and the table holds pages for every position below
+        // seq_len(b), so no write below can be refused half way.
+        let n = n as usize;
+        let table = p.tables.table(b);
+        let start = p.tables.seq_len(b) - n;
+        let span = row0 * te..(row0 + n) * te;
+        write_tokens(&layout, &mut kv.k.data, &table, start, &k.data[span.clone()])?;
+        write_tokens(&layout, &mut kv.v.data, &table, start, &v.data[span])?;
+        row0 += n;
+    }
+    Ok(())
+}
+
+/// dst[i] = src[rows[i]].
+pub fn gather_rows(p: &GatherParams, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+    p.validate(src.data.len(), dst.data.len())?;
+    check_dtypes("gather_rows", p.dtype, &[("src", src), ("dst", dst)])?;
+    let w = p.width;
+    dst.data[..p.rows.len() * w]
+        .par_chunks_mut(w)
+        .zip(p.rows.par_iter())
+        .for_each(|(o, &r)| {
+            // Validated: 0 <= r < src rows.
+            let at = r as usize * w;
+            o.copy_from_slice(&src.data[at..at + w]);
+        });
+    Ok(())
+}
+
+/// buf[i] = random_value(seed, i, scale) in the buffer's dtype.
+pub fn fill_random(buf: &mut CpuBuffer, seed: u64, scale: f32) -> Result<()> {
+    if !scale.is_finite() {
+        return Err(FdppError::InvalidArgument(format!(
+            "fill_random: scale {scale} must be finite"
+        )));
+    }
+    let dt = buf.dtype;
+    buf.data.par_chunks_mut(FILL_CHUNK).enumerate().for_each(|(c, chunk)| {
+        let base = (c * FILL_CHUNK) as u64;
+        for (j, x) in chunk.iter_mut().enumerate() {
+            *x = dt.from_f32(random_value(seed, base + j as u64, scale));
+        }
+    });
+    Ok(())
+}
+
+/// Elements per task of [`fill_random`].
+const FILL_CHUNK: usize = 1 << 16;

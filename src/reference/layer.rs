@@ -1,0 +1,277 @@
+//! Reference versions of the small layer ops ([`crate::ops::layer`]): one element at a time, in
+//! f64, written straight from the definitions (HF transformers' Llama), with none of the
+//! kernels' row blocking or vector tricks.
+//!
+//! The arithmetic ops return f64 outputs (judged by NMSE); the data-movement ops and
+//! `fill_random` return the exact bit patterns the kernels must produce. Every function panics
+//! on buffers shorter than the validated params say: callers validate first.
+
+use half::{bf16, f16};
+
+use crate::dtype::DType;
+use crate::kv::paged::PagedKvLayout;
+use crate::ops::layer::{
+    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+};
+
+fn wide(dt: DType, bits: u16) -> f64 {
+    dt.to_f32(bits) as f64
+}
+
+/// The 16-bit value nearest to `v` (ties to even), rounded once from f64.
+pub fn round_f64(dt: DType, v: f64) -> u16 {
+    match dt {
+        DType::F16 => f16::from_f64(v).to_bits(),
+        DType::Bf16 => bf16::from_f64(v).to_bits(),
+    }
+}
+
+/// out = table[ids], as bits.
+pub fn embedding_ref(p: &EmbeddingParams, table: &[u16]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(p.ids.len() * p.hidden);
+    for &id in &p.ids {
+        let row = id as usize;
+        for i in 0..p.hidden {
+            out.push(table[row * p.hidden + i]);
+        }
+    }
+    out
+}
+
+/// dst = src[rows], as bits.
+pub fn gather_rows_ref(p: &GatherParams, src: &[u16]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(p.rows.len() * p.width);
+    for &r in &p.rows {
+        for i in 0..p.width {
+            out.push(src[r as usize * p.width + i]);
+        }
+    }
+    out
+}
+
+/// `len` elements of [`random_value`]`(seed, i, scale)`, rounded to `dt`.
+pub fn fill_random_ref(dt: DType, len: usize, seed: u64, scale: f32) -> Vec<u16> {
+    (0..len as u64)
+        .map(|i| dt.from_f32(random_value(seed, i, scale)))
+        .collect()
+}
+
+/// (residual after the add, as bits; the normalised output, in f64), both `[rows][hidden]`.
+///
+/// The residual is the exact sum rounded once to the dtype (it is stored in the dtype); the
+/// norm reads that stored value: mean of squares, 1/√(mean + eps), times the weight, in f64.
+pub fn add_rmsnorm_ref(
+    p: &RmsNormParams,
+    residual: &[u16],
+    delta: Option<&[u16]>,
+    weight: &[u16],
+) -> (Vec<u16>, Vec<f64>) {
+    let (dt, h) = (p.dtype, p.hidden);
+    let n = p.rows * h;
+    let res: Vec<u16> = match delta {
+        Some(d) => (0..n)
+            .map(|i| round_f64(dt, wide(dt, residual[i]) + wide(dt, d[i])))
+            .collect(),
+        None => residual[..n].to_vec(),
+    };
+    let mut out = vec![0f64; n];
+    for r in 0..p.rows {
+        let x: Vec<f64> = res[r * h..(r + 1) * h].iter().map(|&b| wide(dt, b)).collect();
+        let mean_sq = x.iter().map(|v| v * v).sum::<f64>() / h as f64;
+        let inv = 1.0 / (mean_sq + p.eps as f64).sqrt();
+        for i in 0..h {
+            out[r * h + i] = x[i] * inv * wide(dt, weight[i]);
+        }
+    }
+    (res, out)
+}
+
+/// (q, k, v) in f64: `[tokens][H·D]`, `[tokens][G·D]`, `[tokens][G·D]`.
+///
+/// Each row of the fused output plus the bias; every q and k head rotated pair by pair
+/// (i with i + D/2) by θ = position · inv_freq[i], taken in f64.
+pub fn qkv_rope_ref(p: &RopeParams, qkv: &[u16], bias: Option<&[u16]>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let g = p.geom;
+    let (dt, d) = (p.dtype, g.head_dim);
+    let width = p.qkv_width();
+    let (hq, hk) = (g.num_heads, g.num_kv_heads);
+    let mut q = Vec::with_capacity(p.tokens() * hq * d);
+    let mut k = Vec::with_capacity(p.tokens() * hk * d);
+    let mut v = Vec::with_capacity(p.tokens() * hk * d);
+    for (t, &pos) in p.positions.iter().enumerate() {
+        let x: Vec<f64> = (0..width)
+            .map(|j| wide(dt, qkv[t * width + j]) + bias.map_or(0.0, |b| wide(dt, b[j])))
+            .collect();
+        for head in 0..hq + 2 * hk {
+            let xh = &x[head * d..(head + 1) * d];
+            if head >= hq + hk {
+                v.extend_from_slice(xh);
+                continue;
+            }
+            let mut rotated = vec![0f64; d];
+            for i in 0..d / 2 {
+                let theta = pos as f64 * p.inv_freq[i] as f64;
+                let (x1, x2) = (xh[i], xh[i + d / 2]);
+                rotated[i] = x1 * theta.cos() - x2 * theta.sin();
+                rotated[i + d / 2] = x2 * theta.cos() + x1 * theta.sin();
+            }
+            if head < hq {
+                q.extend(rotated);
+            } else {
+                k.extend(rotated);
+            }
+        }
+    }
+    (q, k, v)
+}
+
+/// out[r][i] = silu(gate) · up = gate / (1 + e^−gate) · up, in f64.
+pub fn silu_mul_ref(p: &SiluMulParams, gate_up: &[u16]) -> Vec<f64> {
+    let (dt, inter) = (p.dtype, p.inter);
+    let mut out = Vec::with_capacity(p.rows * inter);
+    for r in 0..p.rows {
+        for i in 0..inter {
+            let g = wide(dt, gate_up[r * 2 * inter + i]);
+            let u = wide(dt, gate_up[r * 2 * inter + inter + i]);
+            out.push(g / (1.0 + (-g).exp()) * u);
+        }
+    }
+    out
+}
+
+/// The pools after the append: new token j of sequence b (position seq_len − new_len + j)
+/// copied element by element to (page of the position, slot, kv head); everything else as it
+/// was. Returns (K pool, V pool).
+pub fn kv_append_ref(
+    p: &KvAppendParams,
+    layout: &PagedKvLayout,
+    k: &[u16],
+    v: &[u16],
+    k_pool: &[u16],
+    v_pool: &[u16],
+) -> (Vec<u16>, Vec<u16>) {
+    let (mut kp, mut vp) = (k_pool.to_vec(), v_pool.to_vec());
+    let (hk, d) = (layout.num_kv_heads, layout.head_dim);
+    let mut row = 0;
+    for (b, &n) in p.new_lens.iter().enumerate() {
+        let len = p.tables.seq_lens[b] as usize;
+        for pos in len - n as usize..len {
+            let page = p.tables.block_table[b * p.tables.max_pages + pos / layout.page_size] as usize;
+            let slot = pos % layout.page_size;
+            for head in 0..hk {
+                for i in 0..d {
+                    let dst = ((page * layout.page_size + slot) * hk + head) * d + i;
+                    let src = (row * hk + head) * d + i;
+                    kp[dst] = k[src];
+                    vp[dst] = v[src];
+                }
+            }
+            row += 1;
+        }
+    }
+    (kp, vp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::attention::AttnGeometry;
+
+    fn enc(dt: DType, v: &[f32]) -> Vec<u16> {
+        v.iter().map(|&x| dt.from_f32(x)).collect()
+    }
+
+    #[test]
+    fn rmsnorm_of_a_hand_computed_row() {
+        // x = (1, 2) + (2, 2) = (3, 4): mean square 12.5, so out = x / √12.5 · w.
+        let dt = DType::F16;
+        let p = RmsNormParams {
+            rows: 1,
+            hidden: 2,
+            eps: 1e-6,
+            dtype: dt,
+        };
+        let (res, out) = add_rmsnorm_ref(
+            &p,
+            &enc(dt, &[1.0, 2.0]),
+            Some(&enc(dt, &[2.0, 2.0])),
+            &enc(dt, &[1.0, 0.5]),
+        );
+        assert_eq!(res, enc(dt, &[3.0, 4.0]));
+        let s = (12.5f64 + 1e-6f32 as f64).sqrt();
+        assert!(
+            (out[0] - 3.0 / s).abs() < 1e-12 && (out[1] - 2.0 / s).abs() < 1e-12,
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn rope_rotates_q_and_k_by_the_position_angle_and_copies_v() {
+        let dt = DType::Bf16;
+        let geom = AttnGeometry::new(1, 1, 64).expect("geom");
+        let mut inv_freq = vec![0f32; 32];
+        inv_freq[0] = 0.5;
+        let p = RopeParams {
+            geom,
+            dtype: dt,
+            positions: vec![3],
+            inv_freq,
+        };
+        // Row: q = e_0, k = e_32 (the partner of element 0), v = 2 · e_5.
+        let mut row = vec![0f32; 3 * 64];
+        row[0] = 1.0;
+        row[64 + 32] = 1.0;
+        row[128 + 5] = 2.0;
+        let bias: Vec<f32> = (0..3 * 64).map(|i| if i == 128 + 5 { -0.5 } else { 0.0 }).collect();
+        let (q, k, v) = qkv_rope_ref(&p, &enc(dt, &row), Some(&enc(dt, &bias)));
+        let th = 1.5f64;
+        // q: (x1, x2) = (1, 0) → (cos, sin); k: (0, 1) → (−sin, cos).
+        assert!((q[0] - th.cos()).abs() < 1e-15 && (q[32] - th.sin()).abs() < 1e-15);
+        assert!((k[0] + th.sin()).abs() < 1e-15 && (k[32] - th.cos()).abs() < 1e-15);
+        // Pairs with inv_freq 0 do not move.
+        assert!(q[1..32].iter().chain(&q[33..]).all(|&x| x == 0.0));
+        assert_eq!(v[5], 1.5);
+        assert_eq!(v.iter().filter(|&&x| x != 0.0).count(), 1);
+    }
+
+    #[test]
+    fn silu_mul_of_known_values() {
+        let dt = DType::F16;
+        let p = SiluMulParams {
+            rows: 1,
+            inter: 2,
+            dtype: dt,
+        };
+        let out = silu_mul_ref(&p, &enc(dt, &[0.0, 2.0, 3.0, -1.0]));
+        assert_eq!(out[0], 0.0);
+        let silu2 = 2.0 / (1.0 + (-2.0f64).exp());
+        assert!((out[1] + silu2).abs() < 1e-15, "{out:?}");
+    }
+
+    #[test]
+    fn embedding_and_gather_pick_rows() {
+        let dt = DType::F16;
+        let table: Vec<u16> = (0..12).collect();
+        let e = EmbeddingParams {
+            ids: vec![2, 0, 2],
+            vocab: 4,
+            hidden: 3,
+            dtype: dt,
+        };
+        assert_eq!(embedding_ref(&e, &table), vec![6, 7, 8, 0, 1, 2, 6, 7, 8]);
+        let g = GatherParams {
+            rows: vec![3, 1],
+            width: 3,
+            dtype: dt,
+        };
+        assert_eq!(gather_rows_ref(&g, &table), vec![9, 10, 11, 3, 4, 5]);
+    }
+
+    #[test]
+    fn rounding_from_f64_is_to_nearest() {
+        // 1 + 2^-11 is the midpoint between 1 and the next f16: ties to even gives 1.
+        assert_eq!(round_f64(DType::F16, 1.0 + 2f64.powi(-11)), 0x3c00);
+        assert_eq!(round_f64(DType::F16, 1.0 + 1.5 * 2f64.powi(-11)), 0x3c01);
+        assert_eq!(round_f64(DType::Bf16, 1.0 + 1.5 * 2f64.powi(-8)), 0x3f81);
+    }
+}
