@@ -70,7 +70,7 @@ fn prefill_alone(spec: &ModelSpec, opts: &EngineOptions, p: &[u32]) -> Vec<f32> 
     let b = CpuBackend::new();
     let mut e = engine(&b, spec, opts, &[p.len()]);
     let mut t = vec![BlockTable::default()];
-    e.prefill(&mut t, &[p], opts.chunk, &mut |_, _| {})
+    e.prefill(&mut t, &[p], opts.chunk, &mut |_, _| Ok(()))
         .expect("prefill")
         .remove(0)
 }
@@ -85,7 +85,7 @@ fn prefill_then_decode_equals_one_longer_prefill() {
         let b = CpuBackend::new();
         let mut e = engine(&b, &spec, &opts, &[full.len()]);
         let mut tables = vec![BlockTable::default()];
-        e.prefill(&mut tables, &[head], opts.chunk, &mut |_, _| {})
+        e.prefill(&mut tables, &[head], opts.chunk, &mut |_, _| Ok(()))
             .expect("prefill");
         let mut last = Vec::new();
         for &tok in tail {
@@ -108,7 +108,10 @@ fn a_batch_of_two_prompts_equals_each_alone() {
     let mut tables = vec![BlockTable::default(), BlockTable::default()];
     let mut order = Vec::new();
     let first = e
-        .prefill(&mut tables, &[&p0, &p1], opts.chunk, &mut |s, _| order.push(s))
+        .prefill(&mut tables, &[&p0, &p1], opts.chunk, &mut |s, _| {
+            order.push(s);
+            Ok(())
+        })
         .expect("prefill");
     assert_eq!(order, vec![0, 1]);
     assert_close(&first[0], &prefill_alone(&spec, &opts, &p0), "prompt 0 in a batch");
@@ -146,7 +149,9 @@ fn chunked_prefill_equals_unchunked() {
     let mut e = engine(&b, &spec, &opts, &[p.len(), q.len()]);
     assert_eq!(e.max_step_tokens(), 8);
     let mut tables = vec![BlockTable::default(), BlockTable::default()];
-    let got = e.prefill(&mut tables, &[&p, &q], 8, &mut |_, _| {}).expect("prefill");
+    let got = e
+        .prefill(&mut tables, &[&p, &q], 8, &mut |_, _| Ok(()))
+        .expect("prefill");
     assert_close(&got[0], &whole, "chunked batch, sequence 0");
     assert_close(
         &got[1],

@@ -177,7 +177,7 @@ fn check(config: &str, rope_factor: f64) {
     let mut e = build(&b, &spec, &source, None, &opts, plan).expect("engine");
     let mut tables = vec![BlockTable::default()];
     let got = e
-        .prefill(&mut tables, &[&prompt], opts.chunk, &mut |_, _| {})
+        .prefill(&mut tables, &[&prompt], opts.chunk, &mut |_, _| Ok(()))
         .expect("prefill")
         .remove(0);
     let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();

@@ -1,6 +1,7 @@
 //! The inference engine: memory plan, forward pass over a backend, batching and sampling.
 
 pub mod activations;
+pub mod batch;
 pub mod build;
 pub mod forward;
 pub mod kv;

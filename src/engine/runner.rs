@@ -89,7 +89,7 @@ impl<'b, B: Backend> Engine<'b, B> {
         tables: &mut [BlockTable],
         prompts: &[&[u32]],
         chunk: usize,
-        on_done: &mut dyn FnMut(usize, &[f32]),
+        on_done: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<Vec<Vec<f32>>> {
         if tables.len() != prompts.len() {
             return Err(FdppError::InvalidArgument(format!(
@@ -122,7 +122,7 @@ impl<'b, B: Backend> Engine<'b, B> {
             let res = self.run(StepKind::Prefill, &seqs)?;
             let done = step.iter().filter(|&&(s, start, n)| start + n == lens[s]).map(|p| p.0);
             for (s, logits) in done.zip(res.logits) {
-                on_done(s, &logits);
+                on_done(s, &logits)?;
                 out[s] = logits;
             }
         }

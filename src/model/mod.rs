@@ -5,6 +5,7 @@ pub mod hf;
 pub mod llama;
 pub mod presets;
 pub mod shapes;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{ModelArch, ModelConfig};
