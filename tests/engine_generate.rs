@@ -221,7 +221,13 @@ fn text_is_streamed_and_a_stop_string_ends_the_sequence() {
     assert_eq!(ids, vec![5, 17, 200]);
     assert_eq!(tok.decode(&ids).expect("decode"), "w5 w17 w200");
     let p = prompt(6, 9);
-    let free = run_with(std::slice::from_ref(&p), &gen_opts(8), &EngineOptions::default(), Some(&tok)).expect("run");
+    let free = run_with(
+        std::slice::from_ref(&p),
+        &gen_opts(8),
+        &EngineOptions::default(),
+        Some(&tok),
+    )
+    .expect("run");
     let text = free.seqs[0].text.clone().expect("text");
     let words: Vec<&str> = text.split(' ').collect();
     assert_eq!(words.len(), 8, "{text}");

@@ -124,3 +124,49 @@ pub fn build<'b, B: Backend>(
     )?;
     Engine::new(model, plan)
 }
+
+/// `--softmax`: the attention softmax scheme (FlashDecoding++ §3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SoftmaxChoice {
+    /// Running max with rescale (the FlashDecoding baseline).
+    Sync,
+    /// Unified max φ with the profile's φ, a, b (or the safe default).
+    Async,
+}
+
+/// The scheme to run and a line saying where it came from: `--softmax sync` is the baseline;
+/// otherwise the async scheme with the profile's calibrated φ, a, b when it has them, else
+/// [`SoftmaxScheme::ASYNC_DEFAULT`].
+pub fn softmax_scheme(choice: Option<SoftmaxChoice>, profile: Option<&Profile>) -> Result<(SoftmaxScheme, String)> {
+    if choice == Some(SoftmaxChoice::Sync) {
+        return Ok((SoftmaxScheme::Sync, "softmax: sync (asked for)".into()));
+    }
+    match profile.and_then(|p| p.softmax.as_ref()) {
+        Some(s) => {
+            let scheme = SoftmaxScheme::Async {
+                phi: s.phi as f32,
+                a: s.a as f32,
+                b: s.b as f32,
+            };
+            scheme.validate().map_err(|e| {
+                FdppError::InvalidArgument(format!(
+                    "the profile's softmax section is unusable ({e}); re-run the calibration or pass --softmax sync"
+                ))
+            })?;
+            let cov = s.coverage.map(|c| format!(", coverage {c}")).unwrap_or_default();
+            Ok((scheme, format!("softmax: {} from the profile{cov}", scheme.label())))
+        }
+        None => Ok((
+            SoftmaxScheme::ASYNC_DEFAULT,
+            format!(
+                "softmax: {} (default; {})",
+                SoftmaxScheme::ASYNC_DEFAULT.label(),
+                if profile.is_some() {
+                    "the profile has no softmax section"
+                } else {
+                    "no profile"
+                }
+            ),
+        )),
+    }
+}

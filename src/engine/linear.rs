@@ -101,7 +101,18 @@ impl LinearPlanner {
         }
     }
 
-    /// One line per op at M rows, for the user.
+    /// The specs at M rows on one line: `qkv=gemv_f16 o=gemv_f16 … lm_head=gemm_f16`.
+    pub fn summary(&self, m: usize) -> String {
+        LinearKind::ALL
+            .into_iter()
+            .map(Linear::Layer)
+            .chain([Linear::LmHead])
+            .map(|op| format!("{}={}", op.name(), self.plan(op, m).spec(self.dtype)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// One line per op at M rows, with the reason for its choice.
     pub fn describe(&self, m: usize) -> Vec<String> {
         LinearKind::ALL
             .into_iter()
@@ -130,5 +141,9 @@ mod tests {
         }
         assert!(p.plan(Linear::LmHead, 4).reason.contains("not in the profile"));
         assert_eq!(p.describe(8).len(), 5);
+        assert_eq!(
+            p.summary(1),
+            "qkv=gemm_f16 o=gemm_f16 ffn1=gemm_f16 ffn2=gemm_f16 lm_head=gemm_f16"
+        );
     }
 }

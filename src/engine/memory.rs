@@ -317,13 +317,13 @@ impl MemoryPlan {
                 a.max_tokens
             ),
             format!(
-                "pool: {} ({} of {} minus weights): KV [0, {}) from the bottom, activations [{}, {}) from the top, {} free between",
+                "pool: {} ({} of {} minus weights): KV pages at [0, {}) from the bottom, activations at [{}, {}) from the top, {} free between",
                 gib(self.pool_bytes),
                 self.mem_fraction,
                 gib(self.device_memory),
-                gib(self.kv.bytes),
-                gib(a.offset),
-                gib(self.pool_bytes),
+                self.kv.bytes,
+                a.offset,
+                self.pool_bytes,
                 gib(self.free_bytes)
             ),
         ]
