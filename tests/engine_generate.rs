@@ -162,6 +162,17 @@ fn running_out_of_kv_pages_is_a_clear_error() {
         "{e:?}"
     );
     assert!(e.to_string().contains("out of KV pages"), "{e}");
+    // The failed batch gave its pages back: the same engine serves a batch that fits.
+    let spec = tiny();
+    let b = CpuBackend::new();
+    let plan = memory_plan(&b, &spec, &eng, &[50], 20).expect("plan");
+    let mut e = build(&b, &spec, &WeightSource::Random { seed: 3 }, None, &eng, plan).expect("engine");
+    let err = generate(&mut e, &[prompt(20, 7)], &gen_opts(30), None, &mut |_, _, _| {}).expect_err("pages");
+    assert!(matches!(err, FdppError::OutOfKvPages { .. }), "{err:?}");
+    assert_eq!(e.kv.pages.free_pages(), 2);
+    let ok = generate(&mut e, &[prompt(20, 7)], &gen_opts(12), None, &mut |_, _, _| {}).expect("fits");
+    assert_eq!(ok.seqs[0].tokens.len(), 12);
+    assert_eq!(e.kv.pages.free_pages(), 2, "finished sequences give their pages back");
     // A prompt that does not fit at all fails in the prefill with the same error.
     let e = run_with(&[prompt(40, 7)], &gen_opts(2), &eng, None).expect_err("prompt of 3 pages");
     assert!(matches!(e, FdppError::OutOfKvPages { .. }), "{e:?}");

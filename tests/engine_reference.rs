@@ -261,3 +261,60 @@ fn bad_directories_are_clear_errors() {
         .expect("no safetensors");
     assert!(e.to_string().contains("no *.safetensors"), "{e}");
 }
+
+#[test]
+fn rope_scaling_of_llama3_and_transformers5_configs_parses() {
+    use fdpp::model::config::RopeScaling;
+    use fdpp::model::hf::parse_extras;
+    let p = Path::new("config.json");
+    let llama31 = r#"{"rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "eos_token_id": [128001, 128008, 128009], "bos_token_id": 128000}"#;
+    let x = parse_extras(llama31, p).expect("llama 3.1");
+    assert_eq!(
+        x.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        })
+    );
+    assert_eq!(x.eos_token_ids, vec![128001, 128008, 128009]);
+    assert_eq!(x.bos_token_id, Some(128000));
+    // transformers 5: rope_parameters with the default type is no scaling.
+    let v5 = r#"{"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}"#;
+    assert_eq!(parse_extras(v5, p).expect("v5").rope_scaling, None);
+    let lin = r#"{"rope_scaling": {"type": "linear", "factor": 4}}"#;
+    assert_eq!(
+        parse_extras(lin, p).expect("linear").rope_scaling,
+        Some(RopeScaling::Linear { factor: 4.0 })
+    );
+    // Mistral's window counts; Qwen2's only with use_sliding_window.
+    assert_eq!(
+        parse_extras(r#"{"sliding_window": 4096}"#, p)
+            .expect("w")
+            .sliding_window,
+        Some(4096)
+    );
+    let qwen = r#"{"sliding_window": 4096, "use_sliding_window": false}"#;
+    assert_eq!(parse_extras(qwen, p).expect("q").sliding_window, None);
+    for (bad, needle) in [
+        (
+            r#"{"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}"#,
+            "needs 'low_freq_factor'",
+        ),
+        (r#"{"rope_scaling": {"type": "linear"}}"#, "needs a 'factor'"),
+        (r#"{"rope_scaling": {"type": "linear", "factor": -1}}"#, "positive"),
+        (
+            r#"{"rope_scaling": {"type": "dynamic", "factor": 2}}"#,
+            "'dynamic' is not supported",
+        ),
+        (r#"{"rope_scaling": {"factor": 2}}"#, "no 'rope_type'"),
+        (r#"{"eos_token_id": "x"}"#, "must hold token ids"),
+    ] {
+        let e = parse_extras(bad, p).expect_err(bad);
+        assert!(e.to_string().contains(needle), "{bad}: {e}");
+        assert!(e.to_string().contains("config.json"), "{e}");
+    }
+}

@@ -94,7 +94,12 @@ struct Seq {
 }
 
 impl Seq {
+    /// The sequence so far, for the repetition penalty (the only sampler step that reads it;
+    /// without it no copy is made).
     fn history(&self) -> Vec<u32> {
+        if self.sampler.params().repetition_penalty == 1.0 {
+            return Vec::new();
+        }
         let mut h = self.prompt.clone();
         h.extend(&self.tokens);
         h
@@ -162,11 +167,49 @@ pub fn generate<B: Backend>(
         })
         .collect();
     let mut tables = vec![BlockTable::default(); prompts.len()];
+    let res = run_batch(engine, &mut seqs, &mut tables, prompts, opts, tok, on_token);
+    // A failed run (out of pages, a refused op) leaves its sequences' pages behind: give them
+    // back so the engine can serve another batch.
+    for t in tables.iter_mut().filter(|t| !t.pages.is_empty()) {
+        engine.release(t)?;
+    }
+    let timings = res?;
+    let seqs = seqs
+        .into_iter()
+        .map(|s| SeqResult {
+            prompt: s.prompt,
+            tokens: s.tokens,
+            text: tok.map(|_| s.full_text),
+            finish: s.finish.unwrap_or(FinishReason::MaxTokens),
+            first_token_ms: s.first_token_ms,
+        })
+        .collect();
+    Ok(GenerateOutput {
+        seqs,
+        timings,
+        attention: AttnStats {
+            rows: engine.attn.rows - attn_before.rows,
+            recomputed: engine.attn.recomputed - attn_before.recomputed,
+        },
+    })
+}
+
+/// The prefill and decode steps of [`generate`]; sequences give their pages back as they
+/// finish.
+fn run_batch<B: Backend>(
+    engine: &mut Engine<'_, B>,
+    seqs: &mut [Seq],
+    tables: &mut [BlockTable],
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    tok: Option<&Tokenizer>,
+    on_token: &mut OnToken<'_>,
+) -> Result<Timings> {
     let t0 = Instant::now();
     let b = engine.model.backend();
 
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    engine.prefill(&mut tables, &refs, opts.chunk, &mut |s, logits| {
+    engine.prefill(tables, &refs, opts.chunk, &mut |s, logits| {
         let seq = &mut seqs[s];
         accept(seq, s, logits, opts, tok, on_token)?;
         seq.first_token_ms = ms(t0);
@@ -209,7 +252,7 @@ pub fn generate<B: Backend>(
     }
     let decode_ms = t_decode.elapsed().as_secs_f64() * 1e3;
     let steps = step_ms.len();
-    let timings = Timings {
+    Ok(Timings {
         prefill_ms,
         first_token_ms: seqs.iter().map(|s| s.first_token_ms).fold(0.0, f64::max),
         decode_steps: steps,
@@ -223,24 +266,6 @@ pub fn generate<B: Backend>(
         },
         total_ms: ms(t0),
         step_ms,
-    };
-    let seqs = seqs
-        .into_iter()
-        .map(|s| SeqResult {
-            prompt: s.prompt,
-            tokens: s.tokens,
-            text: tok.map(|_| s.full_text),
-            finish: s.finish.unwrap_or(FinishReason::MaxTokens),
-            first_token_ms: s.first_token_ms,
-        })
-        .collect();
-    Ok(GenerateOutput {
-        seqs,
-        timings,
-        attention: AttnStats {
-            rows: engine.attn.rows - attn_before.rows,
-            recomputed: engine.attn.recomputed - attn_before.recomputed,
-        },
     })
 }
 
