@@ -237,6 +237,14 @@ fn find_profile<B: Backend>(b: &B, a: &GenerateArgs, spec: &ModelSpec) -> anyhow
     for w in warnings {
         eprintln!("warning: {w}");
     }
+    if p.dtype != a.dtype {
+        eprintln!(
+            "warning: {} was tuned for {}; running {} with its thresholds",
+            path.display(),
+            p.dtype,
+            a.dtype
+        );
+    }
     Ok((Some(p), format!("profile: {}", path.display())))
 }
 
