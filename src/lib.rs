@@ -6,6 +6,7 @@ pub mod bench;
 pub mod check;
 pub mod cli;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_attention;
 pub mod check;
 pub mod devices;
+pub mod generate;
 pub mod kernels;
 pub mod kernels_rocm;
 pub mod profile;
@@ -39,6 +40,8 @@ pub enum Command {
     Tune(tune::TuneArgs),
     /// Show a tuning profile, or check it against this machine.
     Profile(profile::ProfileArgs),
+    /// Prefill and decode a model with the tuned profile; stream text and report latencies.
+    Generate(generate::GenerateArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -50,6 +53,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Check(a) => check::run(a),
         Command::Tune(a) => tune::run(a),
         Command::Profile(a) => profile::run(a),
+        Command::Generate(a) => generate::run(a),
     }
 }
 

@@ -209,3 +209,27 @@ fn model_name_for(file: &Path) -> String {
         .and_then(|p| p.file_name().and_then(|n| n.to_str()).map(str::to_string))
         .unwrap_or_else(|| stem.to_string())
 }
+
+/// `rope_scaling` of an HF config.json: how the rotary frequencies are stretched for contexts
+/// longer than the model was trained on. Kept beside [`ModelConfig`] rather than in it (the
+/// shapes, the profile and the tuner do not depend on it); the engine reads it with
+/// [`hf::parse_extras`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1's scheme: long wavelengths divided by `factor`, short ones kept, a smooth blend
+    /// between `original_max_position_embeddings / low_freq_factor` and `/ high_freq_factor`.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// The `rope_type` names the engine understands ("default" means no scaling).
+    pub const SUPPORTED: [&'static str; 3] = ["default", "linear", "llama3"];
+}

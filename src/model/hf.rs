@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::config::{ModelArch, ModelConfig};
+use super::config::{ModelArch, ModelConfig, RopeScaling};
 use crate::error::{FdppError, Result};
 
 /// `architectures[0]` values we accept, and the family each maps to.
@@ -283,6 +283,143 @@ fn rope_theta(f: &Fields, arch: ModelArch) -> Result<f64> {
         }
     }
     Ok(DEFAULT)
+}
+
+/// What the engine needs from config.json beyond [`ModelConfig`] (the shapes and the tuner do
+/// not depend on it), plus the EOS ids of generation_config.json when the directory has one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HfExtras {
+    pub rope_scaling: Option<RopeScaling>,
+    /// Generation stops at any of these (config.json's, then generation_config.json's).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    /// Mistral's sliding-window span; None: every token attends to its whole prefix.
+    pub sliding_window: Option<usize>,
+}
+
+/// Read the extras of an HF config.json (`path` is used in messages only). An unknown
+/// rope_scaling type is an error naming the supported ones: running with unscaled frequencies
+/// would produce plausible but wrong text.
+pub fn parse_extras(text: &str, path: &Path) -> Result<HfExtras> {
+    let value: Value = serde_json::from_str(text).map_err(|e| FdppError::Config {
+        path: path.to_path_buf(),
+        msg: format!("malformed JSON at line {}, column {}", e.line(), e.column()),
+    })?;
+    let Value::Object(obj) = &value else {
+        return Err(FdppError::Config {
+            path: path.to_path_buf(),
+            msg: format!("expected a JSON object at the top level, found {}", describe(&value)),
+        });
+    };
+    let f = Fields { obj, path };
+    // Qwen2 carries sliding_window but only uses it with use_sliding_window.
+    let window_on = f.bool_opt("use_sliding_window")?.unwrap_or(true);
+    let sliding_window = if window_on {
+        f.usize_opt(&["sliding_window"])?.map(|(_, n)| n)
+    } else {
+        None
+    };
+    Ok(HfExtras {
+        rope_scaling: rope_scaling(&f)?,
+        eos_token_ids: token_ids(&f, "eos_token_id")?,
+        bos_token_id: token_ids(&f, "bos_token_id")?.first().copied(),
+        sliding_window,
+    })
+}
+
+/// The EOS ids of a generation_config.json.
+pub fn parse_generation_eos(text: &str, path: &Path) -> Result<Vec<u32>> {
+    let value: Value = serde_json::from_str(text).map_err(|e| FdppError::Config {
+        path: path.to_path_buf(),
+        msg: format!("malformed JSON at line {}, column {}", e.line(), e.column()),
+    })?;
+    match &value {
+        Value::Object(obj) => token_ids(&Fields { obj, path }, "eos_token_id"),
+        other => Err(FdppError::Config {
+            path: path.to_path_buf(),
+            msg: format!("expected a JSON object at the top level, found {}", describe(other)),
+        }),
+    }
+}
+
+/// A token id field that may be one integer or a list of them (Llama 3 lists several EOS ids).
+fn token_ids(f: &Fields, key: &str) -> Result<Vec<u32>> {
+    let Some((key, v)) = f.first(&[key]) else {
+        return Ok(Vec::new());
+    };
+    let one = |v: &Value| {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| f.err(format!("field '{key}' must hold token ids, found {}", describe(v))))
+    };
+    match v {
+        Value::Array(items) => items.iter().map(one).collect(),
+        other => Ok(vec![one(other)?]),
+    }
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`) as a [`RopeScaling`].
+fn rope_scaling(f: &Fields) -> Result<Option<RopeScaling>> {
+    let Some((key, v)) = f.first(&["rope_scaling", "rope_parameters"]) else {
+        return Ok(None);
+    };
+    let Value::Object(inner) = v else {
+        return Err(f.err(format!("field '{key}' must be an object, found {}", describe(v))));
+    };
+    let sub = Fields {
+        obj: inner,
+        path: f.path,
+    };
+    let kind = match (sub.str_opt("rope_type")?, sub.str_opt("type")?) {
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) if key == "rope_parameters" => "default",
+        (None, None) => return Err(f.err(format!("field '{key}' has no 'rope_type' (or 'type')"))),
+    };
+    let factor = || -> Result<f64> {
+        match sub.f64_opt(&["factor"])? {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+            Some(x) => Err(f.err(format!("{key}.factor must be a positive number, found {x}"))),
+            None => Err(f.err(format!("{key} of type '{kind}' needs a 'factor'"))),
+        }
+    };
+    let scaling = match kind {
+        "default" => return Ok(None),
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            let need = |name: &str| -> Result<f64> {
+                sub.f64_opt(&[name])?
+                    .ok_or_else(|| f.err(format!("{key} of type 'llama3' needs '{name}'")))
+            };
+            let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+            if !(low > 0.0 && high > low) {
+                return Err(f.err(format!(
+                    "{key}: low_freq_factor ({low}) must be positive and below high_freq_factor ({high})"
+                )));
+            }
+            let original = sub
+                .usize_opt(&["original_max_position_embeddings"])?
+                .map(|(_, n)| n)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| {
+                    f.err(format!(
+                        "{key} of type 'llama3' needs a positive 'original_max_position_embeddings'"
+                    ))
+                })?;
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }
+        }
+        other => {
+            return Err(f.err(format!(
+                "{key} type '{other}' is not supported; supported: {}",
+                RopeScaling::SUPPORTED.join(", ")
+            )))
+        }
+    };
+    Ok(Some(scaling))
 }
 
 /// Typed access to the fields of one config object; every error names the file and the field.

@@ -2,8 +2,10 @@
 
 pub mod config;
 pub mod hf;
+pub mod llama;
 pub mod presets;
 pub mod shapes;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{ModelArch, ModelConfig};

@@ -1,0 +1,393 @@
+//! `fdpp generate`: prefill and decode a model with the tuned profile, streaming the text (or
+//! the ids) and reporting first-token latency, per-token latency and throughput.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::backend::{self, Backend, BackendChoice};
+use crate::dtype::DType;
+use crate::engine::batch::{generate, GenerateOptions, GenerateOutput};
+use crate::engine::build::{build, memory_plan, softmax_scheme, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::memory::MemoryPlan;
+use crate::engine::runner::DEFAULT_CHUNK;
+use crate::engine::sampler::SamplingParams;
+use crate::kv::DEFAULT_PAGE_SIZE;
+use crate::model::llama::{check_supported, ModelSpec};
+use crate::model::tokenizer::Tokenizer;
+use crate::profile::{self, Profile};
+
+/// Tokens of the random prompt used when a model has no tokenizer and no prompt is given.
+const DEFAULT_RANDOM_PROMPT: usize = 16;
+
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// An HF model directory (config.json, *.safetensors, tokenizer.json), or a preset name
+    /// (with --random-weights).
+    #[arg(long)]
+    pub model: String,
+    /// Random weights generated on the device (any preset or config), for benchmarks.
+    #[arg(long)]
+    pub random_weights: bool,
+    /// Seed of the random weights, the random prompts and the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Tuning profile, or `none` for the vendor GEMM everywhere [default:
+    /// profiles/<device-slug>/<model>.json when it exists].
+    #[arg(long)]
+    pub profile: Option<String>,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Device ordinal on a GPU backend.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, value_enum, default_value_t = DType::F16)]
+    pub dtype: DType,
+    /// A prompt (needs the model's tokenizer.json); repeat for a batch.
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// A file whose whole text is one prompt; repeat for a batch.
+    #[arg(long)]
+    pub prompt_file: Vec<PathBuf>,
+    /// Comma-separated token ids of one prompt, e.g. 1,15043,29892; repeat for a batch.
+    #[arg(long)]
+    pub token_ids: Vec<String>,
+    /// A random prompt of this many tokens; repeat for a batch.
+    #[arg(long)]
+    pub random_prompt: Vec<usize>,
+    /// Most tokens generated per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Stop a sequence when its text contains this; repeatable.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Do not stop at EOS.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 = no limit.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Attention softmax [default: async, with the profile's φ, a, b when it has them].
+    #[arg(long, value_enum)]
+    pub softmax: Option<SoftmaxChoice>,
+    /// Share of device memory for weights, KV cache and activations.
+    #[arg(long, default_value_t = 0.9)]
+    pub mem_fraction: f64,
+    /// Cap the KV cache at this many tokens [default: all the pool holds on a GPU, what the
+    /// request needs on the CPU].
+    #[arg(long)]
+    pub max_kv_tokens: Option<usize>,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = DEFAULT_PAGE_SIZE)]
+    pub page_size: usize,
+    /// Tokens per prefill step (longer prompts are prefilled in chunks).
+    #[arg(long, default_value_t = DEFAULT_CHUNK)]
+    pub chunk_size: usize,
+    /// One activation buffer per op per layer instead of three reused ones (for comparison).
+    #[arg(long)]
+    pub no_reuse: bool,
+    /// Print one JSON object (tokens, text, timings, memory) instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct JsonReport<'a> {
+    model: &'a str,
+    backend: String,
+    device: String,
+    dtype: DType,
+    profile: Option<String>,
+    softmax: String,
+    load_ms: f64,
+    /// Every linear op's implementation at the prefill and decode M, with the reason.
+    gemm_plans: Vec<String>,
+    memory: &'a MemoryPlan,
+    #[serde(flatten)]
+    output: &'a GenerateOutput,
+}
+
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    // Cheap checks before a backend starts or a weight is read.
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        repetition_penalty: a.repetition_penalty,
+        seed: a.seed,
+    };
+    sampling.validate()?;
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let spec = ModelSpec::resolve(&a.model)?;
+    check_supported(&spec.cfg)?;
+    let source = match (&spec.dir, a.random_weights) {
+        (_, true) => WeightSource::Random { seed: a.seed },
+        (Some(dir), false) => WeightSource::Dir(dir.clone()),
+        (None, false) => bail!(
+            "'{}' is a preset: it has no weights; add --random-weights, or give an HF model directory",
+            a.model
+        ),
+    };
+    let tok = match spec.dir.as_deref().and_then(Tokenizer::find) {
+        Some(p) => Some(Tokenizer::load(&p)?),
+        None => None,
+    };
+    let prompts = collect_prompts(&a, tok.as_ref(), spec.cfg.vocab_size)?;
+    let (any, note) = backend::open(a.backend, a.device)?;
+    eprintln!("{note}");
+    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, tok.as_ref(), &prompts, sampling))
+}
+
+/// Prompts from --prompt, --prompt-file, --token-ids and --random-prompt, in that order; a
+/// model without a tokenizer and no prompt gets one random prompt (its ids are printed).
+fn collect_prompts(a: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let need_tok = |what: &str| {
+        tok.with_context(|| {
+            format!(
+                "{what} needs the model's tokenizer.json, and '{}' has none; give --token-ids or --random-prompt",
+                a.model
+            )
+        })
+    };
+    let mut out = Vec::new();
+    for p in &a.prompt {
+        out.push(need_tok("--prompt")?.encode(p)?);
+    }
+    for f in &a.prompt_file {
+        let text = std::fs::read_to_string(f).with_context(|| format!("--prompt-file {}", f.display()))?;
+        out.push(need_tok("--prompt-file")?.encode(&text)?);
+    }
+    for s in &a.token_ids {
+        out.push(parse_ids(s)?);
+    }
+    let mut random = a.random_prompt.clone();
+    if out.is_empty() && random.is_empty() {
+        if tok.is_some() {
+            bail!("give a prompt: --prompt TEXT, --prompt-file FILE, --token-ids 1,2,3 or --random-prompt N");
+        }
+        random.push(DEFAULT_RANDOM_PROMPT);
+    }
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(a.seed ^ 0x7072_6f6d_7074);
+    for &n in &random {
+        if n == 0 {
+            bail!("--random-prompt must be at least 1 token");
+        }
+        let ids: Vec<u32> = (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect();
+        eprintln!("random prompt of {n} tokens: {}", join_ids(&ids));
+        out.push(ids);
+    }
+    Ok(out)
+}
+
+fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
+    let ids = s
+        .split(',')
+        .map(|t| t.trim())
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>()
+                .with_context(|| format!("--token-ids '{s}': '{t}' is not a token id (a non-negative integer)"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("--token-ids '{s}' holds no ids; give e.g. --token-ids 1,2,3");
+    }
+    Ok(ids)
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// `--profile P`, `--profile none`, or the default path when a profile is there.
+fn find_profile<B: Backend>(b: &B, a: &GenerateArgs, spec: &ModelSpec) -> anyhow::Result<(Option<Profile>, String)> {
+    let path: PathBuf = match a.profile.as_deref() {
+        Some("none") => return Ok((None, "profile: none (vendor GEMM for every linear op)".into())),
+        Some(p) => PathBuf::from(p),
+        None => {
+            let p = profile::default_path(&b.info().slug, &spec.cfg.name);
+            if !p.exists() {
+                return Ok((
+                    None,
+                    format!(
+                        "profile: none found at {} (defaults: vendor GEMM; run `fdpp tune --model {}` to make one)",
+                        p.display(),
+                        a.model
+                    ),
+                ));
+            }
+            p
+        }
+    };
+    let (p, warnings) = profile::load_for_use(&path, &spec.cfg, b.info(), &b.kernel_hash())?;
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    if p.dtype != a.dtype {
+        eprintln!(
+            "warning: {} was tuned for {}; running {} with its thresholds",
+            path.display(),
+            p.dtype,
+            a.dtype
+        );
+    }
+    Ok((Some(p), format!("profile: {}", path.display())))
+}
+
+fn run_on<B: Backend>(
+    b: &B,
+    a: &GenerateArgs,
+    spec: &ModelSpec,
+    source: &WeightSource,
+    tok: Option<&Tokenizer>,
+    prompts: &[Vec<u32>],
+    sampling: SamplingParams,
+) -> anyhow::Result<()> {
+    let (profile, profile_note) = find_profile(b, a, spec)?;
+    eprintln!("{profile_note}");
+    let (scheme, softmax_note) = softmax_scheme(a.softmax, profile.as_ref())?;
+    eprintln!("{softmax_note}");
+    let opts = EngineOptions {
+        dtype: a.dtype,
+        mem_fraction: a.mem_fraction,
+        page_size: a.page_size,
+        chunk: a.chunk_size,
+        reuse: !a.no_reuse,
+        max_kv_tokens: a.max_kv_tokens,
+        scheme,
+    };
+    let context = spec.context_len();
+    crate::engine::batch::check_prompts(prompts, spec.cfg.vocab_size, context)?;
+    let seq_tokens: Vec<usize> = prompts.iter().map(|p| (p.len() + a.max_tokens).min(context)).collect();
+    let prompt_tokens = prompts.iter().map(|p| p.len()).sum();
+    let plan = memory_plan(b, spec, &opts, &seq_tokens, prompt_tokens)?;
+    for line in plan.summary() {
+        eprintln!("{line}");
+    }
+    let profile_path = profile
+        .as_ref()
+        .map(|_| profile_note.trim_start_matches("profile: ").to_string());
+    let t_load = Instant::now();
+    let mut engine = build(b, spec, source, profile, &opts, plan)?;
+    b.synchronize()?;
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "weights: {} in {load_ms:.0} ms",
+        match source {
+            WeightSource::Random { seed } => format!("random (seed {seed}, generated on the device)"),
+            WeightSource::Dir(d) => format!("loaded from {}", d.display()),
+        }
+    );
+    let steps = [("prefill", prompt_tokens.min(opts.chunk)), ("decode", prompts.len())];
+    let mut gemm_plans = Vec::new();
+    for (what, m) in steps {
+        eprintln!("gemm at {what} M={m}: {}", engine.model.linears.summary(m));
+        gemm_plans.extend(
+            engine
+                .model
+                .linears
+                .describe(m)
+                .into_iter()
+                .map(|l| l.trim().to_string()),
+        );
+    }
+    let gen = GenerateOptions {
+        max_tokens: a.max_tokens,
+        eos_ids: spec.extras.eos_token_ids.clone(),
+        ignore_eos: a.ignore_eos,
+        stop: a.stop.clone(),
+        sampling,
+        chunk: opts.chunk,
+        context_len: context,
+    };
+    let stream = !a.json && prompts.len() == 1;
+    let mut stdout = std::io::stdout();
+    let mut on_token = |_: usize, id: u32, piece: &str| {
+        if !stream {
+            return;
+        }
+        // A closed pipe ends the process through SIGPIPE (see main); other write errors are
+        // not worth failing a generation for.
+        let _ = match tok {
+            Some(_) => write!(stdout, "{piece}"),
+            None => write!(stdout, "{id} "),
+        };
+        let _ = stdout.flush();
+    };
+    let out = generate(&mut engine, prompts, &gen, tok, &mut on_token)?;
+    if a.json {
+        let report = JsonReport {
+            model: &spec.cfg.name,
+            backend: b.info().backend.to_string(),
+            device: b.info().name.clone(),
+            dtype: a.dtype,
+            profile: profile_path,
+            softmax: scheme.label(),
+            load_ms,
+            gemm_plans,
+            memory: &engine.memory,
+            output: &out,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        if stream {
+            println!();
+        } else {
+            print_batch(&out, tok.is_some());
+        }
+        print_timings(&out);
+    }
+    Ok(())
+}
+
+fn print_batch(out: &GenerateOutput, text: bool) {
+    for (i, s) in out.seqs.iter().enumerate() {
+        println!(
+            "--- sequence {i} ({} prompt tokens, {:?}) ---",
+            s.prompt.len(),
+            s.finish
+        );
+        match (&s.text, text) {
+            (Some(t), true) => println!("{t}"),
+            _ => println!("{}", join_ids(&s.tokens)),
+        }
+    }
+}
+
+fn print_timings(out: &GenerateOutput) {
+    let t = &out.timings;
+    eprintln!(
+        "first token: {:.2} ms; per token: {:.2} ms ({} decode steps); decode: {:.1} tok/s ({} tokens); total {:.1} ms",
+        t.first_token_ms, t.per_token_ms, t.decode_steps, t.decode_tok_per_s, t.decode_tokens, t.total_ms
+    );
+    for (i, s) in out.seqs.iter().enumerate() {
+        if out.seqs.len() > 1 {
+            eprintln!(
+                "  sequence {i}: {} tokens, first after {:.2} ms, finished by {:?}",
+                s.tokens.len(),
+                s.first_token_ms,
+                s.finish
+            );
+        }
+    }
+    if out.attention.recomputed > 0 {
+        eprintln!(
+            "async softmax: {} of {} attention rows recomputed with the sync scheme",
+            out.attention.recomputed, out.attention.rows
+        );
+    }
+}

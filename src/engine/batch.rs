@@ -1,0 +1,307 @@
+//! Generation for a batch of prompts of different lengths: one chunked prefill of all of
+//! them, then decode steps over the sequences still running; each sequence finishes on its own
+//! (EOS, a stop string, --max-tokens, the model's context), gives its KV pages back at once,
+//! and leaves the next steps' batch.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::engine::runner::Engine;
+use crate::engine::sampler::{Sampler, SamplingParams};
+use crate::error::{FdppError, Result};
+use crate::kv::BlockTable;
+use crate::model::tokenizer::{StreamText, Tokenizer};
+use crate::ops::attention::AttnStats;
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Most tokens generated per sequence.
+    pub max_tokens: usize,
+    pub eos_ids: Vec<u32>,
+    /// Keep going past EOS (benchmarks want a fixed length).
+    pub ignore_eos: bool,
+    /// Stop when the generated text contains one of these (needs a tokenizer).
+    pub stop: Vec<String>,
+    pub sampling: SamplingParams,
+    /// Tokens per prefill step.
+    pub chunk: usize,
+    /// Prompt plus generated tokens never exceed this.
+    pub context_len: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Eos,
+    Stop,
+    MaxTokens,
+    /// The model's context is full.
+    Context,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SeqResult {
+    pub prompt: Vec<u32>,
+    /// Generated ids (an EOS that ended the sequence included).
+    pub tokens: Vec<u32>,
+    /// Generated text, when a tokenizer is given (cut before a stop string).
+    pub text: Option<String>,
+    pub finish: FinishReason,
+    /// From the start of the run to this sequence's first token.
+    pub first_token_ms: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timings {
+    /// Until every prompt was prefilled and had its first token.
+    pub prefill_ms: f64,
+    /// Until the first token of the batch's last sequence (batch 1: the time to first token).
+    pub first_token_ms: f64,
+    pub decode_steps: usize,
+    /// Tokens produced by decode steps (all sequences).
+    pub decode_tokens: usize,
+    pub decode_ms: f64,
+    /// Mean decode step time: the per-token latency each running sequence sees.
+    pub per_token_ms: f64,
+    /// decode_tokens / decode time.
+    pub decode_tok_per_s: f64,
+    pub total_ms: f64,
+    /// Every decode step's time, in order.
+    pub step_ms: Vec<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GenerateOutput {
+    pub seqs: Vec<SeqResult>,
+    pub timings: Timings,
+    pub attention: AttnStats,
+}
+
+/// What a caller sees as tokens arrive: the sequence, the id, and the new text (empty without
+/// a tokenizer or while a character is incomplete).
+pub type OnToken<'a> = dyn FnMut(usize, u32, &str) + 'a;
+
+struct Seq {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    sampler: Sampler,
+    text: StreamText,
+    full_text: String,
+    finish: Option<FinishReason>,
+    first_token_ms: f64,
+}
+
+impl Seq {
+    /// The sequence so far, for the repetition penalty (the only sampler step that reads it;
+    /// without it no copy is made).
+    fn history(&self) -> Vec<u32> {
+        if self.sampler.params().repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        let mut h = self.prompt.clone();
+        h.extend(&self.tokens);
+        h
+    }
+}
+
+/// Refuse prompts that cannot run, before anything runs.
+pub fn check_prompts(prompts: &[Vec<u32>], vocab: usize, context_len: usize) -> Result<()> {
+    if prompts.is_empty() {
+        return Err(FdppError::InvalidArgument("no prompt given".into()));
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(FdppError::InvalidArgument(format!(
+                "prompt {i} has no tokens; give at least one"
+            )));
+        }
+        if let Some(&id) = p.iter().find(|&&id| id as usize >= vocab) {
+            return Err(FdppError::InvalidArgument(format!(
+                "prompt {i}: token id {id} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        if p.len() > context_len {
+            return Err(FdppError::InvalidArgument(format!(
+                "prompt {i} has {} tokens, longer than the model's context of {context_len} \
+                 (max_position_embeddings, or the sliding window); shorten it",
+                p.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Generate for every prompt. `tok` decodes text (streamed through `on_token`, checked for
+/// stop strings); without it only ids come out and stop strings are refused.
+pub fn generate<B: Backend>(
+    engine: &mut Engine<'_, B>,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    tok: Option<&Tokenizer>,
+    on_token: &mut OnToken<'_>,
+) -> Result<GenerateOutput> {
+    opts.sampling.validate()?;
+    check_prompts(prompts, engine.model.cfg.vocab_size, opts.context_len)?;
+    if opts.max_tokens == 0 {
+        return Err(FdppError::InvalidArgument("--max-tokens must be at least 1".into()));
+    }
+    if !opts.stop.is_empty() && tok.is_none() {
+        return Err(FdppError::InvalidArgument(
+            "--stop needs a tokenizer (the model directory's tokenizer.json) to read the text".into(),
+        ));
+    }
+    let attn_before = engine.attn;
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Seq {
+            prompt: p.clone(),
+            tokens: Vec::new(),
+            sampler: Sampler::new(opts.sampling, i as u64),
+            text: StreamText::default(),
+            full_text: String::new(),
+            finish: None,
+            first_token_ms: 0.0,
+        })
+        .collect();
+    let mut tables = vec![BlockTable::default(); prompts.len()];
+    let res = run_batch(engine, &mut seqs, &mut tables, prompts, opts, tok, on_token);
+    // A failed run (out of pages, a refused op) leaves its sequences' pages behind: give them
+    // back so the engine can serve another batch.
+    for t in tables.iter_mut().filter(|t| !t.pages.is_empty()) {
+        engine.release(t)?;
+    }
+    let timings = res?;
+    let seqs = seqs
+        .into_iter()
+        .map(|s| SeqResult {
+            prompt: s.prompt,
+            tokens: s.tokens,
+            text: tok.map(|_| s.full_text),
+            finish: s.finish.unwrap_or(FinishReason::MaxTokens),
+            first_token_ms: s.first_token_ms,
+        })
+        .collect();
+    Ok(GenerateOutput {
+        seqs,
+        timings,
+        attention: AttnStats {
+            rows: engine.attn.rows - attn_before.rows,
+            recomputed: engine.attn.recomputed - attn_before.recomputed,
+        },
+    })
+}
+
+/// The prefill and decode steps of [`generate`]; sequences give their pages back as they
+/// finish.
+fn run_batch<B: Backend>(
+    engine: &mut Engine<'_, B>,
+    seqs: &mut [Seq],
+    tables: &mut [BlockTable],
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    tok: Option<&Tokenizer>,
+    on_token: &mut OnToken<'_>,
+) -> Result<Timings> {
+    let t0 = Instant::now();
+    let b = engine.model.backend();
+
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    engine.prefill(tables, &refs, opts.chunk, &mut |s, logits| {
+        let seq = &mut seqs[s];
+        accept(seq, s, logits, opts, tok, on_token)?;
+        seq.first_token_ms = ms(t0);
+        Ok(())
+    })?;
+    b.synchronize()?;
+    let prefill_ms = ms(t0);
+    for (s, t) in seqs.iter().zip(tables.iter_mut()) {
+        if s.finish.is_some() {
+            engine.release(t)?;
+        }
+    }
+
+    let mut step_ms = Vec::new();
+    let mut decode_tokens = 0;
+    let t_decode = Instant::now();
+    loop {
+        let active: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+        if active.is_empty() {
+            break;
+        }
+        let tokens: Vec<u32> = active.iter().map(|&i| *seqs[i].tokens.last().unwrap_or(&0)).collect();
+        let t_step = Instant::now();
+        let mut refs: Vec<&mut BlockTable> = tables
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| seqs[*i].finish.is_none())
+            .map(|(_, t)| t)
+            .collect();
+        let logits = engine.decode(&mut refs, &tokens)?;
+        for (&i, l) in active.iter().zip(&logits) {
+            accept(&mut seqs[i], i, l, opts, tok, on_token)?;
+            if seqs[i].finish.is_some() {
+                engine.release(&mut tables[i])?;
+            }
+        }
+        b.synchronize()?;
+        step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
+        decode_tokens += active.len();
+    }
+    let decode_ms = t_decode.elapsed().as_secs_f64() * 1e3;
+    let steps = step_ms.len();
+    Ok(Timings {
+        prefill_ms,
+        first_token_ms: seqs.iter().map(|s| s.first_token_ms).fold(0.0, f64::max),
+        decode_steps: steps,
+        decode_tokens,
+        decode_ms,
+        per_token_ms: if steps > 0 { decode_ms / steps as f64 } else { 0.0 },
+        decode_tok_per_s: if decode_ms > 0.0 {
+            decode_tokens as f64 / (decode_ms / 1e3)
+        } else {
+            0.0
+        },
+        total_ms: ms(t0),
+        step_ms,
+    })
+}
+
+/// Sample the next token of `seq`, stream it, and decide whether the sequence is done.
+fn accept(
+    seq: &mut Seq,
+    index: usize,
+    logits: &[f32],
+    opts: &GenerateOptions,
+    tok: Option<&Tokenizer>,
+    on_token: &mut OnToken<'_>,
+) -> Result<()> {
+    let id = seq.sampler.sample(logits, &seq.history())?;
+    seq.tokens.push(id);
+    let piece = match tok {
+        Some(t) => seq.text.push(t, id)?,
+        None => String::new(),
+    };
+    seq.full_text.push_str(&piece);
+    on_token(index, id, &piece);
+    let stop_at = opts.stop.iter().filter_map(|s| seq.full_text.find(s.as_str())).min();
+    seq.finish = if !opts.ignore_eos && opts.eos_ids.contains(&id) {
+        Some(FinishReason::Eos)
+    } else if let Some(at) = stop_at {
+        seq.full_text.truncate(at);
+        Some(FinishReason::Stop)
+    } else if seq.tokens.len() >= opts.max_tokens {
+        Some(FinishReason::MaxTokens)
+    } else if seq.prompt.len() + seq.tokens.len() >= opts.context_len {
+        Some(FinishReason::Context)
+    } else {
+        None
+    };
+    Ok(())
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}

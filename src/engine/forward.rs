@@ -1,0 +1,364 @@
+//! The Llama-family forward pass over the [`Backend`] trait: one step runs every layer for the
+//! new tokens of a batch of sequences (a prefill chunk or a decode step) and returns the logits
+//! of the sequences that asked for them.
+//!
+//! Per layer: add_rmsnorm → QKV GEMM → qkv_rope → attention (prefill writes the new K/V into
+//! the cache itself; decode appends them with kv_append, then attends) → O GEMM → add_rmsnorm
+//! (the residual add fused in) → FFN1 GEMM (gate and up fused) → silu_mul → FFN2 GEMM. The
+//! FFN2 output is added to the residual by the next layer's add_rmsnorm, and by the final norm
+//! after the last layer. Every GEMM's implementation comes from the profile at this step's M
+//! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3).
+
+use crate::backend::Backend;
+use crate::dtype::DType;
+use crate::engine::activations::Activations;
+use crate::engine::kv::KvCache;
+use crate::engine::linear::{LinearPlanner, StepGemms};
+use crate::engine::rope;
+use crate::error::{FdppError, Result};
+use crate::kv::{BlockTable, FlatBlockTables};
+use crate::model::hf::HfExtras;
+use crate::model::llama::{check_supported, LlamaWeights};
+use crate::model::ModelConfig;
+use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+
+/// A model ready to run on a backend.
+pub struct Llama<'b, B: Backend> {
+    b: &'b B,
+    pub cfg: ModelConfig,
+    pub dtype: DType,
+    pub weights: LlamaWeights<B::Buffer>,
+    pub geom: AttnGeometry,
+    pub inv_freq: Vec<f32>,
+    pub linears: LinearPlanner,
+    pub scheme: SoftmaxScheme,
+}
+
+/// Whether a step appends one token per sequence (decode) or attends over several new tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepKind {
+    Prefill,
+    Decode,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug)]
+pub struct StepSeq<'a> {
+    /// The sequence's pages, already grown to hold the new tokens (seq_len counts them).
+    pub table: &'a BlockTable,
+    /// The new tokens, at positions seq_len − len .. seq_len.
+    pub tokens: &'a [u32],
+    /// Return the logits of the last new token.
+    pub want_logits: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct StepOut {
+    /// One row of vocab_size logits per sequence that wanted them, in step order.
+    pub logits: Vec<Vec<f32>>,
+    pub attn: AttnStats,
+}
+
+impl<'b, B: Backend> Llama<'b, B> {
+    pub fn new(
+        b: &'b B,
+        cfg: ModelConfig,
+        extras: &HfExtras,
+        dtype: DType,
+        weights: LlamaWeights<B::Buffer>,
+        linears: LinearPlanner,
+        scheme: SoftmaxScheme,
+    ) -> Result<Self> {
+        check_supported(&cfg)?;
+        scheme.validate()?;
+        let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
+        let inv_freq = rope::inv_freq(cfg.head_dim, cfg.rope_theta, extras.rope_scaling.as_ref());
+        Ok(Llama {
+            b,
+            cfg,
+            dtype,
+            weights,
+            geom,
+            inv_freq,
+            linears,
+            scheme,
+        })
+    }
+
+    pub fn backend(&self) -> &'b B {
+        self.b
+    }
+
+    /// Run one step. The activation buffers must have been planned for at least this many
+    /// tokens and logit rows.
+    pub fn step(
+        &self,
+        kind: StepKind,
+        seqs: &[StepSeq],
+        kv: &mut KvCache<B::Buffer>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<StepOut> {
+        let b = self.b;
+        let cfg = &self.cfg;
+        let dt = self.dtype;
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        if seqs.is_empty() {
+            return Err(FdppError::InvalidArgument("a step needs at least one sequence".into()));
+        }
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut new_lens = Vec::with_capacity(seqs.len());
+        let mut wanted_rows = Vec::new();
+        for (i, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            if n == 0 || n > s.table.seq_len {
+                return Err(FdppError::InvalidArgument(format!(
+                    "step sequence {i}: {n} new tokens for a sequence of {} (must be 1..=its length)",
+                    s.table.seq_len
+                )));
+            }
+            if kind == StepKind::Decode && n != 1 {
+                return Err(FdppError::InvalidArgument(format!(
+                    "decode step sequence {i}: {n} new tokens; a decode step appends exactly one"
+                )));
+            }
+            let start = s.table.seq_len - n;
+            ids.extend(s.tokens.iter().map(|&t| t as i32));
+            positions.extend((start..start + n).map(|p| p as i32));
+            new_lens.push(n as i32);
+            if s.want_logits {
+                wanted_rows.push((ids.len() - 1) as i32);
+            }
+        }
+        let t = ids.len();
+        let plan = &acts.plan;
+        if t > plan.max_tokens || wanted_rows.len() > plan.max_batch {
+            return Err(FdppError::InvalidArgument(format!(
+                "internal: a step of {t} tokens and {} logit rows exceeds the memory plan ({} tokens, {} rows)",
+                wanted_rows.len(),
+                plan.max_tokens,
+                plan.max_batch
+            )));
+        }
+        let g = plan.globals;
+        let layer_slots = plan.layers.clone();
+        let tables: Vec<BlockTable> = seqs.iter().map(|s| s.table.clone()).collect();
+        let flat = FlatBlockTables::new(&kv.layout, &tables)?;
+        let gemms = self.linears.step(t, wanted_rows.len().max(1));
+        let mut stats = AttnStats::default();
+
+        b.embedding(
+            &EmbeddingParams {
+                ids,
+                vocab,
+                hidden: h,
+                dtype: dt,
+            },
+            &self.weights.embed,
+            acts.get_mut(g.residual),
+        )?;
+        let norm = RmsNormParams {
+            rows: t,
+            hidden: h,
+            eps: cfg.rms_norm_eps as f32,
+            dtype: dt,
+        };
+        let rope = RopeParams {
+            geom: self.geom,
+            dtype: dt,
+            positions,
+            inv_freq: self.inv_freq.clone(),
+        };
+        // The same tables and lengths serve every layer.
+        let attn = match kind {
+            StepKind::Prefill => Attn::Prefill(PrefillParams {
+                geom: self.geom,
+                dtype: dt,
+                scheme: self.scheme,
+                tables: flat,
+                new_lens,
+            }),
+            StepKind::Decode => Attn::Decode(
+                KvAppendParams {
+                    tables: flat.clone(),
+                    new_lens,
+                },
+                DecodeParams {
+                    geom: self.geom,
+                    dtype: dt,
+                    scheme: self.scheme,
+                    tables: flat,
+                    num_splits: None,
+                },
+            ),
+        };
+        let mut prev_ffn2: Option<usize> = None;
+        for (l, (w, s)) in self.weights.layers.iter().zip(&layer_slots).enumerate() {
+            self.add_rmsnorm(&norm, acts, g.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+            self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+            {
+                let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
+                b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?;
+            }
+            let cache = &mut kv.layers[l];
+            let a = match &attn {
+                Attn::Prefill(p) => {
+                    let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
+                    b.attention_prefill(p, q, k, v, cache, out)?
+                }
+                Attn::Decode(ap, p) => {
+                    {
+                        let [k, v] = acts.many([s.k, s.v])?;
+                        b.kv_append(ap, k, v, cache)?;
+                    }
+                    let [q, out] = acts.many([s.q, s.attn])?;
+                    b.attention_decode(p, q, cache, out)?
+                }
+            };
+            stats.rows += a.rows;
+            stats.recomputed += a.recomputed;
+            let qd = cfg.num_heads * cfg.head_dim;
+            self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+            self.add_rmsnorm(&norm, acts, g.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
+            let inter = cfg.intermediate_size;
+            self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+            {
+                let [gate_up, out] = acts.many([s.ffn1, s.act])?;
+                b.silu_mul(
+                    &SiluMulParams {
+                        rows: t,
+                        inter,
+                        dtype: dt,
+                    },
+                    gate_up,
+                    out,
+                )?;
+            }
+            self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+            prev_ffn2 = Some(s.ffn2);
+        }
+        self.add_rmsnorm(
+            &norm,
+            acts,
+            g.residual,
+            prev_ffn2,
+            &self.weights.final_norm,
+            g.final_normed,
+        )?;
+        let rows = wanted_rows.len();
+        if rows == 0 {
+            return Ok(StepOut {
+                logits: Vec::new(),
+                attn: stats,
+            });
+        }
+        // Every row wanted in order (a decode step): the LM head reads the normed rows as they
+        // are; otherwise the last token of each sequence is gathered first.
+        let all_rows = rows == t;
+        let src = if all_rows {
+            g.final_normed
+        } else {
+            let [src, dst] = acts.many([g.final_normed, g.gathered])?;
+            b.gather_rows(
+                &GatherParams {
+                    rows: wanted_rows,
+                    width: h,
+                    dtype: dt,
+                },
+                src,
+                dst,
+            )?;
+            g.gathered
+        };
+        self.lm_head(&gemms, rows, acts, src, g.logits)?;
+        let bits = b.download(acts.get(g.logits))?;
+        let mut row = vec![0f32; vocab];
+        let logits = (0..rows)
+            .map(|r| {
+                dt.widen(&bits[r * vocab..(r + 1) * vocab], &mut row);
+                row.clone()
+            })
+            .collect();
+        Ok(StepOut { logits, attn: stats })
+    }
+
+    fn qkv_n(&self) -> usize {
+        (self.cfg.num_heads + 2 * self.cfg.num_kv_heads) * self.cfg.head_dim
+    }
+
+    fn add_rmsnorm(
+        &self,
+        p: &RmsNormParams,
+        acts: &mut Activations<B::Buffer>,
+        residual: usize,
+        delta: Option<usize>,
+        weight: &B::Buffer,
+        out: usize,
+    ) -> Result<()> {
+        match delta {
+            Some(d) => {
+                let [r, d, o] = acts.many([residual, d, out])?;
+                self.b.add_rmsnorm(p, r, Some(d), weight, o)
+            }
+            None => {
+                let [r, o] = acts.many([residual, out])?;
+                self.b.add_rmsnorm(p, r, None, weight, o)
+            }
+        }
+    }
+
+    /// y[m, n] = x[m, k] · Wᵀ with the step's spec; a spec the backend declines for these dims
+    /// falls back to the vendor GEMM (correct at every M) rather than failing the generation.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+        y: usize,
+    ) -> Result<()> {
+        let dims = GemmDims::new(m, n, k)?;
+        let [x, y] = acts.many([x, y])?;
+        run_gemm(self.b, spec, dims, x, w, y)
+    }
+
+    fn lm_head(
+        &self,
+        gemms: &StepGemms,
+        rows: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        y: usize,
+    ) -> Result<()> {
+        let dims = GemmDims::new(rows, self.cfg.vocab_size, self.cfg.hidden_size)?;
+        let [x, y] = acts.many([x, y])?;
+        run_gemm(self.b, &gemms.lm_head, dims, x, self.weights.lm_head(), y)
+    }
+}
+
+enum Attn {
+    Prefill(PrefillParams),
+    Decode(KvAppendParams, DecodeParams),
+}
+
+fn run_gemm<B: Backend>(
+    b: &B,
+    spec: &GemmSpec,
+    dims: GemmDims,
+    x: &B::Buffer,
+    w: &B::Buffer,
+    y: &mut B::Buffer,
+) -> Result<()> {
+    match b.gemm(spec, dims, x, w, y) {
+        Err(FdppError::Unsupported { .. }) if spec.imp != GemmImpl::Gemm => {
+            b.gemm(&GemmSpec::new(GemmImpl::Gemm, spec.dtype), dims, x, w, y)
+        }
+        other => other,
+    }
+}

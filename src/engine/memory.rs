@@ -1,0 +1,441 @@
+//! The memory plan of a generation, computed before the first step: weight bytes, the KV pages,
+//! and the activation buffers of the largest step, laid out in one pool per device as
+//! FlashDecoding++Next describes (KV pages grow from the bottom, activation buffers from the
+//! top, so whatever is left between them is one free gap).
+//!
+//! Activations with reuse (FlashDecoding++Next's buffer reuse): a layer's ops run one after
+//! the other, so three buffers serve every layer — the residual stream; a "narrow" buffer that
+//! holds in turn the normed input, the attention output and the SiLU·mul output (every GEMM
+//! input); a "wide" buffer that holds in turn the QKV output, the O output, the FFN1 output
+//! and the FFN2 output (every GEMM output) — plus q, k and v scratch for attention. Without
+//! reuse (`--no-reuse`, for comparison) every op of every layer writes its own buffer.
+//!
+//! The plan gives each buffer an offset in the pool, but backends allocate the KV pools and
+//! the activation buffers as separate buffers today (the trait has no sub-allocation): the
+//! offsets are the layout a single-allocation backend would use, and the byte counts are
+//! exact either way.
+
+use serde::Serialize;
+
+use crate::dtype::DType;
+use crate::error::{FdppError, Result};
+use crate::model::ModelConfig;
+
+/// The buffers one layer writes, as indices into [`ActPlan::buffers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSlots {
+    pub normed_attn: usize,
+    pub qkv: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub attn: usize,
+    pub o: usize,
+    pub normed_ffn: usize,
+    pub ffn1: usize,
+    pub act: usize,
+    pub ffn2: usize,
+}
+
+/// The buffers outside the layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GlobalSlots {
+    pub residual: usize,
+    pub final_normed: usize,
+    /// The last token of each sequence, gathered before the LM head.
+    pub gathered: usize,
+    pub logits: usize,
+}
+
+/// One activation buffer: its name, its size and where it sits in the pool.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ActBuffer {
+    pub name: String,
+    pub elems: usize,
+    pub bytes: u64,
+    pub offset: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ActPlan {
+    pub reuse: bool,
+    /// Rows (tokens) of the largest step.
+    pub max_tokens: usize,
+    /// Sequences of the largest step (rows of the logits).
+    pub max_batch: usize,
+    pub buffers: Vec<ActBuffer>,
+    pub bytes: u64,
+    /// Offset of the lowest activation buffer in the pool (they fill the pool's top).
+    pub offset: u64,
+    #[serde(skip)]
+    pub layers: Vec<LayerSlots>,
+    #[serde(skip)]
+    pub globals: GlobalSlots,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KvPlan {
+    pub page_size: usize,
+    pub num_pages: usize,
+    /// K and V of one token in every layer.
+    pub bytes_per_token: u64,
+    pub bytes: u64,
+    /// The KV pages start at the bottom of the pool.
+    pub offset: u64,
+}
+
+impl KvPlan {
+    pub fn capacity_tokens(&self) -> usize {
+        self.num_pages * self.page_size
+    }
+}
+
+/// What the plan is made from.
+#[derive(Clone, Debug)]
+pub struct MemoryRequest {
+    pub dtype: DType,
+    /// What the device has (for the CPU, the host's memory).
+    pub device_memory: u64,
+    /// Share of `device_memory` fdpp may use, weights included.
+    pub mem_fraction: f64,
+    pub weights_bytes: u64,
+    /// Tokens of the largest step (a prefill chunk or a decode batch).
+    pub max_step_tokens: usize,
+    /// Sequences decoded together.
+    pub max_batch: usize,
+    pub page_size: usize,
+    pub reuse: bool,
+    /// Tokens each sequence needs over the whole run (prompt plus generated): the plan refuses
+    /// when the pool cannot hold them.
+    pub seq_tokens: Vec<usize>,
+    /// At most this many KV tokens (`--max-kv-tokens`); None: every page the pool can hold.
+    pub kv_tokens_cap: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryPlan {
+    pub dtype: DType,
+    pub device_memory: u64,
+    pub mem_fraction: f64,
+    /// Resident outside the pool.
+    pub weights_bytes: u64,
+    /// mem_fraction · device_memory − weights: KV from the bottom, activations from the top.
+    pub pool_bytes: u64,
+    pub kv: KvPlan,
+    pub activations: ActPlan,
+    /// Between the last KV page and the first activation buffer.
+    pub free_bytes: u64,
+    /// Weights, KV and activations.
+    pub total_bytes: u64,
+}
+
+/// The activation buffers of a step of `tokens` rows and `batch` sequences.
+pub fn plan_activations(cfg: &ModelConfig, dtype: DType, tokens: usize, batch: usize, reuse: bool) -> ActPlan {
+    let t = tokens.max(1);
+    let b = batch.max(1);
+    let h = cfg.hidden_size;
+    let qd = cfg.num_heads * cfg.head_dim;
+    let kvd = cfg.num_kv_heads * cfg.head_dim;
+    let inter = cfg.intermediate_size;
+    let qkv_n = qd + 2 * kvd;
+    let mut buffers: Vec<(String, usize)> = Vec::new();
+    let mut add = |name: String, elems: usize| {
+        buffers.push((name, elems));
+        buffers.len() - 1
+    };
+    let residual = add("residual".into(), t * h);
+    let (layers, final_normed) = if reuse {
+        // Every GEMM input lands in `narrow`, every GEMM output in `wide`; see the module docs
+        // for why no op reads and writes the same one.
+        let narrow = add(
+            "narrow (normed, attention out, silu·mul out)".into(),
+            t * h.max(qd).max(inter),
+        );
+        let wide = add("wide (qkv, o, ffn1, ffn2 out)".into(), t * qkv_n.max(2 * inter).max(h));
+        let q = add("q".into(), t * qd);
+        let k = add("k".into(), t * kvd);
+        let v = add("v".into(), t * kvd);
+        let slots = LayerSlots {
+            normed_attn: narrow,
+            qkv: wide,
+            q,
+            k,
+            v,
+            attn: narrow,
+            o: wide,
+            normed_ffn: narrow,
+            ffn1: wide,
+            act: narrow,
+            ffn2: wide,
+        };
+        (vec![slots; cfg.num_layers], narrow)
+    } else {
+        let layers = (0..cfg.num_layers)
+            .map(|l| LayerSlots {
+                normed_attn: add(format!("layer {l} normed_attn"), t * h),
+                qkv: add(format!("layer {l} qkv"), t * qkv_n),
+                q: add(format!("layer {l} q"), t * qd),
+                k: add(format!("layer {l} k"), t * kvd),
+                v: add(format!("layer {l} v"), t * kvd),
+                attn: add(format!("layer {l} attn"), t * qd),
+                o: add(format!("layer {l} o"), t * h),
+                normed_ffn: add(format!("layer {l} normed_ffn"), t * h),
+                ffn1: add(format!("layer {l} ffn1"), t * 2 * inter),
+                act: add(format!("layer {l} act"), t * inter),
+                ffn2: add(format!("layer {l} ffn2"), t * h),
+            })
+            .collect();
+        (layers, add("final_normed".into(), t * h))
+    };
+    let gathered = add("gathered".into(), b * h);
+    let logits = add("logits".into(), b * cfg.vocab_size);
+    let globals = GlobalSlots {
+        residual,
+        final_normed,
+        gathered,
+        logits,
+    };
+    let elem = dtype.size_bytes() as u64;
+    let buffers: Vec<ActBuffer> = buffers
+        .into_iter()
+        .map(|(name, elems)| ActBuffer {
+            name,
+            elems,
+            bytes: elems as u64 * elem,
+            offset: 0,
+        })
+        .collect();
+    let bytes = buffers.iter().map(|b| b.bytes).sum();
+    ActPlan {
+        reuse,
+        max_tokens: t,
+        max_batch: b,
+        buffers,
+        bytes,
+        offset: 0,
+        layers,
+        globals,
+    }
+}
+
+/// K and V of one token over every layer.
+pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: DType) -> u64 {
+    (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.size_bytes()) as u64
+}
+
+/// The whole plan, or an error saying how much memory the request needs.
+pub fn plan(cfg: &ModelConfig, req: &MemoryRequest) -> Result<MemoryPlan> {
+    if !(req.mem_fraction > 0.0 && req.mem_fraction <= 1.0) {
+        return Err(FdppError::InvalidArgument(format!(
+            "--mem-fraction {} must be in (0, 1]",
+            req.mem_fraction
+        )));
+    }
+    if req.page_size == 0 {
+        return Err(FdppError::InvalidArgument("--page-size must be at least 1".into()));
+    }
+    let mut act = plan_activations(cfg, req.dtype, req.max_step_tokens, req.max_batch, req.reuse);
+    let per_token = kv_bytes_per_token(cfg, req.dtype);
+    let page_bytes = per_token * req.page_size as u64;
+    let need_pages: usize = req.seq_tokens.iter().map(|&t| t.div_ceil(req.page_size)).sum();
+    let usable = (req.device_memory as f64 * req.mem_fraction) as u64;
+    let need_kv = need_pages as u64 * page_bytes;
+    let need_total = req.weights_bytes + act.bytes + need_kv;
+    let room = usable.saturating_sub(req.weights_bytes + act.bytes);
+    let fit_pages = (room / page_bytes.max(1)) as usize;
+    if need_total > usable {
+        return Err(FdppError::InvalidArgument(format!(
+            "the batch does not fit: it needs {} (weights {}, activations {} for {} tokens per step, \
+             KV {} for {} tokens over {} sequences), but {} of the {} device memory is {}; lower \
+             the batch, the prompt length, --max-tokens or --chunk-size, or raise --mem-fraction",
+            gib(need_total),
+            gib(req.weights_bytes),
+            gib(act.bytes),
+            act.max_tokens,
+            gib(need_kv),
+            req.seq_tokens.iter().sum::<usize>(),
+            req.seq_tokens.len(),
+            req.mem_fraction,
+            gib(req.device_memory),
+            gib(usable)
+        )));
+    }
+    let cap_pages = req.kv_tokens_cap.map_or(usize::MAX, |t| t.div_ceil(req.page_size));
+    let num_pages = fit_pages.min(cap_pages).max(1);
+    let pool_bytes = usable - req.weights_bytes;
+    let kv = KvPlan {
+        page_size: req.page_size,
+        num_pages,
+        bytes_per_token: per_token,
+        bytes: num_pages as u64 * page_bytes,
+        offset: 0,
+    };
+    // Activations fill the pool from the top: the first buffer sits highest.
+    let mut top = pool_bytes;
+    for b in &mut act.buffers {
+        top -= b.bytes;
+        b.offset = top;
+    }
+    act.offset = top;
+    Ok(MemoryPlan {
+        dtype: req.dtype,
+        device_memory: req.device_memory,
+        mem_fraction: req.mem_fraction,
+        weights_bytes: req.weights_bytes,
+        pool_bytes,
+        free_bytes: top - kv.bytes,
+        total_bytes: req.weights_bytes + kv.bytes + act.bytes,
+        kv,
+        activations: act,
+    })
+}
+
+/// Bytes in GiB with two decimals (MiB below one GiB).
+pub fn gib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+impl MemoryPlan {
+    /// A few lines for the user.
+    pub fn summary(&self) -> Vec<String> {
+        let a = &self.activations;
+        vec![
+            format!(
+                "memory: weights {}, KV {} ({} pages of {} tokens = {} tokens), activations {} ({} buffers, {}, {} tokens per step)",
+                gib(self.weights_bytes),
+                gib(self.kv.bytes),
+                self.kv.num_pages,
+                self.kv.page_size,
+                self.kv.capacity_tokens(),
+                gib(a.bytes),
+                a.buffers.len(),
+                if a.reuse { "reused across layers" } else { "one per op per layer" },
+                a.max_tokens
+            ),
+            format!(
+                "pool: {} ({} of {} minus weights): KV pages at [0, {}) from the bottom, activations at [{}, {}) from the top, {} free between",
+                gib(self.pool_bytes),
+                self.mem_fraction,
+                gib(self.device_memory),
+                self.kv.bytes,
+                a.offset,
+                self.pool_bytes,
+                gib(self.free_bytes)
+            ),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::presets::preset;
+
+    fn req(reuse: bool) -> MemoryRequest {
+        MemoryRequest {
+            dtype: DType::F16,
+            device_memory: 80 << 30,
+            mem_fraction: 0.9,
+            weights_bytes: 13_476_839_424,
+            max_step_tokens: 2048,
+            max_batch: 32,
+            page_size: 16,
+            reuse,
+            seq_tokens: vec![1024 + 128; 32],
+            kv_tokens_cap: None,
+        }
+    }
+
+    #[test]
+    fn llama2_7b_numbers_add_up() {
+        let cfg = preset("llama2-7b").expect("preset");
+        let p = plan(&cfg, &req(true)).expect("fits");
+        // 2 (K, V) · 32 layers · 32 heads · 128 · 2 bytes = 512 KiB per token.
+        assert_eq!(p.kv.bytes_per_token, 524_288);
+        let a = &p.activations;
+        // residual 4096, narrow 11008, wide 22016, q 4096, k 4096, v 4096 per token; gathered
+        // and logits per sequence.
+        let per_token = 4096 + 11008 + 22016 + 3 * 4096;
+        let want = 2 * (2048 * per_token + 32 * (4096 + 32000)) as u64;
+        assert_eq!(a.bytes, want);
+        assert_eq!(
+            p.pool_bytes,
+            (80.0 * 0.9 * (1u64 << 30) as f64) as u64 - p.weights_bytes
+        );
+        assert_eq!(p.kv.bytes + a.bytes + p.free_bytes, p.pool_bytes);
+        assert!(p.kv.bytes + a.bytes <= p.pool_bytes);
+        // Activations sit at the top, the first buffer highest, without overlap.
+        assert_eq!(a.buffers[0].offset + a.buffers[0].bytes, p.pool_bytes);
+        for w in a.buffers.windows(2) {
+            assert_eq!(w[1].offset + w[1].bytes, w[0].offset);
+        }
+        assert_eq!(a.offset, a.buffers.last().expect("buffers").offset);
+        assert!(p.kv.offset + p.kv.bytes <= a.offset);
+        assert!(p.kv.capacity_tokens() >= 32 * 1152);
+    }
+
+    #[test]
+    fn reuse_needs_far_less_than_a_buffer_per_op() {
+        let cfg = preset("llama2-7b").expect("preset");
+        let with = plan_activations(&cfg, DType::F16, 512, 8, true);
+        let without = plan_activations(&cfg, DType::F16, 512, 8, false);
+        assert!(
+            with.bytes * 5 <= without.bytes * 4,
+            "{} vs {}",
+            with.bytes,
+            without.bytes
+        );
+        assert_eq!(without.buffers.len(), 11 * 32 + 4);
+        assert_eq!(with.buffers.len(), 8);
+        // Reuse: an op never reads the buffer it writes.
+        let s = with.layers[0];
+        assert_ne!(s.normed_attn, s.qkv);
+        assert_ne!(s.attn, s.o);
+        assert_ne!(s.act, s.ffn2);
+        assert_ne!(s.ffn1, s.act);
+        assert_eq!(with.layers[0], with.layers[31]);
+        // Without reuse no two slots share a buffer.
+        let mut all: Vec<usize> = without
+            .layers
+            .iter()
+            .flat_map(|s| {
+                [
+                    s.normed_attn,
+                    s.qkv,
+                    s.q,
+                    s.k,
+                    s.v,
+                    s.attn,
+                    s.o,
+                    s.normed_ffn,
+                    s.ffn1,
+                    s.act,
+                    s.ffn2,
+                ]
+            })
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 11 * 32);
+    }
+
+    #[test]
+    fn a_cap_limits_the_pages_and_a_batch_too_large_says_what_it_needs() {
+        let cfg = preset("llama2-7b").expect("preset");
+        let mut r = req(true);
+        r.kv_tokens_cap = Some(1000);
+        let p = plan(&cfg, &r).expect("fits");
+        assert_eq!(p.kv.num_pages, 63);
+        r.seq_tokens = vec![4096; 256];
+        let e = plan(&cfg, &r).expect_err("256 × 4096 tokens of 512 KiB = 512 GiB");
+        let msg = e.to_string();
+        assert!(msg.contains("does not fit") && msg.contains("KV 512.00 GiB"), "{msg}");
+        let mut r = req(true);
+        r.mem_fraction = 1.5;
+        assert!(plan(&cfg, &r).is_err());
+    }
+}

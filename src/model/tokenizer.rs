@@ -1,0 +1,96 @@
+//! Text ↔ token ids with the model's tokenizer.json (HF `tokenizers`, pure-Rust regex build).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{FdppError, Result};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    /// `dir/tokenizer.json`, when the model directory has one.
+    pub fn find(dir: &Path) -> Option<PathBuf> {
+        let p = dir.join("tokenizer.json");
+        p.is_file().then_some(p)
+    }
+
+    /// Load a tokenizer.json; a file that does not parse is an error naming it and the reason.
+    pub fn load(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| FdppError::Config {
+            path: path.to_path_buf(),
+            msg: format!("tokenizer does not load: {e}; give --token-ids instead, or fix the file"),
+        })?;
+        Ok(Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The ids of `text`, with the tokenizer's special tokens (BOS) added as the model expects.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, true).map_err(|e| self.err("encode", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| self.err("decode", e))
+    }
+
+    /// The id of a token string (e.g. "</s>"), if the vocabulary has it.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    fn err(&self, what: &str, e: impl std::fmt::Display) -> FdppError {
+        FdppError::Config {
+            path: self.path.clone(),
+            msg: format!("tokenizer {what} failed: {e}"),
+        }
+    }
+}
+
+/// Text of a growing token sequence, handed out piece by piece for streaming. Decoding the
+/// whole sequence each time (rather than token by token) keeps merges and spaces right; a
+/// piece is held back while it ends inside a multi-byte character (U+FFFD).
+#[derive(Clone, Debug, Default)]
+pub struct StreamText {
+    ids: Vec<u32>,
+    emitted: String,
+}
+
+impl StreamText {
+    /// Add a token; returns the text that is now final and not yet emitted (may be empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let piece = match text.strip_prefix(self.emitted.as_str()) {
+            Some(rest) => rest.to_string(),
+            // The tokenizer rewrote earlier text (rare): emit nothing now, the final text is
+            // still right.
+            None => String::new(),
+        };
+        if !piece.is_empty() {
+            self.emitted.push_str(&piece);
+        }
+        Ok(piece)
+    }
+
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+}
