@@ -203,10 +203,13 @@ impl<'b, B: Backend> Llama<'b, B> {
                 b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?;
             }
             let cache = &mut kv.layers[l];
-            let a = match &attn {
+            // The enqueue entry points: a GPU backend counts recomputed rows on the device and
+            // the step reads the count once, after its last layer, instead of waiting for the
+            // device in every layer.
+            match &attn {
                 Attn::Prefill(p) => {
                     let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
-                    b.attention_prefill(p, q, k, v, cache, out)?
+                    b.attention_prefill_enqueue(p, q, k, v, cache, out)?
                 }
                 Attn::Decode(ap, p) => {
                     {
@@ -214,11 +217,10 @@ impl<'b, B: Backend> Llama<'b, B> {
                         b.kv_append(ap, k, v, cache)?;
                     }
                     let [q, out] = acts.many([s.q, s.attn])?;
-                    b.attention_decode(p, q, cache, out)?
+                    b.attention_decode_enqueue(p, q, cache, out)?
                 }
             };
-            stats.rows += a.rows;
-            stats.recomputed += a.recomputed;
+            stats.rows += t * cfg.num_heads;
             let qd = cfg.num_heads * cfg.head_dim;
             self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
             self.add_rmsnorm(&norm, acts, g.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
@@ -247,6 +249,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             &self.weights.final_norm,
             g.final_normed,
         )?;
+        stats.recomputed += b.take_recomputed()?;
         let rows = wanted_rows.len();
         if rows == 0 {
             return Ok(StepOut {

@@ -9,6 +9,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::sources::{attn_decode_source, attn_heads_per_block, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
+use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::{Backend, DeviceBuffer};
 use crate::error::{FdppError, Result};
@@ -29,7 +30,7 @@ const PER_CALL: usize = 1;
 /// Device scratch of the attention launches, grown on demand and kept.
 #[derive(Default)]
 pub struct Scratch {
-    ints: Option<CudaSlice<i32>>,
+    ints: Upload,
     /// Sync decode partials: acc [rows][splits][D], then (m, l) [rows][splits].
     partials: Option<CudaSlice<f32>>,
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
@@ -64,17 +65,10 @@ fn ptr_of<T>(b: &CudaBackend, slot: &Option<CudaSlice<T>>) -> Result<u64> {
     Ok(p)
 }
 
-/// Copy `host` into the int scratch (after anything queued before it) and return its pointer.
+/// `host` on the device (copied after anything queued before it, unless unchanged since the
+/// last call: every layer of a step reads the same tables) and its pointer.
 fn upload_ints(b: &CudaBackend, sc: &mut Scratch, host: &[i32]) -> Result<u64> {
-    grow(b, &mut sc.ints, host.len(), "block tables")?;
-    let dst = sc
-        .ints
-        .as_mut()
-        .ok_or_else(|| FdppError::device("cuda", "attention int scratch missing"))?;
-    b.stream()
-        .memcpy_htod(host, &mut dst.slice_mut(0..host.len()))
-        .map_err(drv("uploading block tables"))?;
-    ptr_of(b, &sc.ints)
+    sc.ints.put(b, &i32_bytes(host), "block tables")
 }
 
 fn i32_of(v: usize, what: &str) -> Result<i32> {

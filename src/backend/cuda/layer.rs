@@ -8,8 +8,9 @@
 //! device scratch; stream order keeps a later upload from overwriting arrays an earlier kernel
 //! still reads.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
+use super::upload::Upload;
 use super::{drv, sources, CudaBackend, CudaBuffer};
 use crate::backend::layer_plan::{self as plan, i32_dim, ArgPack, LayerKernel, LayerLaunch};
 use crate::backend::DeviceBuffer;
@@ -23,9 +24,18 @@ use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormPa
 pub struct LayerState {
     /// Every entry point of each dtype's module (f16, bf16), by [`LayerKernel::index`].
     kernels: [Option<Vec<CudaFunction>>; 2],
-    /// Grow-only device copy of `pack`.
-    scratch: Option<CudaSlice<u8>>,
+    /// Device copies of `pack`, one per kind of argument list (a decode step repeats the same
+    /// positions and KV slots in every layer; each slot skips an upload equal to its last).
+    uploads: [Upload; 3],
     pack: ArgPack,
+}
+
+/// Which upload slot an op's arguments go to.
+#[derive(Clone, Copy)]
+enum Slot {
+    Rope = 0,
+    Rows = 1,
+    KvSlots = 2,
 }
 
 fn dtype_slot(dt: DType) -> usize {
@@ -57,32 +67,11 @@ fn kernel(b: &CudaBackend, st: &mut LayerState, dt: DType, k: LayerKernel) -> Re
         .ok_or_else(|| FdppError::device("cuda", format!("layer kernel {} not loaded", k.name())))
 }
 
-/// Copy the packed host arrays into the scratch (growing it first when too small); returns the
-/// device address of the pack's byte 0.
-fn upload_pack(b: &CudaBackend, st: &mut LayerState) -> Result<u64> {
-    let LayerState { scratch, pack, .. } = st;
-    let need = pack.bytes().len();
-    let have = scratch.as_ref().map_or(0, |s| s.len());
-    if need > have {
-        // The old scratch is freed in stream order (after every kernel that reads it).
-        *scratch = None;
-        let cap = plan::scratch_capacity(have, need);
-        // SAFETY: written by the copy below before any kernel reads it; kernels read only the
-        // bytes of their own pack.
-        *scratch = Some(unsafe { b.stream().alloc::<u8>(cap) }.map_err(drv("allocating the layer-op scratch"))?);
-    }
-    let s = scratch
-        .as_mut()
-        .ok_or_else(|| FdppError::device("cuda", "layer-op scratch missing"))?;
-    if need > 0 {
-        // Pageable source: the call returns once the bytes are staged, so the pack may be
-        // reused right away.
-        b.stream()
-            .memcpy_htod(pack.bytes(), &mut s.slice_mut(..need))
-            .map_err(drv("uploading layer-op arguments"))?;
-    }
-    let (p, _sync) = s.device_ptr(b.stream());
-    Ok(p)
+/// Copy the packed host arrays into their slot (skipped when the slot holds the same bytes);
+/// returns the device address of the pack's byte 0.
+fn upload_pack(b: &CudaBackend, st: &mut LayerState, slot: Slot) -> Result<u64> {
+    let LayerState { uploads, pack, .. } = st;
+    uploads[slot as usize].put(b, pack.bytes(), "layer-op arguments")
 }
 
 fn config(l: &LayerLaunch) -> LaunchConfig {
@@ -163,7 +152,7 @@ pub fn qkv_rope(
     st.pack.clear();
     let pos_at = st.pack.push_i32s(p.positions.iter().copied());
     let freq_at = st.pack.push_f32s(&p.inv_freq);
-    let base = upload_pack(b, &mut st)?;
+    let base = upload_pack(b, &mut st, Slot::Rope)?;
     let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
     let (xp, bp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)));
     let (qp, kp, vp) = (b.ptr(q), b.ptr(k), b.ptr(v));
@@ -209,7 +198,7 @@ fn gather(
     let f = kernel(b, &mut st, dt, l.kernel)?;
     st.pack.clear();
     st.pack.push_i32s(rows.iter().copied());
-    let rp = upload_pack(b, &mut st)?;
+    let rp = upload_pack(b, &mut st, Slot::Rows)?;
     let (sp, dp) = (b.ptr(src), b.ptr(dst));
     let mut a = b.stream().launch_builder(&f);
     a.arg(&sp).arg(&dp).arg(&rp).arg(&w);
@@ -251,7 +240,7 @@ pub fn kv_append(
     let f = kernel(b, &mut st, layout.dtype, l.kernel)?;
     st.pack.clear();
     st.pack.push_i32s(plan::kv_slot_rows(p, &layout)?);
-    let sp = upload_pack(b, &mut st)?;
+    let sp = upload_pack(b, &mut st, Slot::KvSlots)?;
     let (kp, vp, kpool, vpool) = (b.ptr(k), b.ptr(v), b.ptr(&kv.k), b.ptr(&kv.v));
     let mut a = b.stream().launch_builder(&f);
     a.arg(&kp).arg(&vp).arg(&kpool).arg(&vpool).arg(&sp).arg(&w);
@@ -300,7 +289,6 @@ mod tests {
     fn a_layer_state_starts_empty() {
         let st = LayerState::default();
         assert!(st.kernels.iter().all(|k| k.is_none()));
-        assert!(st.scratch.is_none());
         assert!(st.pack.bytes().is_empty());
     }
 }

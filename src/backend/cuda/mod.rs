@@ -7,6 +7,7 @@ pub mod jit;
 pub mod layer;
 pub mod probe;
 pub mod sources;
+pub mod upload;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -62,7 +63,7 @@ pub struct CudaBackend {
     attn: RefCell<attention::Scratch>,
     max_smem: u32,
     /// The small per-layer ops' loaded kernels and argument scratch (layer.rs).
-    layer: RefCell<layer::LayerState>,
+    layer: RefCell<Box<layer::LayerState>>,
 }
 
 impl CudaBackend {
