@@ -329,6 +329,9 @@ fn run_on<B: Backend>(
         let _ = stdout.flush();
     };
     let out = generate(&mut engine, prompts, &gen, tok, &mut on_token)?;
+    for (op, ms, calls) in engine.model.op_times.report() {
+        eprintln!("op time (FDPP_OP_TIMES, with a wait after every op): {op:<16} {ms:10.2} ms in {calls} calls");
+    }
     if a.json {
         let report = JsonReport {
             model: &spec.cfg.name,

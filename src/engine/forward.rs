@@ -9,6 +9,7 @@
 //! after the last layer. Every GEMM's implementation comes from the profile at this step's M
 //! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3).
 
+use super::op_times::OpTimes;
 use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::engine::activations::Activations;
@@ -34,6 +35,8 @@ pub struct Llama<'b, B: Backend> {
     pub inv_freq: Vec<f32>,
     pub linears: LinearPlanner,
     pub scheme: SoftmaxScheme,
+    /// Per-op device time when `FDPP_OP_TIMES` is set (see [`OpTimes`]).
+    pub op_times: OpTimes,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -84,6 +87,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             inv_freq,
             linears,
             scheme,
+            op_times: OpTimes::from_env(),
         })
     }
 
@@ -149,6 +153,7 @@ impl<'b, B: Backend> Llama<'b, B> {
         let gemms = self.linears.step(t, wanted_rows.len().max(1));
         let mut stats = AttnStats::default();
 
+        self.op_times.start(b)?;
         b.embedding(
             &EmbeddingParams {
                 ids,
@@ -159,6 +164,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             &self.weights.embed,
             acts.get_mut(g.residual),
         )?;
+        self.op_times.lap(b, "embedding")?;
         let norm = RmsNormParams {
             rows: t,
             hidden: h,
@@ -197,11 +203,14 @@ impl<'b, B: Backend> Llama<'b, B> {
         let mut prev_ffn2: Option<usize> = None;
         for (l, (w, s)) in self.weights.layers.iter().zip(&layer_slots).enumerate() {
             self.add_rmsnorm(&norm, acts, g.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+            self.op_times.lap(b, "add_rmsnorm")?;
             self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+            self.op_times.lap(b, "gemm qkv")?;
             {
                 let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
                 b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?;
             }
+            self.op_times.lap(b, "qkv_rope")?;
             let cache = &mut kv.layers[l];
             // The enqueue entry points: a GPU backend counts recomputed rows on the device and
             // the step reads the count once, after its last layer, instead of waiting for the
@@ -216,16 +225,21 @@ impl<'b, B: Backend> Llama<'b, B> {
                         let [k, v] = acts.many([s.k, s.v])?;
                         b.kv_append(ap, k, v, cache)?;
                     }
+                    self.op_times.lap(b, "kv_append")?;
                     let [q, out] = acts.many([s.q, s.attn])?;
                     b.attention_decode_enqueue(p, q, cache, out)?
                 }
             };
+            self.op_times.lap(b, "attention")?;
             stats.rows += t * cfg.num_heads;
             let qd = cfg.num_heads * cfg.head_dim;
             self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+            self.op_times.lap(b, "gemm o")?;
             self.add_rmsnorm(&norm, acts, g.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
+            self.op_times.lap(b, "add_rmsnorm")?;
             let inter = cfg.intermediate_size;
             self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+            self.op_times.lap(b, "gemm ffn1")?;
             {
                 let [gate_up, out] = acts.many([s.ffn1, s.act])?;
                 b.silu_mul(
@@ -238,7 +252,9 @@ impl<'b, B: Backend> Llama<'b, B> {
                     out,
                 )?;
             }
+            self.op_times.lap(b, "silu_mul")?;
             self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+            self.op_times.lap(b, "gemm ffn2")?;
             prev_ffn2 = Some(s.ffn2);
         }
         self.add_rmsnorm(
@@ -250,6 +266,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             g.final_normed,
         )?;
         stats.recomputed += b.take_recomputed()?;
+        self.op_times.lap(b, "add_rmsnorm")?;
         let rows = wanted_rows.len();
         if rows == 0 {
             return Ok(StepOut {
@@ -275,8 +292,11 @@ impl<'b, B: Backend> Llama<'b, B> {
             )?;
             g.gathered
         };
+        self.op_times.lap(b, "gather_rows")?;
         self.lm_head(&gemms, rows, acts, src, g.logits)?;
+        self.op_times.lap(b, "gemm lm_head")?;
         let bits = b.download(acts.get(g.logits))?;
+        self.op_times.lap(b, "logits download")?;
         let mut row = vec![0f32; vocab];
         let logits = (0..rows)
             .map(|r| {

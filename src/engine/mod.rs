@@ -7,6 +7,7 @@ pub mod forward;
 pub mod kv;
 pub mod linear;
 pub mod memory;
+pub mod op_times;
 pub mod rope;
 pub mod runner;
 pub mod sampler;

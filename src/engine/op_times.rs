@@ -1,0 +1,58 @@
+//! `FDPP_OP_TIMES=1`: the forward waits for the device after every op and adds the op's wall
+//! time to a per-op total, which `fdpp generate` prints at the end. A diagnostic, not a
+//! benchmark: the waits add a host round trip per op and hide the launch overlap of a normal
+//! run, so the totals tell where device time goes, not what a step costs.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::Result;
+
+pub struct OpTimes {
+    last: Option<RefCell<Instant>>,
+    totals: RefCell<BTreeMap<&'static str, (f64, usize)>>,
+}
+
+impl OpTimes {
+    /// On when `FDPP_OP_TIMES` is set to anything but `0`.
+    pub fn from_env() -> Self {
+        let on = std::env::var("FDPP_OP_TIMES").is_ok_and(|v| v != "0");
+        OpTimes {
+            last: on.then(|| RefCell::new(Instant::now())),
+            totals: RefCell::default(),
+        }
+    }
+
+    /// Start of a step: the device is idle, the clock restarts.
+    pub fn start<B: Backend>(&self, b: &B) -> Result<()> {
+        if let Some(last) = &self.last {
+            b.synchronize()?;
+            *last.borrow_mut() = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// The op just queued is `name`: wait for it and add its time.
+    pub fn lap<B: Backend>(&self, b: &B, name: &'static str) -> Result<()> {
+        if let Some(last) = &self.last {
+            b.synchronize()?;
+            let now = Instant::now();
+            let ms = now.duration_since(*last.borrow()).as_secs_f64() * 1e3;
+            *last.borrow_mut() = now;
+            let mut t = self.totals.borrow_mut();
+            let e = t.entry(name).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+        }
+        Ok(())
+    }
+
+    /// (op, total ms, calls), largest total first; empty when off.
+    pub fn report(&self) -> Vec<(&'static str, f64, usize)> {
+        let mut v: Vec<_> = self.totals.borrow().iter().map(|(k, &(ms, n))| (*k, ms, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+}
