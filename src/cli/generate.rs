@@ -330,7 +330,7 @@ fn run_on<B: Backend>(
     };
     let out = generate(&mut engine, prompts, &gen, tok, &mut on_token)?;
     for (op, ms, calls) in engine.model.op_times.report() {
-        eprintln!("op time (FDPP_OP_TIMES, with a wait after every op): {op:<16} {ms:10.2} ms in {calls} calls");
+        eprintln!("op time (FDPP_OP_TIMES, with a wait after every op): {op:<24} {ms:10.2} ms in {calls} calls");
     }
     if a.json {
         let report = JsonReport {

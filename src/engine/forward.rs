@@ -153,7 +153,13 @@ impl<'b, B: Backend> Llama<'b, B> {
         let gemms = self.linears.step(t, wanted_rows.len().max(1));
         let mut stats = AttnStats::default();
 
-        self.op_times.start(b)?;
+        self.op_times.start(
+            b,
+            match kind {
+                StepKind::Prefill => "prefill",
+                StepKind::Decode => "decode",
+            },
+        )?;
         b.embedding(
             &EmbeddingParams {
                 ids,

@@ -10,9 +10,14 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::error::Result;
 
+/// (step kind, op).
+type StepOp = (&'static str, &'static str);
+
 pub struct OpTimes {
     last: Option<RefCell<Instant>>,
-    totals: RefCell<BTreeMap<&'static str, (f64, usize)>>,
+    /// The step kind the following laps belong to ("prefill" or "decode").
+    tag: std::cell::Cell<&'static str>,
+    totals: RefCell<BTreeMap<StepOp, (f64, usize)>>,
 }
 
 impl OpTimes {
@@ -21,12 +26,14 @@ impl OpTimes {
         let on = std::env::var("FDPP_OP_TIMES").is_ok_and(|v| v != "0");
         OpTimes {
             last: on.then(|| RefCell::new(Instant::now())),
+            tag: std::cell::Cell::new(""),
             totals: RefCell::default(),
         }
     }
 
-    /// Start of a step: the device is idle, the clock restarts.
-    pub fn start<B: Backend>(&self, b: &B) -> Result<()> {
+    /// Start of a step of kind `tag`: the device is idle, the clock restarts.
+    pub fn start<B: Backend>(&self, b: &B, tag: &'static str) -> Result<()> {
+        self.tag.set(tag);
         if let Some(last) = &self.last {
             b.synchronize()?;
             *last.borrow_mut() = Instant::now();
@@ -42,17 +49,23 @@ impl OpTimes {
             let ms = now.duration_since(*last.borrow()).as_secs_f64() * 1e3;
             *last.borrow_mut() = now;
             let mut t = self.totals.borrow_mut();
-            let e = t.entry(name).or_insert((0.0, 0));
+            let e = t.entry((self.tag.get(), name)).or_insert((0.0, 0));
             e.0 += ms;
             e.1 += 1;
         }
         Ok(())
     }
 
-    /// (op, total ms, calls), largest total first; empty when off.
-    pub fn report(&self) -> Vec<(&'static str, f64, usize)> {
-        let mut v: Vec<_> = self.totals.borrow().iter().map(|(k, &(ms, n))| (*k, ms, n)).collect();
-        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    /// ("step kind/op", total ms, calls), by step kind then largest total first; empty when off.
+    pub fn report(&self) -> Vec<(String, f64, usize)> {
+        let mut v: Vec<_> = self
+            .totals
+            .borrow()
+            .iter()
+            .map(|(&(tag, op), &(ms, n))| (tag, op, ms, n))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0).then(b.2.total_cmp(&a.2)));
+        let v = v.into_iter().map(|(tag, op, ms, n)| (format!("{tag}/{op}"), ms, n)).collect();
         v
     }
 }
