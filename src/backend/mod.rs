@@ -193,6 +193,21 @@ pub trait Backend {
         Ok(0)
     }
 
+    /// Softmax-input statistics (calibration, FlashDecoding++ §3): histograms of x = q·k/√d over
+    /// every new token of `p` against every cached key at or before its position (the K/V of the
+    /// new tokens must already be in the cache). One histogram, or one per query head. Waits for
+    /// the device; results do not depend on the backend beyond the scores' fp32 rounding.
+    fn attention_score_hist(
+        &self,
+        p: &PrefillParams,
+        s: &crate::ops::scores::ScoreStatsParams,
+        q: &Self::Buffer,
+        kv: &PagedKv<Self::Buffer>,
+    ) -> Result<Vec<crate::ops::scores::ScoreHist>> {
+        let _ = (p, s, q, kv);
+        Err(attention_unsupported(self.info(), "attention_score_hist"))
+    }
+
     // The small ops of a layer (see [`crate::ops::layer`] for the layouts). Backends without
     // kernels for them keep these defaults, which decline (`Unsupported`).
 

@@ -65,7 +65,10 @@ impl OpTimes {
             .map(|(&(tag, op), &(ms, n))| (tag, op, ms, n))
             .collect();
         v.sort_by(|a, b| a.0.cmp(b.0).then(b.2.total_cmp(&a.2)));
-        let v = v.into_iter().map(|(tag, op, ms, n)| (format!("{tag}/{op}"), ms, n)).collect();
+        let v = v
+            .into_iter()
+            .map(|(tag, op, ms, n)| (format!("{tag}/{op}"), ms, n))
+            .collect();
         v
     }
 }

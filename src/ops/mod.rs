@@ -3,3 +3,4 @@
 pub mod attention;
 pub mod gemm;
 pub mod layer;
+pub mod scores;
