@@ -38,17 +38,6 @@ constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
 static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
 
-// Ordered key of a float: unsigned comparison of keys follows float comparison, and the key 0
-// lies below −inf, so a zero-initialised workspace means "no score seen".
-__device__ __forceinline__ unsigned fkey(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float unkey(unsigned k) {
-    if (k == 0) return -FDPP_INF;
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // Partial softmax state of one lane: for each of the HG heads, the 8 output dims it owns.
 struct Part {
     float m[HG];       // running max (sync) or φ (async), log2 units

@@ -250,6 +250,25 @@ pub fn decode(
     Ok(AttnStats { rows, recomputed })
 }
 
+/// The query tiles of a prefill: one per `bm` new rows of a sequence, as (sequence, first row in
+/// q/out, position of the first query, rows), the longest key ranges first (causal balance: the
+/// tiles that walk the most keys start first).
+pub fn prefill_tiles(p: &PrefillParams, bm: usize) -> Result<Vec<[i32; 4]>> {
+    let mut tiles: Vec<[i32; 4]> = Vec::new();
+    for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
+        for i in (0..n).step_by(bm) {
+            tiles.push([
+                i32_of(seq, "sequence")?,
+                i32_of(row0 + i, "row")?,
+                i32_of(prefix + i, "position")?,
+                i32_of(bm.min(n - i), "rows")?,
+            ]);
+        }
+    }
+    tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[3]));
+    Ok(tiles)
+}
+
 /// Causal prefill: append the new K and V to the cache, then attend.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill(
@@ -280,20 +299,7 @@ pub fn prefill(
     )?;
     let g = p.geom;
     let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
-    // One tile per PREFILL_BM new rows of a sequence; the longest key ranges first (causal balance).
-    let mut tiles: Vec<[i32; 4]> = Vec::new();
-    for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
-        for i in (0..n).step_by(PREFILL_BM) {
-            let rows = PREFILL_BM.min(n - i);
-            tiles.push([
-                i32_of(seq, "sequence")?,
-                i32_of(row0 + i, "row")?,
-                i32_of(prefix + i, "position")?,
-                rows as i32,
-            ]);
-        }
-    }
-    tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[3]));
+    let tiles = prefill_tiles(p, PREFILL_BM)?;
     let ntiles = tiles.len();
     let uri = format!("attn_prefill_{}_d{d}", p.dtype);
     let src = || Ok(attn_prefill_source(p.dtype, d));

@@ -6,6 +6,7 @@ pub mod gemm;
 pub mod jit;
 pub mod layer;
 pub mod probe;
+pub mod scores;
 pub mod sources;
 pub mod upload;
 
@@ -277,6 +278,16 @@ impl Backend for CudaBackend {
 
     fn take_recomputed(&self) -> Result<usize> {
         attention::take_recomputed(self)
+    }
+
+    fn attention_score_hist(
+        &self,
+        p: &crate::ops::attention::PrefillParams,
+        s: &crate::ops::scores::ScoreStatsParams,
+        q: &CudaBuffer,
+        kv: &crate::kv::PagedKv<CudaBuffer>,
+    ) -> Result<Vec<crate::ops::scores::ScoreHist>> {
+        scores::score_hist(self, p, s, q, kv)
     }
 
     fn embedding(&self, p: &EmbeddingParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {

@@ -14,6 +14,7 @@ const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
 const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
 const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
+const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 
@@ -123,6 +124,7 @@ pub fn all_sources() -> Vec<KernelSource> {
                 v.push(attn_decode_source(dt, d, *hg));
             }
             v.push(attn_prefill_source(dt, d));
+            v.push(attn_scores_source(dt, d));
         }
     }
     v
@@ -155,6 +157,15 @@ pub fn attn_prefill_source(dtype: DType, head_dim: usize) -> KernelSource {
     KernelSource {
         uri: format!("attn_prefill_{dtype}_d{head_dim}"),
         text: expand(ATTN_PREFILL),
+        defines: vec![dtype_define(dtype), ("FDPP_D".into(), head_dim.to_string())],
+    }
+}
+
+/// Softmax-input histograms (calibration) for one dtype and head_dim.
+pub fn attn_scores_source(dtype: DType, head_dim: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("attn_scores_{dtype}_d{head_dim}"),
+        text: expand(ATTN_SCORES),
         defines: vec![dtype_define(dtype), ("FDPP_D".into(), head_dim.to_string())],
     }
 }
