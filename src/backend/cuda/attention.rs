@@ -118,6 +118,16 @@ fn read_counter(b: &CudaBackend, sc: &Scratch, slot: usize) -> Result<usize> {
     Ok(v.first().copied().unwrap_or(0) as usize)
 }
 
+/// The rows this call recomputed (a device wait) when counting, else 0 (the running total keeps
+/// them).
+fn per_call_count(b: &CudaBackend, sc: &Scratch, counting: bool) -> Result<usize> {
+    if counting {
+        read_counter(b, sc, PER_CALL)
+    } else {
+        Ok(0)
+    }
+}
+
 /// Read and reset the running recompute total of the enqueue paths.
 pub fn take_recomputed(b: &CudaBackend) -> Result<usize> {
     let mut sc = b.attn.borrow_mut();
@@ -239,11 +249,7 @@ pub fn decode(
             // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;
-            if counting {
-                read_counter(b, &sc, PER_CALL)?
-            } else {
-                0
-            }
+            per_call_count(b, &sc, counting)?
         }
     };
     b.check_launch(&what)?;
@@ -364,11 +370,7 @@ pub fn prefill(
             // SAFETY: as above.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;
-            if counting {
-                read_counter(b, &sc, PER_CALL)?
-            } else {
-                0
-            }
+            per_call_count(b, &sc, counting)?
         }
     };
     b.check_launch(&what)?;
