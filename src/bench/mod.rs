@@ -2,6 +2,7 @@
 //! served from L2. Benchmarks report; tests assert.
 
 pub mod attention;
+pub mod e2e;
 pub mod timer;
 
 pub use timer::{GemmInputs, Stats, TimingOpts};

@@ -33,6 +33,9 @@ pub enum BenchCommand {
     Gemm(GemmBenchArgs),
     /// Attention variants (sync, async softmax; naive split-free decode) over batch × kv_len.
     Attention(super::bench_attention::AttnBenchArgs),
+    /// The engine end to end: TTFT, TPOT, throughput and peak memory over batch × prompt length,
+    /// with the profile and with none in the same run, and the largest batch that fits.
+    E2e(super::bench_e2e::E2eBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -81,6 +84,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     match a.what {
         BenchCommand::Gemm(g) => run_gemm(g),
         BenchCommand::Attention(at) => super::bench_attention::run(at),
+        BenchCommand::E2e(e) => super::bench_e2e::run(e),
     }
 }
 

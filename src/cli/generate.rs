@@ -10,6 +10,7 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use super::model_setup::{find_profile, weight_source};
 use crate::backend::{self, Backend, BackendChoice};
 use crate::dtype::DType;
 use crate::engine::batch::{generate, GenerateOptions, GenerateOutput};
@@ -20,7 +21,6 @@ use crate::engine::sampler::SamplingParams;
 use crate::kv::DEFAULT_PAGE_SIZE;
 use crate::model::llama::{check_supported, ModelSpec};
 use crate::model::tokenizer::Tokenizer;
-use crate::profile::{self, Profile};
 
 /// Tokens of the random prompt used when a model has no tokenizer and no prompt is given.
 const DEFAULT_RANDOM_PROMPT: usize = 16;
@@ -134,14 +134,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let spec = ModelSpec::resolve(&a.model)?;
     check_supported(&spec.cfg)?;
-    let source = match (&spec.dir, a.random_weights) {
-        (_, true) => WeightSource::Random { seed: a.seed },
-        (Some(dir), false) => WeightSource::Dir(dir.clone()),
-        (None, false) => bail!(
-            "'{}' is a preset: it has no weights; add --random-weights, or give an HF model directory",
-            a.model
-        ),
-    };
+    let source = weight_source(&spec, &a.model, a.random_weights, a.seed)?;
     let tok = match spec.dir.as_deref().and_then(Tokenizer::find) {
         Some(p) => Some(Tokenizer::load(&p)?),
         None => None,
@@ -213,41 +206,6 @@ fn join_ids(ids: &[u32]) -> String {
     ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
 }
 
-/// `--profile P`, `--profile none`, or the default path when a profile is there.
-fn find_profile<B: Backend>(b: &B, a: &GenerateArgs, spec: &ModelSpec) -> anyhow::Result<(Option<Profile>, String)> {
-    let path: PathBuf = match a.profile.as_deref() {
-        Some("none") => return Ok((None, "profile: none (vendor GEMM for every linear op)".into())),
-        Some(p) => PathBuf::from(p),
-        None => {
-            let p = profile::default_path(&b.info().slug, &spec.cfg.name);
-            if !p.exists() {
-                return Ok((
-                    None,
-                    format!(
-                        "profile: none found at {} (defaults: vendor GEMM; run `fdpp tune --model {}` to make one)",
-                        p.display(),
-                        a.model
-                    ),
-                ));
-            }
-            p
-        }
-    };
-    let (p, warnings) = profile::load_for_use(&path, &spec.cfg, b.info(), &b.kernel_hash())?;
-    for w in warnings {
-        eprintln!("warning: {w}");
-    }
-    if p.dtype != a.dtype {
-        eprintln!(
-            "warning: {} was tuned for {}; running {} with its thresholds",
-            path.display(),
-            p.dtype,
-            a.dtype
-        );
-    }
-    Ok((Some(p), format!("profile: {}", path.display())))
-}
-
 fn run_on<B: Backend>(
     b: &B,
     a: &GenerateArgs,
@@ -257,8 +215,10 @@ fn run_on<B: Backend>(
     prompts: &[Vec<u32>],
     sampling: SamplingParams,
 ) -> anyhow::Result<()> {
-    let (profile, profile_note) = find_profile(b, a, spec)?;
+    let (found, profile_note) = find_profile(b, a.profile.as_deref(), spec, &a.model, a.dtype)?;
     eprintln!("{profile_note}");
+    let profile_path = found.as_ref().map(|f| f.path.display().to_string());
+    let profile = found.map(|f| f.profile);
     let (scheme, softmax_note) = softmax_scheme(a.softmax, profile.as_ref())?;
     eprintln!("{softmax_note}");
     let opts = EngineOptions {
@@ -278,9 +238,6 @@ fn run_on<B: Backend>(
     for line in plan.summary() {
         eprintln!("{line}");
     }
-    let profile_path = profile
-        .as_ref()
-        .map(|_| profile_note.trim_start_matches("profile: ").to_string());
     let t_load = Instant::now();
     let mut engine = build(b, spec, source, profile, &opts, plan)?;
     b.synchronize()?;

@@ -2,11 +2,13 @@
 
 pub mod bench;
 pub mod bench_attention;
+pub mod bench_e2e;
 pub mod check;
 pub mod devices;
 pub mod generate;
 pub mod kernels;
 pub mod kernels_rocm;
+pub mod model_setup;
 pub mod profile;
 pub mod shapes;
 pub mod tune;

@@ -104,6 +104,19 @@ pub fn build<'b, B: Backend>(
     opts: &EngineOptions,
     plan: MemoryPlan,
 ) -> Result<Engine<'b, B>> {
+    let model = build_model(b, spec, source, profile, opts)?;
+    Engine::new(model, plan)
+}
+
+/// The model alone (weights, linear planner, softmax scheme), for callers that run several
+/// engines — memory plans — over the same weights (`fdpp bench e2e`).
+pub fn build_model<'b, B: Backend>(
+    b: &'b B,
+    spec: &ModelSpec,
+    source: &WeightSource,
+    profile: Option<Profile>,
+    opts: &EngineOptions,
+) -> Result<Llama<'b, B>> {
     check_supported(&spec.cfg)?;
     let weights = match source {
         WeightSource::Random { seed } => llama::random(b, &spec.cfg, opts.dtype, *seed)?,
@@ -122,7 +135,7 @@ pub fn build<'b, B: Backend>(
         linears,
         opts.scheme,
     )?;
-    Engine::new(model, plan)
+    Ok(model)
 }
 
 /// `--softmax`: the attention softmax scheme (FlashDecoding++ §3).

@@ -5,6 +5,7 @@ pub mod annotate;
 pub mod attention;
 pub mod chart;
 pub mod csv;
+pub mod e2e;
 pub mod json;
 pub mod md;
 pub mod record;
