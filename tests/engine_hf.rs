@@ -233,10 +233,9 @@ fn check_all<B: Backend>(b: &B) {
     );
 }
 
-// Ignored only until the fixtures are committed (this machine cannot install torch): then drop
-// the attribute, and a missing fixtures directory fails the test with HOW_TO_MAKE.
+// The fixtures are committed (made on the GPU machine, where transformers is installed); a
+// missing fixtures directory fails the test with HOW_TO_MAKE.
 #[test]
-#[ignore = "fixtures not generated yet: run scripts/make_hf_fixtures.py on a machine with transformers"]
 fn cpu_engine_matches_hf_transformers() {
     check_all(&CpuBackend::new());
 }
