@@ -73,13 +73,30 @@ fn cuda_score_histograms_match_the_cpu() {
         assert_eq!(total, score_count(&p), "every causal score counted once");
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.count, w.count);
-            assert!((g.min - w.min).abs() <= 1e-4 * w.min.abs().max(1.0), "min {} vs {}", g.min, w.min);
-            assert!((g.max - w.max).abs() <= 1e-4 * w.max.abs().max(1.0), "max {} vs {}", g.max, w.max);
+            assert!(
+                (g.min - w.min).abs() <= 1e-4 * w.min.abs().max(1.0),
+                "min {} vs {}",
+                g.min,
+                w.min
+            );
+            assert!(
+                (g.max - w.max).abs() <= 1e-4 * w.max.abs().max(1.0),
+                "max {} vs {}",
+                g.max,
+                w.max
+            );
             let moved: u64 = g.counts.iter().zip(&w.counts).map(|(a, b)| a.abs_diff(*b)).sum::<u64>()
                 + g.under.abs_diff(w.under)
                 + g.over.abs_diff(w.over);
-            assert!(moved * 1000 <= g.count.max(1), "{moved} of {} scores in other bins", g.count);
-            assert!(g.under + g.over > 0 && g.counts.iter().sum::<u64>() > 0, "scores reach both the bins and the tails");
+            assert!(
+                moved * 1000 <= g.count.max(1),
+                "{moved} of {} scores in other bins",
+                g.count
+            );
+            assert!(
+                g.under + g.over > 0 && g.counts.iter().sum::<u64>() > 0,
+                "scores reach both the bins and the tails"
+            );
         }
     }
 }
