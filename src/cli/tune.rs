@@ -118,6 +118,19 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     .with_context(|| format!("tuning {} on {}", cfg.name, info.name))?;
     bar.finish_and_clear();
 
+    // The softmax calibration depends on the weights, not on the GEMM timings: keep the section
+    // of the profile this one replaces (when it is for the same model).
+    let mut profile = profile;
+    let mut kept = None;
+    if let Ok(old) = Profile::load(&profile_path) {
+        if old.softmax.is_some() && old.check_model(cfg).is_ok() {
+            profile.softmax = old.softmax;
+            kept = Some(format!(
+                "softmax: kept the calibrated section of the profile replaced at {}",
+                profile_path.display()
+            ));
+        }
+    }
     profile.save(&profile_path)?;
 
     let records = records_of(&profile, &cfg.name);
@@ -125,8 +138,10 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     let title = format!("GEMM tune: {} on {} ({})", cfg.name, info.name, a.dtype);
     let report = report::write_gemm_report(&report_dir, &profile::file_stem(&cfg.name), &title, &records, &marks)?;
     let table = report::gemm_table(&records, a.format)?;
+    let mut summary = summary_of(&profile);
+    summary.extend(kept);
     Ok(TuneOutcome {
-        summary: summary_of(&profile),
+        summary,
         profile,
         profile_path,
         report,

@@ -8,6 +8,7 @@ pub mod csv;
 pub mod json;
 pub mod md;
 pub mod record;
+pub mod softmax;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
