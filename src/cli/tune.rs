@@ -1,4 +1,5 @@
-//! `fdpp tune`: sweep the GEMM candidates for a model's shapes, write the profile and a report.
+//! `fdpp tune`: sweep the GEMM candidates for a model's shapes, write the profile and a report
+//! (`--calibrate`: the softmax calibration instead, see [`super::calibrate`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +46,9 @@ pub struct TuneArgs {
     /// Format of the table printed on stdout.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     pub format: Format,
+    /// Softmax calibration (`--calibrate` and its options).
+    #[command(flatten)]
+    pub calibrate: super::calibrate::CalibrateArgs,
 }
 
 /// What a tune produced.
@@ -70,6 +74,9 @@ pub fn run(a: TuneArgs) -> anyhow::Result<()> {
     }
     if a.reps == Some(0) {
         anyhow::bail!("--reps must be at least 1");
+    }
+    if a.calibrate.calibrate {
+        return super::calibrate::run(&a);
     }
     let cfg = load_model(&a.model)?;
     let (any, note) = backend::open(a.backend, a.device)?;

@@ -191,13 +191,26 @@ pub fn histogram_svg(r: &SoftmaxReport<'_>) -> std::result::Result<String, Strin
             let y = y_max / 10f64.powf(0.4 + 0.5 * i as f64);
             chart
                 .draw_series(std::iter::once(
-                    EmptyElement::at((*x, y)) + Text::new(label.clone(), (5, 0), ("sans-serif", 14)),
+                    // Labels in the right half go left of their line, so none runs off the chart.
+                    EmptyElement::at((*x, y))
+                        + Text::new(
+                            label.clone(),
+                            (
+                                if *x > (x_lo + x_hi) / 2.0 {
+                                    -8 - 7 * label.chars().count() as i32
+                                } else {
+                                    5
+                                },
+                                0,
+                            ),
+                            ("sans-serif", 14),
+                        ),
                 ))
                 .map_err(e)?;
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(SeriesLabelPosition::LowerRight)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.4))
             .label_font(("sans-serif", 14))
