@@ -169,7 +169,7 @@ fn has_safetensors(dir: &Path) -> bool {
     })
 }
 
-/// Calibration and held-out prompts, and a line saying what they are.
+/// (calibration prompts, held-out prompts, a line saying what they are).
 type PromptSets = (Vec<Vec<u32>>, Vec<Vec<u32>>, String);
 
 /// Calibration and held-out prompts, and a line saying what they are.
