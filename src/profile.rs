@@ -87,6 +87,83 @@ pub struct SoftmaxSection {
     /// Share of calibration inputs that stayed inside [a, b].
     #[serde(default)]
     pub coverage: Option<f64>,
+    /// False when calibration found the inputs too wide for an fp32 window: the engine then
+    /// runs the synchronous softmax, and `reason` says why.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// The coverage asked for (`--coverage`).
+    #[serde(default)]
+    pub target_coverage: Option<f64>,
+    /// Scores gathered by the calibration.
+    #[serde(default)]
+    pub samples: u64,
+    /// Exact extremes of the scores gathered.
+    #[serde(default)]
+    pub min: Option<f64>,
+    #[serde(default)]
+    pub max: Option<f64>,
+    /// What was run: weights (trained or random), prompts, tokens.
+    #[serde(default)]
+    pub source: Option<String>,
+    /// The window each layer's scores alone would get (for inspection; the engine uses the
+    /// global one).
+    #[serde(default)]
+    pub per_layer: Vec<LayerWindow>,
+    /// Held-out validation with these φ, a, b: rows recomputed / rows.
+    #[serde(default)]
+    pub recompute_rate: Option<f64>,
+    /// Held-out validation: largest |async − sync| logit over the largest |sync| logit.
+    #[serde(default)]
+    pub validated_logit_diff: Option<f64>,
+    /// Held-out validation: async and sync gave the same greedy tokens.
+    #[serde(default)]
+    pub validated_same_tokens: Option<bool>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl SoftmaxSection {
+    /// A section holding only the window (the fields of the first schema).
+    pub fn window(phi: f64, a: f64, b: f64, coverage: Option<f64>) -> Self {
+        SoftmaxSection {
+            phi,
+            a,
+            b,
+            coverage,
+            enabled: true,
+            reason: None,
+            target_coverage: None,
+            samples: 0,
+            min: None,
+            max: None,
+            source: None,
+            per_layer: Vec::new(),
+            recompute_rate: None,
+            validated_logit_diff: None,
+            validated_same_tokens: None,
+        }
+    }
+}
+
+/// One layer's calibrated window.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerWindow {
+    pub layer: usize,
+    pub phi: f64,
+    pub a: f64,
+    pub b: f64,
+    pub coverage: f64,
+    pub samples: u64,
+    pub min: f64,
+    pub max: f64,
+    /// Set when this layer's scores alone are too wide (φ, a, b then describe its coverage
+    /// interval, which no fp32 window can hold).
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 /// Everything measured for one [K, N] shape.
@@ -301,6 +378,33 @@ pub fn file_stem(name: &str) -> String {
 }
 
 impl Profile {
+    /// A profile with no GEMM measurements (`fdpp tune --calibrate` before any sweep): the
+    /// model's shapes, so that it loads for this model, and no shape entries, so that select()
+    /// uses the vendor GEMM everywhere until `fdpp tune` adds them.
+    pub fn without_gemm<B: Backend>(b: &B, cfg: &ModelConfig, dtype: DType) -> Profile {
+        Profile {
+            schema_version: SCHEMA_VERSION,
+            provenance: Provenance::of(b),
+            model: ModelSection {
+                name: cfg.name.clone(),
+                config: cfg.clone(),
+                shapes: ModelShapes::of(cfg).linears,
+            },
+            dtype,
+            timing: TimingSection {
+                warmup: 0,
+                reps: 0,
+                verify_cols: 0,
+                margin: 0.0,
+                rule: "no GEMM sweep yet (made by `fdpp tune --calibrate`): the vendor gemm for every \
+                       shape; `fdpp tune --model <model>` adds the sweep and keeps the softmax section"
+                    .into(),
+            },
+            shapes: Vec::new(),
+            softmax: None,
+        }
+    }
+
     /// The entry for a shape: same K and N (preferring the same kind, as two kinds may share a
     /// shape).
     pub fn shape_for(&self, shape: &LinearShape) -> Option<&ShapeProfile> {

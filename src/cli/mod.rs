@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_attention;
 pub mod bench_e2e;
+pub mod calibrate;
 pub mod check;
 pub mod devices;
 pub mod generate;
@@ -38,7 +39,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Check every kernel of a backend against the f64 reference (poison, guard, NMSE).
     Check(check::CheckArgs),
-    /// Sweep the GEMM implementations over M for a model's shapes; write a profile and a report.
+    /// Sweep the GEMM implementations over M for a model's shapes; write a profile and a report
+    /// (--calibrate: choose the async softmax's φ, a, b instead).
     Tune(tune::TuneArgs),
     /// Show a tuning profile, or check it against this machine.
     Profile(profile::ProfileArgs),

@@ -232,6 +232,7 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                 dtype: crate::dtype::DType,
                 rule: &'a str,
                 shapes: &'a [ShapeView],
+                softmax: Option<&'a crate::profile::SoftmaxSection>,
             }
             let s = Show {
                 provenance: pv,
@@ -239,6 +240,7 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                 dtype: p.dtype,
                 rule: &p.timing.rule,
                 shapes: &shapes,
+                softmax: p.softmax.as_ref(),
             };
             let mut j = serde_json::to_string_pretty(&s).map_err(|e| FdppError::InvalidArgument(e.to_string()))?;
             j.push('\n');
@@ -333,9 +335,81 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                     );
                 }
             }
+            s += &softmax_md(p.softmax.as_ref());
             Ok(s)
         }
     }
+}
+
+/// The softmax section for people: the window, its coverage and samples, the validation, each
+/// layer's window (FlashDecoding++ §3).
+fn softmax_md(sm: Option<&crate::profile::SoftmaxSection>) -> String {
+    let Some(sm) = sm else {
+        return "\n## Softmax\n\nNo softmax section: the engine uses the default async window; \
+                `fdpp tune --model <model> --calibrate` makes one.\n"
+            .into();
+    };
+    let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".to_string(), f);
+    let mut s = String::from("\n## Softmax\n\n");
+    if sm.enabled {
+        s += &format!(
+            "- async: phi = {:.3}, a = {:.3}, b = {:.3}: window [phi+a, phi+b] = [{:.3}, {:.3}]\n",
+            sm.phi,
+            sm.a,
+            sm.b,
+            sm.phi + sm.a,
+            sm.phi + sm.b
+        );
+    } else {
+        s += &format!(
+            "- async DISABLED: {} (the engine uses sync)\n",
+            sm.reason.as_deref().unwrap_or("no reason recorded")
+        );
+    }
+    s += &format!(
+        "- coverage: {} of the scores inside (asked: {}); {} samples, min {}, max {}\n",
+        opt(sm.coverage, &|c| format!("{:.5} %", c * 100.0)),
+        opt(sm.target_coverage, &|c| format!("{:.4} %", c * 100.0)),
+        sm.samples,
+        opt(sm.min, &|v| format!("{v:.3}")),
+        opt(sm.max, &|v| format!("{v:.3}"))
+    );
+    if let Some(src) = &sm.source {
+        s += &format!("- calibrated on: {src}\n");
+    }
+    if sm.recompute_rate.is_some() || sm.validated_logit_diff.is_some() {
+        s += &format!(
+            "- held-out validation: recompute rate {}, async vs sync logits max diff {}, greedy tokens {}\n",
+            opt(sm.recompute_rate, &|r| format!("{:.4} %", r * 100.0)),
+            opt(sm.validated_logit_diff, &|d| format!("{d:.2e}")),
+            match sm.validated_same_tokens {
+                Some(true) => "the same",
+                Some(false) => "DIFFER",
+                None => "-",
+            }
+        );
+    }
+    if !sm.per_layer.is_empty() {
+        s += "\n| layer | phi | a | b | window | coverage | samples | min | max |\n\
+              |---:|---:|---:|---:|:---|---:|---:|---:|---:|\n";
+        for l in &sm.per_layer {
+            s += &format!(
+                "| {} | {:.3} | {:.3} | {:.3} | [{:.3}, {:.3}]{} | {:.5} % | {} | {:.3} | {:.3} |\n",
+                l.layer,
+                l.phi,
+                l.a,
+                l.b,
+                l.phi + l.a,
+                l.phi + l.b,
+                if l.reason.is_some() { " too wide" } else { "" },
+                l.coverage * 100.0,
+                l.samples,
+                l.min,
+                l.max
+            );
+        }
+    }
+    s
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! `fdpp tune`: sweep the GEMM candidates for a model's shapes, write the profile and a report.
+//! `fdpp tune`: sweep the GEMM candidates for a model's shapes, write the profile and a report
+//! (`--calibrate`: the softmax calibration instead, see [`super::calibrate`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +46,9 @@ pub struct TuneArgs {
     /// Format of the table printed on stdout.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     pub format: Format,
+    /// Softmax calibration (`--calibrate` and its options).
+    #[command(flatten)]
+    pub calibrate: super::calibrate::CalibrateArgs,
 }
 
 /// What a tune produced.
@@ -70,6 +74,9 @@ pub fn run(a: TuneArgs) -> anyhow::Result<()> {
     }
     if a.reps == Some(0) {
         anyhow::bail!("--reps must be at least 1");
+    }
+    if a.calibrate.calibrate {
+        return super::calibrate::run(&a);
     }
     let cfg = load_model(&a.model)?;
     let (any, note) = backend::open(a.backend, a.device)?;
@@ -118,6 +125,19 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     .with_context(|| format!("tuning {} on {}", cfg.name, info.name))?;
     bar.finish_and_clear();
 
+    // The softmax calibration depends on the weights, not on the GEMM timings: keep the section
+    // of the profile this one replaces (when it is for the same model).
+    let mut profile = profile;
+    let mut kept = None;
+    if let Ok(old) = Profile::load(&profile_path) {
+        if old.softmax.is_some() && old.check_model(cfg).is_ok() {
+            profile.softmax = old.softmax;
+            kept = Some(format!(
+                "softmax: kept the calibrated section of the profile replaced at {}",
+                profile_path.display()
+            ));
+        }
+    }
     profile.save(&profile_path)?;
 
     let records = records_of(&profile, &cfg.name);
@@ -125,8 +145,10 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     let title = format!("GEMM tune: {} on {} ({})", cfg.name, info.name, a.dtype);
     let report = report::write_gemm_report(&report_dir, &profile::file_stem(&cfg.name), &title, &records, &marks)?;
     let table = report::gemm_table(&records, a.format)?;
+    let mut summary = summary_of(&profile);
+    summary.extend(kept);
     Ok(TuneOutcome {
-        summary: summary_of(&profile),
+        summary,
         profile,
         profile_path,
         report,

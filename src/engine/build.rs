@@ -149,12 +149,32 @@ pub enum SoftmaxChoice {
 
 /// The scheme to run and a line saying where it came from: `--softmax sync` is the baseline;
 /// otherwise the async scheme with the profile's calibrated φ, a, b when it has them, else
-/// [`SoftmaxScheme::ASYNC_DEFAULT`].
+/// [`SoftmaxScheme::ASYNC_DEFAULT`]; sync when the profile's calibration disabled async.
 pub fn softmax_scheme(choice: Option<SoftmaxChoice>, profile: Option<&Profile>) -> Result<(SoftmaxScheme, String)> {
     if choice == Some(SoftmaxChoice::Sync) {
         return Ok((SoftmaxScheme::Sync, "softmax: sync (asked for)".into()));
     }
     match profile.and_then(|p| p.softmax.as_ref()) {
+        // Calibration found the scores too wide for an fp32 window (FlashDecoding++ §3: such
+        // models keep the synchronous softmax). Asked for explicitly, async still runs
+        // correctly with the default window (flagged rows are recomputed), only slower.
+        Some(s) if !s.enabled => {
+            let why = s.reason.as_deref().unwrap_or("no reason recorded");
+            if choice == Some(SoftmaxChoice::Async) {
+                Ok((
+                    SoftmaxScheme::ASYNC_DEFAULT,
+                    format!(
+                        "softmax: {} (asked for; the profile disables async for this model: {why})",
+                        SoftmaxScheme::ASYNC_DEFAULT.label()
+                    ),
+                ))
+            } else {
+                Ok((
+                    SoftmaxScheme::Sync,
+                    format!("softmax: sync (the profile disables async for this model: {why})"),
+                ))
+            }
+        }
         Some(s) => {
             let scheme = SoftmaxScheme::Async {
                 phi: s.phi as f32,
@@ -181,5 +201,42 @@ pub fn softmax_scheme(choice: Option<SoftmaxChoice>, profile: Option<&Profile>) 
                 }
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::SoftmaxSection;
+
+    fn scheme_of(section: SoftmaxSection, choice: Option<SoftmaxChoice>) -> (SoftmaxScheme, String) {
+        let b = crate::backend::cpu::CpuBackend::new();
+        let cfg = crate::model::ModelConfig::resolve("llama2-7b").expect("preset");
+        let mut p = Profile::without_gemm(&b, &cfg, DType::F16);
+        p.softmax = Some(section);
+        softmax_scheme(choice, Some(&p)).expect("scheme")
+    }
+
+    #[test]
+    fn a_disabled_section_runs_sync_and_says_why() {
+        let mut s = SoftmaxSection::window(0.0, -30.0, 30.0, Some(0.9999));
+        let (on, note) = scheme_of(s.clone(), None);
+        assert_eq!(
+            on,
+            SoftmaxScheme::Async {
+                phi: 0.0,
+                a: -30.0,
+                b: 30.0
+            }
+        );
+        assert!(note.contains("from the profile"), "{note}");
+        s.enabled = false;
+        s.reason = Some("too wide: 99.99 % span 120".into());
+        let (off, note) = scheme_of(s.clone(), None);
+        assert_eq!(off, SoftmaxScheme::Sync);
+        assert!(note.contains("disables async") && note.contains("span 120"), "{note}");
+        let (asked, note) = scheme_of(s, Some(SoftmaxChoice::Async));
+        assert_eq!(asked, SoftmaxScheme::ASYNC_DEFAULT);
+        assert!(note.contains("asked for"), "{note}");
     }
 }

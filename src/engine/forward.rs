@@ -9,7 +9,10 @@
 //! after the last layer. Every GEMM's implementation comes from the profile at this step's M
 //! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3).
 
+use std::cell::RefCell;
+
 use super::op_times::OpTimes;
+use super::score_stats::ScoreStats;
 use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::engine::activations::Activations;
@@ -37,6 +40,8 @@ pub struct Llama<'b, B: Backend> {
     pub scheme: SoftmaxScheme,
     /// Per-op device time when `FDPP_OP_TIMES` is set (see [`OpTimes`]).
     pub op_times: OpTimes,
+    /// Softmax-input histograms, gathered while this is Some (see [`ScoreStats`]).
+    pub score_stats: RefCell<Option<ScoreStats>>,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -88,6 +93,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             linears,
             scheme,
             op_times: OpTimes::from_env(),
+            score_stats: RefCell::new(None),
         })
     }
 
@@ -206,6 +212,21 @@ impl<'b, B: Backend> Llama<'b, B> {
                 },
             ),
         };
+        // Statistics mode: the scores of this step as a prefill of its new tokens (a decode step
+        // is one new token per sequence over the same tables).
+        let stats_params = self.score_stats.borrow().as_ref().map(|st| {
+            let p = match &attn {
+                Attn::Prefill(p) => p.clone(),
+                Attn::Decode(ap, p) => PrefillParams {
+                    geom: p.geom,
+                    dtype: p.dtype,
+                    scheme: p.scheme,
+                    tables: p.tables.clone(),
+                    new_lens: ap.new_lens.clone(),
+                },
+            };
+            (p, st.params)
+        });
         let mut prev_ffn2: Option<usize> = None;
         for (l, (w, s)) in self.weights.layers.iter().zip(&layer_slots).enumerate() {
             self.add_rmsnorm(&norm, acts, g.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
@@ -237,6 +258,13 @@ impl<'b, B: Backend> Llama<'b, B> {
                 }
             };
             self.op_times.lap(b, "attention")?;
+            if let Some((sp, params)) = &stats_params {
+                let hists = b.attention_score_hist(sp, params, acts.get(s.q), cache)?;
+                if let Some(st) = self.score_stats.borrow_mut().as_mut() {
+                    st.add(l, &hists)?;
+                }
+                self.op_times.lap(b, "score_hist")?;
+            }
             stats.rows += t * cfg.num_heads;
             let qd = cfg.num_heads * cfg.head_dim;
             self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
@@ -272,6 +300,11 @@ impl<'b, B: Backend> Llama<'b, B> {
             g.final_normed,
         )?;
         stats.recomputed += b.take_recomputed()?;
+        if stats_params.is_some() {
+            if let Some(st) = self.score_stats.borrow_mut().as_mut() {
+                st.steps += 1;
+            }
+        }
         self.op_times.lap(b, "add_rmsnorm")?;
         let rows = wanted_rows.len();
         if rows == 0 {

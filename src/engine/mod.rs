@@ -11,3 +11,4 @@ pub mod op_times;
 pub mod rope;
 pub mod runner;
 pub mod sampler;
+pub mod score_stats;

@@ -6,9 +6,11 @@ use crate::engine::activations::Activations;
 use crate::engine::forward::{Llama, StepKind, StepOut, StepSeq};
 use crate::engine::kv::KvCache;
 use crate::engine::memory::MemoryPlan;
+use crate::engine::score_stats::ScoreStats;
 use crate::error::{FdppError, Result};
 use crate::kv::BlockTable;
 use crate::ops::attention::AttnStats;
+use crate::ops::scores::ScoreStatsParams;
 
 /// Default tokens per prefill step: long prompts are prefilled in chunks of this many tokens
 /// (over all sequences of the step), which bounds the activation buffers.
@@ -165,6 +167,27 @@ impl<'b, B: Backend> Engine<'b, B> {
             })
             .collect();
         Ok(self.run(StepKind::Decode, &seqs)?.logits)
+    }
+
+    /// Statistics mode on (`Some`, starting from empty histograms) or off (`None`): while on,
+    /// every step also gathers the softmax inputs of every layer (see
+    /// [`crate::engine::score_stats`]); results are unchanged.
+    pub fn set_score_stats(&mut self, params: Option<ScoreStatsParams>) -> Result<()> {
+        let stats = match params {
+            Some(p) => Some(ScoreStats::new(p, self.model.cfg.num_layers, self.model.cfg.num_heads)?),
+            None => None,
+        };
+        *self.model.score_stats.borrow_mut() = stats;
+        Ok(())
+    }
+
+    /// The histograms gathered so far (statistics mode stays on, from empty ones).
+    pub fn take_score_stats(&mut self) -> Option<ScoreStats> {
+        let mut cell = self.model.score_stats.borrow_mut();
+        let fresh = cell
+            .as_ref()
+            .and_then(|s| ScoreStats::new(s.params, s.layers.len(), self.model.cfg.num_heads).ok());
+        std::mem::replace(&mut *cell, fresh)
     }
 
     /// Give a finished sequence's pages back.

@@ -9,6 +9,7 @@ pub mod e2e;
 pub mod json;
 pub mod md;
 pub mod record;
+pub mod softmax;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};

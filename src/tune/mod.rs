@@ -4,6 +4,7 @@
 
 pub mod grid;
 pub mod inflection;
+pub mod softmax;
 pub mod sweep;
 pub mod verify;
 

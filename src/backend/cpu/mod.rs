@@ -13,6 +13,7 @@ mod gemv;
 pub mod hooked;
 mod info;
 pub mod layer;
+mod scores;
 mod simd;
 
 use std::time::Instant;
@@ -196,6 +197,24 @@ impl Backend for CpuBackend {
         check_dtypes("attention_prefill", p.dtype, &[q, k, v, &kv.k, &kv.v, out])?;
         let pools = (&mut kv.k.data[..], &mut kv.v.data[..]);
         attention::prefill(p, &kv.layout, &q.data, (&k.data, &v.data), pools, &mut out.data)
+    }
+
+    fn attention_score_hist(
+        &self,
+        p: &PrefillParams,
+        s: &crate::ops::scores::ScoreStatsParams,
+        q: &CpuBuffer,
+        kv: &PagedKv<CpuBuffer>,
+    ) -> Result<Vec<crate::ops::scores::ScoreHist>> {
+        // There are no out, k or v buffers here: their required lengths stand in for them, so
+        // that the params, the tables, q and the pools get the checks attention_prefill runs.
+        let g = p.geom;
+        let t = p.tokens();
+        let (qo, kvn) = (t * g.num_heads * g.head_dim, t * g.num_kv_heads * g.head_dim);
+        p.validate(&kv.layout, (q.len(), qo), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+        s.spec.validate()?;
+        check_dtypes("attention_score_hist", p.dtype, &[q, &kv.k])?;
+        Ok(scores::score_hist(p, s, &kv.layout, &q.data, &kv.k.data))
     }
 
     fn embedding(&self, p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
