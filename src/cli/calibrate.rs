@@ -565,7 +565,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         global.count,
         match &source {
             WeightSource::Random { seed } => format!("random weights (seed {seed})"),
-            WeightSource::Dir(_) => "trained weights".into(),
+            WeightSource::Dir(_) => "checkpoint weights".into(),
         },
         match &marked {
             Marked::Window { .. } => format!(
