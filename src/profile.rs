@@ -120,6 +120,11 @@ pub struct SoftmaxSection {
     /// Held-out validation: async and sync gave the same greedy tokens.
     #[serde(default)]
     pub validated_same_tokens: Option<bool>,
+    /// The same measure between two sync runs that differ only in how the prompt is cut into
+    /// prefill chunks (other kernel tilings, the same maths): the fp16 rounding floor of this
+    /// model, against which the async − sync difference is read.
+    #[serde(default)]
+    pub sync_noise_floor: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -145,6 +150,7 @@ impl SoftmaxSection {
             recompute_rate: None,
             validated_logit_diff: None,
             validated_same_tokens: None,
+            sync_noise_floor: None,
         }
     }
 }

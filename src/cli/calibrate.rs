@@ -34,6 +34,8 @@ use crate::tune::softmax::{choose_window, Choice, DEFAULT_COVERAGE, MAX_WINDOW};
 
 /// Async and sync last logits must agree to this, relative to the largest |sync| logit.
 pub const LOGIT_TOLERANCE: f64 = 1e-3;
+/// Prefill chunk of the second sync run that measures the fp16 noise floor.
+pub const NOISE_FLOOR_CHUNK: usize = 64;
 
 /// The calibration options of `fdpp tune` (used with `--calibrate`).
 #[derive(Args, Debug, Clone)]
@@ -262,12 +264,17 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Prefill the prompts together, then `steps` greedy decode steps; the pages are given back.
-fn greedy<B: Backend>(e: &mut Engine<'_, B>, prompts: &[Vec<u32>], steps: usize) -> crate::Result<GreedyRun> {
+/// Prefill the prompts together (in steps of at most `chunk` tokens), then `steps` greedy decode
+/// steps; the pages are given back.
+fn greedy<B: Backend>(
+    e: &mut Engine<'_, B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    chunk: usize,
+) -> crate::Result<GreedyRun> {
     let before = e.attn;
     let mut tables = vec![BlockTable::default(); prompts.len()];
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-    let chunk = e.max_step_tokens();
     let mut logits = vec![e.prefill(&mut tables, &refs, chunk, &mut |_, _| Ok(()))?];
     let mut tokens = vec![Vec::new(); prompts.len()];
     for _ in 0..steps {
@@ -440,7 +447,8 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         spec: HistSpec::DEFAULT,
         per_head: false,
     }))?;
-    greedy(&mut engine, &calib, c.decode_steps).context("calibration run")?;
+    let chunk = engine.max_step_tokens();
+    greedy(&mut engine, &calib, c.decode_steps, chunk).context("calibration run")?;
     let stats = engine
         .take_score_stats()
         .context("internal: statistics mode was off after the calibration run")?;
@@ -495,10 +503,17 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
                 w.b - w.a
             ));
             // Validation on the held-out prompts: sync, then async with the window.
+            let chunk = engine.max_step_tokens();
             engine.model.scheme = SoftmaxScheme::Sync;
-            let sync = greedy(&mut engine, &held, c.decode_steps).context("held-out run, sync softmax")?;
+            let sync = greedy(&mut engine, &held, c.decode_steps, chunk).context("held-out run, sync softmax")?;
+            // The noise floor: sync again with the prompts prefilled in small chunks (other
+            // tiles, other GEMM shapes, the same maths).
+            let sync_small = greedy(&mut engine, &held, c.decode_steps, NOISE_FLOOR_CHUNK.min(chunk))
+                .context("held-out run, sync softmax in small prefill chunks")?;
+            let floor = logit_diff(&sync_small, &sync);
+            section.sync_noise_floor = Some(floor);
             engine.model.scheme = w.scheme();
-            let asy = greedy(&mut engine, &held, c.decode_steps).context("held-out run, async softmax")?;
+            let asy = greedy(&mut engine, &held, c.decode_steps, chunk).context("held-out run, async softmax")?;
             let rate = asy.attn.recomputed as f64 / asy.attn.rows.max(1) as f64;
             let diff = logit_diff(&asy, &sync);
             let same = asy.tokens == sync.tokens;
@@ -515,7 +530,8 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
                 asy.attn.rows
             ));
             lines.push(format!(
-                "held-out async vs sync: logits max diff {diff:.2e} of the largest logit ({}), greedy tokens {}",
+                "held-out async vs sync: logits max diff {diff:.2e} of the largest logit ({}; sync vs sync with \
+                 {NOISE_FLOOR_CHUNK}-token prefill chunks differs by {floor:.2e}: the fp16 floor), greedy tokens {}",
                 if diff <= LOGIT_TOLERANCE {
                     format!("ok, ≤ {LOGIT_TOLERANCE:e}")
                 } else {

@@ -379,9 +379,11 @@ fn softmax_md(sm: Option<&crate::profile::SoftmaxSection>) -> String {
     }
     if sm.recompute_rate.is_some() || sm.validated_logit_diff.is_some() {
         s += &format!(
-            "- held-out validation: recompute rate {}, async vs sync logits max diff {}, greedy tokens {}\n",
+            "- held-out validation: recompute rate {}, async vs sync logits max diff {} (sync vs sync with \
+             other prefill chunks: {}), greedy tokens {}\n",
             opt(sm.recompute_rate, &|r| format!("{:.4} %", r * 100.0)),
             opt(sm.validated_logit_diff, &|d| format!("{d:.2e}")),
+            opt(sm.sync_noise_floor, &|d| format!("{d:.2e}")),
             match sm.validated_same_tokens {
                 Some(true) => "the same",
                 Some(false) => "DIFFER",
