@@ -27,12 +27,18 @@ OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 
 # Every specialisation fdpp compiles at run time (src/backend/rocm/sources.rs): gemv rows
-# 1/2/4, flat_gemm B_N 32/64/128/256 and the layer ops, f16 and bf16.
+# 1/2/4, flat_gemm B_N 32/64/128/256, the layer ops, split-KV decode attention (head_dim
+# 64/128/256 x 1/2/4 heads per block) and MFMA prefill attention (head_dim 64/128/256), f16 and
+# bf16.
 specs=()
 for bf in 0 1; do
   for rows in 1 2 4; do specs+=("gemv.hip|-DFDPP_BF16=$bf -DFDPP_ROWS=$rows -DFDPP_INFLIGHT=8"); done
   for bn in 32 64 128 256; do specs+=("flat_gemm.hip|-DFDPP_BF16=$bf -DFDPP_BN=$bn"); done
   specs+=("layer.hip|-DFDPP_BF16=$bf")
+  for d in 64 128 256; do
+    for hg in 1 2 4; do specs+=("attn_decode.hip|-DFDPP_BF16=$bf -DFDPP_D=$d -DFDPP_HG=$hg"); done
+    specs+=("attn_prefill.hip|-DFDPP_BF16=$bf -DFDPP_D=$d")
+  done
 done
 
 n=0

@@ -85,7 +85,10 @@ fn calibration_writes_the_section_the_report_and_profile_show_prints_it() {
     assert!(so.contains("random weights, not of the trained model"), "{so}");
     assert!(so.contains("no GEMM sweep"), "{so}");
     assert!(so.contains("held-out (4 prompts"), "{so}");
-    assert!(so.contains("(ok, ≤ 1e-3; sync vs sync with 64-token prefill chunks differs by"), "{so}");
+    assert!(
+        so.contains("(ok, ≤ 1e-3; sync vs sync with 64-token prefill chunks differs by"),
+        "{so}"
+    );
     assert!(so.contains("greedy tokens the same"), "{so}");
     let (path, p) = profile_json(work.path());
     let sm = &p["softmax"];

@@ -1,6 +1,7 @@
 //! The compute backends. Every op a backend offers takes named dimensions; the CPU backend is
 //! the reference the GPU backends are checked against and the default where no GPU is present.
 
+pub mod attn_plan;
 pub mod cpu;
 pub mod cuda;
 pub mod kernel_cache;

@@ -8,19 +8,19 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::sources::{attn_decode_source, attn_heads_per_block, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
+use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
+use crate::backend::attn_plan::{self, i32_of, window, DecodePlan, LOG2E};
 use crate::backend::{Backend, DeviceBuffer};
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
 use crate::ops::layer::KvAppendParams;
 
 const THREADS: u32 = 128;
 /// Threads of a prefill block: 16 query rows per warp (attn_prefill.cu's WARPS).
 const PREFILL_THREADS: u32 = (PREFILL_BM / 16 * 32) as u32;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
 
 /// Counter slots: the running total of the enqueue paths, and the per-call slot the counting
 /// paths reset and read.
@@ -69,10 +69,6 @@ fn ptr_of<T>(b: &CudaBackend, slot: &Option<CudaSlice<T>>) -> Result<u64> {
 /// last call: every layer of a step reads the same tables) and its pointer.
 fn upload_ints(b: &CudaBackend, sc: &mut Scratch, host: &[i32]) -> Result<u64> {
     sc.ints.put(b, &i32_bytes(host), "block tables")
-}
-
-fn i32_of(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| FdppError::InvalidArgument(format!("attention: {what} = {v} does not fit i32")))
 }
 
 fn check_dtypes(what: &str, want: crate::dtype::DType, bufs: &[&CudaBuffer]) -> Result<()> {
@@ -143,14 +139,6 @@ pub fn take_recomputed(b: &CudaBackend) -> Result<usize> {
     Ok(n)
 }
 
-/// The async window in the kernels' log2 units: (φ, a, b) · log2(e).
-fn window(scheme: SoftmaxScheme) -> (f32, f32, f32) {
-    match scheme {
-        SoftmaxScheme::Sync => (0.0, 0.0, 0.0),
-        SoftmaxScheme::Async { phi, a, b } => (phi * LOG2E, a * LOG2E, b * LOG2E),
-    }
-}
-
 /// Split-KV decode. `counting`: wait for the device and return the exact recompute count.
 pub fn decode(
     b: &CudaBackend,
@@ -164,21 +152,15 @@ pub fn decode(
     check_dtypes("decode attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
     let g = p.geom;
     let (bsz, heads, kvh, d) = (p.batch(), g.num_heads, g.num_kv_heads, g.head_dim);
-    let hg = attn_heads_per_block(g.group());
-    let chunks = g.group() / hg;
-    let max_len = (0..bsz).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
-    let splits = p
-        .num_splits
-        .unwrap_or_else(|| num_splits(bsz, kvh, max_len, b.info().compute_units as usize));
-    let rows = bsz * heads;
+    let plan = DecodePlan::new(p, b.info().compute_units as usize);
+    let (hg, chunks, splits, rows, max_len) = (plan.hg, plan.chunks, plan.splits, plan.rows, plan.max_len);
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
     let mut sc = b.attn.borrow_mut();
-    let mut host = p.tables.block_table.clone();
-    host.extend_from_slice(&p.tables.seq_lens);
+    let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
-    let lens = tables + 4 * p.tables.block_table.len() as u64;
+    let lens = tables + 4 * lens_at as u64;
     let (max_pages, page_size) = (
         i32_of(p.tables.max_pages, "max_pages")?,
         i32_of(kv.layout.page_size, "page_size")?,
@@ -199,7 +181,7 @@ pub fn decode(
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let part = if splits > 1 {
-                grow(b, &mut sc.partials, rows * splits * (d + 2), "partials")?;
+                grow(b, &mut sc.partials, plan.partial_elems().unwrap_or(0), "partials")?;
                 ptr_of(b, &sc.partials)?
             } else {
                 0
@@ -233,7 +215,7 @@ pub fn decode(
         }
         SoftmaxScheme::Async { .. } => {
             let (phi2, a2, b2) = window(p.scheme);
-            grow(b, &mut sc.accum, rows * (d + 3) + bsz * kvh * chunks, "accumulators")?;
+            grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
             let f = b.function_of(&uri, "attn_decode_async", 0, src)?;
@@ -254,25 +236,6 @@ pub fn decode(
     };
     b.check_launch(&what)?;
     Ok(AttnStats { rows, recomputed })
-}
-
-/// The query tiles of a prefill: one per `bm` new rows of a sequence, as (sequence, first row in
-/// q/out, position of the first query, rows), the longest key ranges first (causal balance: the
-/// tiles that walk the most keys start first).
-pub fn prefill_tiles(p: &PrefillParams, bm: usize) -> Result<Vec<[i32; 4]>> {
-    let mut tiles: Vec<[i32; 4]> = Vec::new();
-    for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
-        for i in (0..n).step_by(bm) {
-            tiles.push([
-                i32_of(seq, "sequence")?,
-                i32_of(row0 + i, "row")?,
-                i32_of(prefix + i, "position")?,
-                i32_of(bm.min(n - i), "rows")?,
-            ]);
-        }
-    }
-    tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[3]));
-    Ok(tiles)
 }
 
 /// Causal prefill: append the new K and V to the cache, then attend.
@@ -305,7 +268,7 @@ pub fn prefill(
     )?;
     let g = p.geom;
     let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
-    let tiles = prefill_tiles(p, PREFILL_BM)?;
+    let tiles = attn_plan::prefill_tiles(p, PREFILL_BM)?;
     let ntiles = tiles.len();
     let uri = format!("attn_prefill_{}_d{d}", p.dtype);
     let src = || Ok(attn_prefill_source(p.dtype, d));
@@ -322,13 +285,8 @@ pub fn prefill(
     }
 
     let mut sc = b.attn.borrow_mut();
-    let mut host = p.tables.block_table.clone();
     // The tile list follows the table; int4 loads want it 16-byte aligned.
-    while !host.len().is_multiple_of(4) {
-        host.push(-1);
-    }
-    let tiles_at = host.len();
-    host.extend(tiles.iter().flatten());
+    let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
     let table = upload_ints(b, &mut sc, &host)?;
     let tiles_ptr = table + 4 * tiles_at as u64;
     let (max_pages, page_size) = (

@@ -2,7 +2,6 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::attention::prefill_tiles;
 use super::sources::attn_scores_source;
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
@@ -56,13 +55,8 @@ pub fn score_hist(
     }
     let nh = if s.per_head { g.num_heads } else { 1 };
     let bins = s.spec.bins;
-    let tiles = prefill_tiles(p, ROWS_PER_BLOCK)?;
-    let mut host = p.tables.block_table.clone();
-    while !host.len().is_multiple_of(4) {
-        host.push(-1);
-    }
-    let tiles_at = host.len();
-    host.extend(tiles.iter().flatten());
+    let tiles = crate::backend::attn_plan::prefill_tiles(p, ROWS_PER_BLOCK)?;
+    let (host, tiles_at) = crate::backend::attn_plan::prefill_ints(p, &tiles);
     let st = b.stream();
     let ints = st.clone_htod(&host).map_err(drv("uploading score-histogram tables"))?;
     let mut hist = st

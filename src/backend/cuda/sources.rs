@@ -130,14 +130,8 @@ pub fn all_sources() -> Vec<KernelSource> {
     v
 }
 
-/// Query heads one decode block serves (the kernel's HG): a GQA group of up to 4 in one block,
-/// larger groups in chunks of 4 (the chunks of one split run side by side and share K/V in L2).
-pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 4];
-
-/// HG for a GQA group size.
-pub fn attn_heads_per_block(group: usize) -> usize {
-    group.clamp(1, 4)
-}
+// Heads per decode block: shared with the ROCm port (src/backend/attn_plan.rs).
+pub use crate::backend::attn_plan::{attn_heads_per_block, ATTN_HEADS_PER_BLOCK};
 
 /// Split-KV decode (sync, combine, async) for one dtype, head_dim and heads-per-block.
 pub fn attn_decode_source(dtype: DType, head_dim: usize, hg: usize) -> KernelSource {

@@ -6,6 +6,7 @@
 //! launch arithmetic is tested on the CPU (launch.rs), and the kernels are compiled by hipcc and
 //! hiprtc in CI. See the README's ROCm section for what has run on hardware (nothing yet).
 
+pub mod attention;
 pub mod blas;
 pub mod hip;
 pub mod hiprtc;
@@ -23,6 +24,7 @@ use super::{Backend, BackendStatus, DeviceBuffer, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
+use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 use hip::{Function, HipApi, Module, Stream};
@@ -91,6 +93,8 @@ pub struct RocmBackend {
     functions: RefCell<HashMap<(String, String), Function>>,
     /// The small per-layer ops' loaded kernels and argument scratch (layer.rs).
     layer: RefCell<layer::LayerState>,
+    /// The attention launches' device scratch and counters (attention.rs).
+    attn: RefCell<attention::AttnState>,
     _owned_stream: OwnedStream,
 }
 
@@ -122,6 +126,7 @@ impl RocmBackend {
             modules: RefCell::new(HashMap::new()),
             functions: RefCell::new(HashMap::new()),
             layer: RefCell::default(),
+            attn: RefCell::default(),
             _owned_stream: owned,
         })
     }
@@ -366,6 +371,54 @@ impl Backend for RocmBackend {
                 format!("rocblas_gemm_ex {spec} at {}: status {s}", dims.label()),
             )
         })
+    }
+
+    fn attention_decode(
+        &self,
+        p: &DecodeParams,
+        q: &RocmBuffer,
+        kv: &PagedKv<RocmBuffer>,
+        out: &mut RocmBuffer,
+    ) -> Result<AttnStats> {
+        attention::decode(self, p, q, kv, out, true)
+    }
+
+    fn attention_decode_enqueue(
+        &self,
+        p: &DecodeParams,
+        q: &RocmBuffer,
+        kv: &PagedKv<RocmBuffer>,
+        out: &mut RocmBuffer,
+    ) -> Result<()> {
+        attention::decode(self, p, q, kv, out, false).map(|_| ())
+    }
+
+    fn attention_prefill(
+        &self,
+        p: &PrefillParams,
+        q: &RocmBuffer,
+        k: &RocmBuffer,
+        v: &RocmBuffer,
+        kv: &mut PagedKv<RocmBuffer>,
+        out: &mut RocmBuffer,
+    ) -> Result<AttnStats> {
+        attention::prefill(self, p, q, k, v, kv, out, true)
+    }
+
+    fn attention_prefill_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &RocmBuffer,
+        k: &RocmBuffer,
+        v: &RocmBuffer,
+        kv: &mut PagedKv<RocmBuffer>,
+        out: &mut RocmBuffer,
+    ) -> Result<()> {
+        attention::prefill(self, p, q, k, v, kv, out, false).map(|_| ())
+    }
+
+    fn take_recomputed(&self) -> Result<usize> {
+        attention::take_recomputed(self)
     }
 
     fn embedding(&self, p: &EmbeddingParams, table: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {

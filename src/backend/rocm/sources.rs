@@ -11,12 +11,16 @@ const COMMON: &str = include_str!("../../../kernels_hip/common.h");
 const GEMV: &str = include_str!("../../../kernels_hip/gemv.hip");
 const FLAT_GEMM: &str = include_str!("../../../kernels_hip/flat_gemm.hip");
 const LAYER: &str = include_str!("../../../kernels_hip/layer.hip");
+const ATTN_DECODE: &str = include_str!("../../../kernels_hip/attn_decode.hip");
+const ATTN_PREFILL: &str = include_str!("../../../kernels_hip/attn_prefill.hip");
 
 const FILES: &[(&str, &str)] = &[
     ("common.h", COMMON),
     ("gemv.hip", GEMV),
     ("flat_gemm.hip", FLAT_GEMM),
     ("layer.hip", LAYER),
+    ("attn_decode.hip", ATTN_DECODE),
+    ("attn_prefill.hip", ATTN_PREFILL),
 ];
 
 /// Rows per wavefront offered for gemv, and B_N offered for flat_gemm (FlashDecoding++ §4: B_N
@@ -97,7 +101,41 @@ pub fn all_sources() -> Vec<KernelSource> {
         .filter_map(|s| gemm_source(&s))
         .collect();
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
+    for dt in dtypes {
+        for &d in &crate::ops::attention::SUPPORTED_HEAD_DIMS {
+            for &hg in ATTN_HEADS_PER_BLOCK {
+                v.push(attn_decode_source(dt, d, hg));
+            }
+            v.push(attn_prefill_source(dt, d));
+        }
+    }
     v
+}
+
+pub use crate::backend::attn_plan::ATTN_HEADS_PER_BLOCK;
+
+/// Split-KV decode (sync, combine, async; kernels_hip/attn_decode.hip) for one dtype, head_dim
+/// and heads-per-block; the same URIs as the CUDA specs, compiled for a gfx arch.
+pub fn attn_decode_source(dtype: DType, head_dim: usize, hg: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("attn_decode_{dtype}_d{head_dim}_hg{hg}"),
+        text: expand(ATTN_DECODE),
+        defines: vec![
+            dtype_define(dtype),
+            ("FDPP_D".into(), head_dim.to_string()),
+            ("FDPP_HG".into(), hg.to_string()),
+        ],
+    }
+}
+
+/// Causal prefill on MFMA (sync and async; kernels_hip/attn_prefill.hip) for one dtype and
+/// head_dim. CDNA2/3 only.
+pub fn attn_prefill_source(dtype: DType, head_dim: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("attn_prefill_{dtype}_d{head_dim}"),
+        text: expand(ATTN_PREFILL),
+        defines: vec![dtype_define(dtype), ("FDPP_D".into(), head_dim.to_string())],
+    }
 }
 
 #[cfg(test)]
@@ -107,7 +145,8 @@ mod tests {
     #[test]
     fn every_source_is_self_contained_and_uniquely_named() {
         let all = all_sources();
-        assert_eq!(all.len(), 2 * (GEMV_ROWS.len() + FLAT_BN.len() + 1));
+        let attn = crate::ops::attention::SUPPORTED_HEAD_DIMS.len() * (ATTN_HEADS_PER_BLOCK.len() + 1);
+        assert_eq!(all.len(), 2 * (GEMV_ROWS.len() + FLAT_BN.len() + 1 + attn));
         let mut uris: Vec<&str> = all.iter().map(|s| s.uri.as_str()).collect();
         uris.sort();
         uris.dedup();
@@ -138,6 +177,26 @@ mod tests {
             assert_eq!(s.defines, vec![dtype_define(dt)]);
             assert!(s.text.contains("add_rmsnorm_v") && s.text.contains("wave_sum"));
             assert!(all_sources().contains(&s));
+        }
+    }
+
+    #[test]
+    fn attention_specs_name_every_parameter_and_keep_the_cuda_uris() {
+        for dt in [DType::F16, DType::Bf16] {
+            for d in [64, 128, 256] {
+                for hg in [1, 2, 4] {
+                    let s = attn_decode_source(dt, d, hg);
+                    assert_eq!(s.uri, crate::backend::cuda::sources::attn_decode_source(dt, d, hg).uri);
+                    assert!(s.defines.contains(&("FDPP_D".into(), d.to_string())));
+                    assert!(s.defines.contains(&("FDPP_HG".into(), hg.to_string())));
+                    assert!(s.text.contains("attn_decode_async") && s.text.contains("attn_combine"));
+                    assert!(!s.text.contains("asm"), "no inline assembly in the HIP port");
+                }
+                let s = attn_prefill_source(dt, d);
+                assert_eq!(s.uri, crate::backend::cuda::sources::attn_prefill_source(dt, d).uri);
+                assert!(s.text.contains("attn_prefill_async") && s.text.contains("__builtin_amdgcn_mfma"));
+                assert!(all_sources().contains(&s));
+            }
         }
     }
 

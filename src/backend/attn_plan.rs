@@ -1,0 +1,325 @@
+//! Host-side planning of the attention kernels, shared by the CUDA and ROCm backends
+//! (kernels_cuda/attn_*.cu and their HIP ports kernels_hip/attn_*.hip take the same arguments):
+//! heads per decode block, the split count and grid of a decode launch, the sizes of its
+//! workspaces, the async window in the kernels' log2 units, and the prefill tile list with the
+//! block tables packed in front of it. Pure functions of the params, unit-tested on the CPU.
+
+use crate::error::{FdppError, Result};
+use crate::ops::attention::{num_splits, DecodeParams, PrefillParams, SoftmaxScheme};
+
+/// The kernels work in log2 units (exp2 is one instruction): scores and (φ, a, b) are scaled by
+/// log2(e).
+pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// Query heads one decode block serves (the kernels' HG): a GQA group of up to 4 in one block,
+/// larger groups in chunks of 4 (the chunks of one split run side by side and share K/V in L2).
+pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 4];
+
+/// HG for a GQA group size.
+pub fn attn_heads_per_block(group: usize) -> usize {
+    group.clamp(1, 4)
+}
+
+/// The async window in the kernels' log2 units: (φ, a, b) · log2(e); zeros under `Sync`.
+pub fn window(scheme: SoftmaxScheme) -> (f32, f32, f32) {
+    match scheme {
+        SoftmaxScheme::Sync => (0.0, 0.0, 0.0),
+        SoftmaxScheme::Async { phi, a, b } => (phi * LOG2E, a * LOG2E, b * LOG2E),
+    }
+}
+
+/// A kernel's i32 argument, or an error naming it.
+pub fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| FdppError::InvalidArgument(format!("attention: {what} = {v} does not fit i32")))
+}
+
+/// One split-KV decode launch (FlashDecoding++ §3 on top of Flash-Decoding): the grid is
+/// (chunks · splits, batch · kv_heads), one block per (sequence, kv head, split, head chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodePlan {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Query heads per block.
+    pub hg: usize,
+    /// Blocks per (sequence, kv head, split): group / hg.
+    pub chunks: usize,
+    pub splits: usize,
+    /// batch · heads: the rows of q and out.
+    pub rows: usize,
+    /// The longest sequence (the split count is chosen for it).
+    pub max_len: usize,
+}
+
+impl DecodePlan {
+    /// The plan of `p` on a device with `compute_units` SMs or CUs; the split count is
+    /// `p.num_splits` or [`num_splits`] of the shape.
+    pub fn new(p: &DecodeParams, compute_units: usize) -> Self {
+        let g = p.geom;
+        let batch = p.batch();
+        let hg = attn_heads_per_block(g.group());
+        let max_len = (0..batch).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
+        let splits = p
+            .num_splits
+            .unwrap_or_else(|| num_splits(batch, g.num_kv_heads, max_len, compute_units));
+        DecodePlan {
+            batch,
+            heads: g.num_heads,
+            kv_heads: g.num_kv_heads,
+            head_dim: g.head_dim,
+            hg,
+            chunks: g.group() / hg,
+            splits,
+            rows: batch * g.num_heads,
+            max_len,
+        }
+    }
+
+    /// Grid of attn_decode_sync / attn_decode_async.
+    pub fn grid(&self) -> Result<(u32, u32, u32)> {
+        let u = |v: usize, what: &str| {
+            u32::try_from(v).map_err(|_| FdppError::InvalidArgument(format!("attention decode: {what} = {v} over u32")))
+        };
+        Ok((
+            u(self.chunks * self.splits, "blocks along x")?,
+            u(self.batch * self.kv_heads, "blocks along y")?,
+            1,
+        ))
+    }
+
+    /// f32 elements of the sync partials: acc [rows][splits][D], then (m, l) [rows][splits].
+    /// None with one split (the kernel writes out directly, no combine).
+    pub fn partial_elems(&self) -> Option<usize> {
+        (self.splits > 1).then(|| self.rows * self.splits * (self.head_dim + 2))
+    }
+
+    /// 4-byte words of the async workspace: acc [rows][D] and l [rows] (f32), max keys [rows] and
+    /// over-flags [rows] (u32), one arrival counter per (sequence, kv head, head chunk).
+    pub fn accum_words(&self) -> usize {
+        self.rows * (self.head_dim + 3) + self.batch * self.kv_heads * self.chunks
+    }
+}
+
+/// The block tables and sequence lengths of a decode launch as one i32 upload: the table
+/// (`max_pages` per sequence), then the lengths at the returned index.
+pub fn decode_ints(p: &DecodeParams) -> (Vec<i32>, usize) {
+    let mut host = p.tables.block_table.clone();
+    let lens_at = host.len();
+    host.extend_from_slice(&p.tables.seq_lens);
+    (host, lens_at)
+}
+
+/// The prefill query tiles: one per `bm` new rows of a sequence, as (sequence, first row in
+/// q/out, position of the first query in its sequence, rows), the longest key range first so
+/// that the causal tail balances across the device.
+pub fn prefill_tiles(p: &PrefillParams, bm: usize) -> Result<Vec<[i32; 4]>> {
+    if bm == 0 {
+        return Err(FdppError::InvalidArgument("attention prefill: 0 rows per tile".into()));
+    }
+    let mut tiles: Vec<[i32; 4]> = Vec::new();
+    for (seq, &(row0, prefix, n)) in p.spans().iter().enumerate() {
+        for i in (0..n).step_by(bm) {
+            let rows = bm.min(n - i);
+            tiles.push([
+                i32_of(seq, "sequence")?,
+                i32_of(row0 + i, "row")?,
+                i32_of(prefix + i, "position")?,
+                rows as i32,
+            ]);
+        }
+    }
+    tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[3]));
+    Ok(tiles)
+}
+
+/// The block table and the tile list of a prefill launch as one i32 upload: the table, padding
+/// (-1) to a multiple of 4 ints (int4 loads of the tiles want 16-byte alignment), then the tiles
+/// at the returned index.
+pub fn prefill_ints(p: &PrefillParams, tiles: &[[i32; 4]]) -> (Vec<i32>, usize) {
+    let mut host = p.tables.block_table.clone();
+    while !host.len().is_multiple_of(4) {
+        host.push(-1);
+    }
+    let tiles_at = host.len();
+    host.extend(tiles.iter().flatten());
+    (host, tiles_at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::kv::paged::{BlockTable, FlatBlockTables, PagedKvLayout};
+    use crate::ops::attention::{AttnGeometry, MAX_SPLITS, MIN_SPLIT_TOKENS};
+    use rand::{Rng, SeedableRng};
+
+    fn tables(layout: &PagedKvLayout, lens: &[usize]) -> FlatBlockTables {
+        let mut next = 0u32;
+        let ts: Vec<BlockTable> = lens
+            .iter()
+            .map(|&len| {
+                let n = layout.pages_for(len) as u32;
+                let pages: Vec<u32> = (next..next + n).collect();
+                next += n;
+                BlockTable { pages, seq_len: len }
+            })
+            .collect();
+        FlatBlockTables::new(layout, &ts).unwrap()
+    }
+
+    fn layout(kvh: usize, d: usize) -> PagedKvLayout {
+        PagedKvLayout::new(16, 4096, kvh, d, DType::F16).unwrap()
+    }
+
+    fn decode(heads: usize, kvh: usize, lens: &[usize], splits: Option<usize>) -> DecodeParams {
+        let l = layout(kvh, 128);
+        DecodeParams {
+            geom: AttnGeometry::new(heads, kvh, 128).unwrap(),
+            dtype: DType::F16,
+            scheme: SoftmaxScheme::Sync,
+            tables: tables(&l, lens),
+            num_splits: splits,
+        }
+    }
+
+    fn prefill(lens: &[usize], new: &[i32]) -> PrefillParams {
+        let l = layout(2, 64);
+        PrefillParams {
+            geom: AttnGeometry::new(8, 2, 64).unwrap(),
+            dtype: DType::F16,
+            scheme: SoftmaxScheme::Sync,
+            tables: tables(&l, lens),
+            new_lens: new.to_vec(),
+        }
+    }
+
+    #[test]
+    fn heads_per_block_chunks_every_gqa_group() {
+        for group in [1usize, 2, 4, 8, 16] {
+            let hg = attn_heads_per_block(group);
+            assert!(ATTN_HEADS_PER_BLOCK.contains(&hg));
+            assert!(group.is_multiple_of(hg), "group {group} hg {hg}");
+        }
+        assert_eq!(attn_heads_per_block(8), 4);
+        assert_eq!(attn_heads_per_block(2), 2);
+    }
+
+    #[test]
+    fn the_window_is_scaled_to_log2_units() {
+        assert_eq!(window(SoftmaxScheme::Sync), (0.0, 0.0, 0.0));
+        let (p, a, b) = window(SoftmaxScheme::Async {
+            phi: 1.5,
+            a: -10.0,
+            b: 5.0,
+        });
+        // e^x = 2^(x·log2 e).
+        assert!((p - 1.5 / std::f32::consts::LN_2).abs() < 1e-6);
+        assert!((a + 10.0 / std::f32::consts::LN_2).abs() < 1e-5);
+        assert!((b - 5.0 / std::f32::consts::LN_2).abs() < 1e-5);
+    }
+
+    #[test]
+    fn decode_grid_and_workspaces_follow_the_shape() {
+        // 32 query heads over 8 kv heads: group 4, one chunk; ragged batch of 3.
+        let p = decode(32, 8, &[1, 4097, 97], None);
+        let plan = DecodePlan::new(&p, 104);
+        assert_eq!((plan.hg, plan.chunks, plan.rows, plan.max_len), (4, 1, 96, 4097));
+        assert_eq!(plan.splits, num_splits(3, 8, 4097, 104));
+        assert!(plan.splits > 1 && plan.splits <= MAX_SPLITS);
+        assert!(4097 / plan.splits >= MIN_SPLIT_TOKENS);
+        assert_eq!(plan.grid().unwrap(), (plan.splits as u32, 24, 1));
+        assert_eq!(plan.partial_elems(), Some(96 * plan.splits * 130));
+        assert_eq!(plan.accum_words(), 96 * 131 + 24);
+
+        // GQA 16: four chunks of 4 heads per kv head; an explicit split count is kept.
+        let p = decode(32, 2, &[300], Some(3));
+        let plan = DecodePlan::new(&p, 104);
+        assert_eq!((plan.hg, plan.chunks, plan.splits), (4, 4, 3));
+        assert_eq!(plan.grid().unwrap(), (12, 2, 1));
+        assert_eq!(plan.accum_words(), 32 * 131 + 2 * 4);
+
+        // One split: no partials, the sync kernel writes out itself.
+        let p = decode(4, 4, &[10], Some(1));
+        let plan = DecodePlan::new(&p, 104);
+        assert_eq!(plan.partial_elems(), None);
+        assert_eq!(plan.hg, 1);
+        assert_eq!(plan.grid().unwrap(), (1, 4, 1));
+    }
+
+    /// Every (row, split) of the partials and every arrival counter is addressed by exactly one
+    /// block under the kernels' index arithmetic (`where()` and the chunk id).
+    #[test]
+    fn decode_blocks_cover_every_row_and_split_once() {
+        for (heads, kvh, batch, splits) in [(32, 8, 3, 5), (32, 2, 2, 3), (8, 8, 4, 1), (16, 8, 1, 7)] {
+            let p = decode(heads, kvh, &vec![200; batch], Some(splits));
+            let plan = DecodePlan::new(&p, 104);
+            let (gx, gy, _) = plan.grid().unwrap();
+            let group = heads / kvh;
+            let mut seen = vec![0u8; plan.rows * splits];
+            let mut arrivals = vec![0usize; batch * kvh * plan.chunks];
+            for by in 0..gy as usize {
+                for bx in 0..gx as usize {
+                    let chunk = bx % plan.chunks;
+                    let split = bx / plan.chunks;
+                    let (b, kv) = (by / kvh, by % kvh);
+                    let h0 = kv * group + chunk * plan.hg;
+                    for h in 0..plan.hg {
+                        seen[(b * heads + h0 + h) * splits + split] += 1;
+                    }
+                    arrivals[by * plan.chunks + chunk] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&c| c == 1), "h{heads}/kv{kvh} b{batch} s{splits}");
+            assert!(arrivals.iter().all(|&a| a == splits));
+        }
+    }
+
+    #[test]
+    fn decode_ints_put_lengths_after_the_table() {
+        let p = decode(8, 8, &[17, 40], None);
+        let (host, at) = decode_ints(&p);
+        assert_eq!(at, p.tables.block_table.len());
+        assert_eq!(&host[at..], &[17, 40]);
+        assert_eq!(&host[..at], p.tables.block_table.as_slice());
+    }
+
+    #[test]
+    fn prefill_tiles_cover_every_new_row_once_longest_first() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(rand::random());
+        for _ in 0..50 {
+            let b = rng.gen_range(1..5);
+            let lens: Vec<usize> = (0..b).map(|_| rng.gen_range(1..700)).collect();
+            let new: Vec<i32> = lens.iter().map(|&l| rng.gen_range(1..=l) as i32).collect();
+            let p = prefill(&lens, &new);
+            let bm = [64usize, 128][rng.gen_range(0..2)];
+            let tiles = prefill_tiles(&p, bm).unwrap();
+            let mut covered = vec![0u8; p.tokens()];
+            for t in &tiles {
+                let [seq, row0, pos0, rows] = t.map(|v| v as usize);
+                assert!(rows >= 1 && rows <= bm);
+                let (srow, prefix, n) = p.spans()[seq];
+                assert!(row0 >= srow && row0 + rows <= srow + n);
+                assert_eq!(pos0, prefix + (row0 - srow), "position follows the row");
+                for c in &mut covered[row0..row0 + rows] {
+                    *c += 1;
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1));
+            assert!(tiles.windows(2).all(|w| w[0][2] + w[0][3] >= w[1][2] + w[1][3]));
+        }
+        assert!(prefill_tiles(&prefill(&[5], &[5]), 0).is_err());
+    }
+
+    #[test]
+    fn prefill_ints_align_the_tiles_to_16_bytes() {
+        let p = prefill(&[33, 5, 70], &[33, 2, 70]);
+        let tiles = prefill_tiles(&p, 64).unwrap();
+        let (host, at) = prefill_ints(&p, &tiles);
+        assert!(at.is_multiple_of(4) && at >= p.tables.block_table.len());
+        assert_eq!(&host[..p.tables.block_table.len()], p.tables.block_table.as_slice());
+        assert!(host[p.tables.block_table.len()..at].iter().all(|&v| v == -1));
+        assert_eq!(host.len(), at + 4 * tiles.len());
+        assert_eq!(&host[at..at + 4], &tiles[0]);
+    }
+}
