@@ -141,11 +141,10 @@ fn check_backend<B: Backend>(b: &B, cases: &[crate::check::GemmCase], seed: u64)
         let specs = b.gemm_candidates(case.dtype, case.dims.n, case.dims.k);
         let got = check_gemm(b, &specs, std::slice::from_ref(case), seed)
             .with_context(|| format!("{} gemm {} {}", b.info().backend, case.dtype, case.dims.label()))?;
-        for r in &got {
-            if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
-                eprintln!("FAIL {} {} {}: {reason}", r.spec, r.dtype, r.dims.label());
-            }
-        }
+        print_failures(
+            got.iter()
+                .map(|r| (&r.status, format!("{} {} {}", r.spec, r.dtype, r.dims.label()))),
+        );
         rows.extend(got);
     }
     Ok(rows)
@@ -161,11 +160,7 @@ fn check_backend_attention<B: Backend>(
         return Ok(vec![]);
     }
     let rows = check_attention(b, cases, seed).with_context(|| format!("{} attention", b.info().backend))?;
-    for r in &rows {
-        if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
-            eprintln!("FAIL {} {}: {reason}", r.spec, r.case);
-        }
-    }
+    print_failures(rows.iter().map(|r| (&r.status, format!("{} {}", r.spec, r.case))));
     Ok(rows)
 }
 
@@ -179,12 +174,17 @@ fn check_backend_layer<B: Backend>(
         return Ok(vec![]);
     }
     let rows = check_layer(b, cases, seed).with_context(|| format!("{} layer ops", b.info().backend))?;
-    for r in &rows {
-        if let Some(reason) = r.status.is_fail().then(|| r.status.reason()).flatten() {
-            eprintln!("FAIL {} {}: {reason}", r.spec, r.case);
+    print_failures(rows.iter().map(|r| (&r.status, format!("{} {}", r.spec, r.case))));
+    Ok(rows)
+}
+
+/// One stderr line per failed row, as the rows come (the table follows at the end).
+fn print_failures<'a>(rows: impl Iterator<Item = (&'a Status, String)>) {
+    for (status, what) in rows {
+        if let (true, Some(reason)) = (status.is_fail(), status.reason()) {
+            eprintln!("FAIL {what}: {reason}");
         }
     }
-    Ok(rows)
 }
 
 fn add3(a: (usize, usize, usize), b: (usize, usize, usize)) -> (usize, usize, usize) {

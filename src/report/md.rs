@@ -91,3 +91,41 @@ pub fn to_markdown(records: &[GemmRecord]) -> String {
     }
     out
 }
+
+/// Markdown with padded columns; numeric columns right-aligned.
+pub fn padded_table(header: &[&str], numeric: &[bool], rows: &[Vec<String>]) -> String {
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count().max(3)).collect();
+    for r in rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: &[String]| {
+        let mut s = String::from("|");
+        for ((c, w), num) in cells.iter().zip(&width).zip(numeric) {
+            let pad = " ".repeat(w - c.chars().count());
+            if *num {
+                s.push_str(&format!(" {pad}{c} |"));
+            } else {
+                s.push_str(&format!(" {c}{pad} |"));
+            }
+        }
+        s.push('\n');
+        s
+    };
+    let mut out = line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>());
+    out.push('|');
+    for (w, num) in width.iter().zip(numeric) {
+        let dashes = "-".repeat(w - 1);
+        out.push_str(&if *num {
+            format!(" {dashes}: |")
+        } else {
+            format!(" :{dashes} |")
+        });
+    }
+    out.push('\n');
+    for r in rows {
+        out.push_str(&line(r));
+    }
+    out
+}
