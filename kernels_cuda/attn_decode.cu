@@ -254,6 +254,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                  const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                  int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ Smem sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
@@ -285,6 +287,8 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
 // One block per row: merge the splits' partials, each rescaled to the largest max.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     const int row = blockIdx.x;
     const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
     float m = -FDPP_INF;
@@ -318,6 +322,8 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
                   const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                   int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
                   unsigned* __restrict__ recomputed, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ Smem sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);

@@ -70,3 +70,19 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Programmatic dependent launch (sm_90+; src/backend/cuda/launch.rs). A chained kernel may start
+// while the previous one finishes: before pdl_wait() it may only read memory that no kernel of
+// the step writes (weights); pdl_wait() returns once the previous grid has completed and its
+// writes are visible. pdl_trigger() lets the next chained kernel start launching its blocks.
+// Without the launch attribute (or before sm_90) both are no-ops in effect.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

@@ -50,10 +50,9 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Stage one K tile of W (BN rows) and x (8·MT rows) into shared memory.
-template <int MT, bool VEC>
-__device__ __forceinline__ void load_tile(u16* sw, u16* sx, const u16* __restrict__ x, const u16* __restrict__ w,
-                                          int M, int N, int K, int n0, int m0, int kt) {
+// Stage one K tile of W (BN rows) into shared memory.
+template <bool VEC>
+__device__ __forceinline__ void load_w_tile(u16* sw, const u16* __restrict__ w, int N, int K, int n0, int kt) {
     const int k0 = kt * BK;
     if (VEC) {
         for (int i = threadIdx.x; i < BN * CH; i += THREADS) {
@@ -63,6 +62,21 @@ __device__ __forceinline__ void load_tile(u16* sw, u16* sx, const u16* __restric
             cp_async16(smem_addr(sw + row * BK + swz(row, ch) * 8), ok ? (const void*)(w + (size_t)n * K + k) : (const void*)w,
                        ok ? 16 : 0);
         }
+    } else {
+        // Any K (rows not 16-byte aligned): element by element, synchronously. Correct, slow.
+        for (int i = threadIdx.x; i < BN * BK; i += THREADS) {
+            const int row = i / BK, col = i % BK;
+            const int n = n0 + row, k = k0 + col;
+            sw[row * BK + swz(row, col / 8) * 8 + col % 8] = (n < N && k < K) ? w[(size_t)n * K + k] : (u16)0;
+        }
+    }
+}
+
+// Stage one K tile of x (8·MT rows) into shared memory.
+template <int MT, bool VEC>
+__device__ __forceinline__ void load_x_tile(u16* sx, const u16* __restrict__ x, int M, int K, int m0, int kt) {
+    const int k0 = kt * BK;
+    if (VEC) {
         for (int i = threadIdx.x; i < 8 * MT * CH; i += THREADS) {
             const int row = i / CH, ch = i % CH;
             const int m = m0 + row, k = k0 + ch * 8;
@@ -71,12 +85,6 @@ __device__ __forceinline__ void load_tile(u16* sw, u16* sx, const u16* __restric
                        ok ? 16 : 0);
         }
     } else {
-        // Any K (rows not 16-byte aligned): element by element, synchronously. Correct, slow.
-        for (int i = threadIdx.x; i < BN * BK; i += THREADS) {
-            const int row = i / BK, col = i % BK;
-            const int n = n0 + row, k = k0 + col;
-            sw[row * BK + swz(row, col / 8) * 8 + col % 8] = (n < N && k < K) ? w[(size_t)n * K + k] : (u16)0;
-        }
         for (int i = threadIdx.x; i < 8 * MT * BK; i += THREADS) {
             const int row = i / BK, col = i % BK;
             const int m = m0 + row, k = k0 + col;
@@ -105,9 +113,17 @@ __device__ __forceinline__ void flat_gemm(const u16* __restrict__ x, const u16* 
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+    // The W tiles of the first stages do not depend on the previous kernel (weights are never
+    // written during generation): they are requested before pdl_wait() (launch.rs). Their
+    // cp.asyncs join the commit group of stage 0, which is waited for first.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < KT) load_w_tile<VEC>(sw + s * BN * BK, w, N, K, n0, s);
+    pdl_wait();
+    pdl_trigger();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile<MT, VEC>(sw + s * BN * BK, sx + s * 8 * MT * BK, x, w, M, N, K, n0, m0, s);
+        if (s < KT) load_x_tile<MT, VEC>(sx + s * 8 * MT * BK, x, M, K, m0, s);
         cp_async_commit();
     }
 
@@ -119,7 +135,10 @@ __device__ __forceinline__ void flat_gemm(const u16* __restrict__ x, const u16* 
         {
             const int nk = kt + STAGES - 1;
             const int slot = nk % STAGES;
-            if (nk < KT) load_tile<MT, VEC>(sw + slot * BN * BK, sx + slot * 8 * MT * BK, x, w, M, N, K, n0, m0, nk);
+            if (nk < KT) {
+                load_w_tile<VEC>(sw + slot * BN * BK, w, N, K, n0, nk);
+                load_x_tile<MT, VEC>(sx + slot * 8 * MT * BK, x, M, K, m0, nk);
+            }
             cp_async_commit();
         }
         cp_async_wait<STAGES - 1>();

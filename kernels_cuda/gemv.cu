@@ -23,6 +23,16 @@ static_assert(WARPS % KSPLIT == 0, "KSPLIT must divide the warps of a block");
 // 16-byte weight loads in flight per lane: ROWS × UNROLL = FDPP_INFLIGHT (covers HBM latency).
 constexpr int UNROLL = FDPP_INFLIGHT / ROWS > 0 ? FDPP_INFLIGHT / ROWS : 1;
 
+// UNROLL × ROWS 16-byte weight loads per lane, starting at chunk c0 (zeros past c_end).
+__device__ __forceinline__ void load_w(uint4 (&wv)[UNROLL][ROWS], const uint4* const (&wr)[ROWS], int c0,
+                                       int c_end) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            wv[u][r] = (c0 + 32 * u < c_end) ? ld_stream16(wr[r] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+}
+
 // Vector path: K % 8 == 0 and 16-byte aligned rows.
 // KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
 // their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
@@ -49,13 +59,15 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-    for (int c0 = c_begin + lane; active && c0 < c_end; c0 += 32 * UNROLL) {
-        uint4 wv[UNROLL][ROWS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r)
-                wv[u][r] = (c0 + 32 * u < c_end) ? ld_stream16(wr[r] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+    const int first = c_begin + lane;
+    uint4 wv[UNROLL][ROWS];
+    // The weights are never written during generation: the first loads go out before pdl_wait(),
+    // while the previous kernel of the step may still be finishing (launch.rs).
+    if (active) load_w(wv, wr, first, c_end);
+    pdl_wait();
+    pdl_trigger();
+    for (int c0 = first; active && c0 < c_end; c0 += 32 * UNROLL) {
+        if (c0 != first) load_w(wv, wr, c0, c_end);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + 32 * u;
@@ -128,6 +140,8 @@ FDPP_GEMV_ENTRY(8)
 // Scalar path for any K (K = 4097: rows are not 16-byte aligned) and any M ≤ 8: correct, not fast.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
     gemv_scalar(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y, int M, int N, int K) {
+    pdl_wait();
+    pdl_trigger();
     // Same rows per block as the vector path; the warps of a row group share its rows.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int base = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * ROWS;

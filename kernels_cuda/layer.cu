@@ -80,6 +80,8 @@ __device__ __forceinline__ void rms_scale(uint4 r, uint4 w, uint4* out, float in
 extern "C" __global__ void __launch_bounds__(1024)
     add_rmsnorm_v(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
                   u16* __restrict__ out, int hidden, float eps) {
+    pdl_wait();
+    pdl_trigger();
     const int nvec = hidden >> 3;
     const size_t row = (size_t)blockIdx.x * hidden;
     uint4* res = reinterpret_cast<uint4*>(residual + row);
@@ -114,6 +116,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 extern "C" __global__ void __launch_bounds__(1024)
     add_rmsnorm_s(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
                   u16* __restrict__ out, int hidden, float eps) {
+    pdl_wait();
+    pdl_trigger();
     const size_t row = (size_t)blockIdx.x * hidden;
     float ss = 0.f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -141,6 +145,8 @@ extern "C" __global__ void __launch_bounds__(128)
     qkv_rope(const u16* __restrict__ qkv, const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ k,
              u16* __restrict__ v, const int* __restrict__ positions, const float* __restrict__ inv_freq, int H, int G,
              int D) {
+    pdl_wait();
+    pdl_trigger();
     const int t = blockIdx.x;
     const int item = blockIdx.y * blockDim.x + threadIdx.x;
     const int half = D >> 1, hc = half >> 3;
@@ -201,6 +207,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 // inter % 8 == 0: 8 outputs per step, gate and up read as 16-byte vectors.
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_v(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    pdl_wait();
+    pdl_trigger();
     const long long iv = inter >> 3, total = (long long)rows * iv;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / iv, c = 8 * (i - r * iv);
@@ -216,6 +224,8 @@ extern "C" __global__ void __launch_bounds__(256)
 
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_s(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    pdl_wait();
+    pdl_trigger();
     const long long total = (long long)rows * inter;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / inter, c = i - r * inter;
@@ -238,6 +248,8 @@ template <> struct Vec<1> { typedef u16 T; };
 template <int V>
 __device__ __forceinline__ void gather(const u16* __restrict__ src, u16* __restrict__ dst,
                                        const int* __restrict__ rows, int width) {
+    pdl_wait();
+    pdl_trigger();
     typedef typename Vec<V>::T T;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c >= width) return;
@@ -252,6 +264,8 @@ template <int V>
 __device__ __forceinline__ void scatter_kv(const u16* __restrict__ k, const u16* __restrict__ v,
                                            u16* __restrict__ kpool, u16* __restrict__ vpool,
                                            const int* __restrict__ slots, int width) {
+    pdl_wait();
+    pdl_trigger();
     typedef typename Vec<V>::T T;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c >= width) return;

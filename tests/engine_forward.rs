@@ -177,3 +177,31 @@ fn no_reuse_and_sync_softmax_give_the_same_logits() {
     };
     assert_close(&prefill_alone(&spec, &sync, &p), &base, "sync softmax");
 }
+
+#[test]
+fn greedy_decode_chooses_the_argmax_of_the_logits_decode() {
+    let spec = tiny(false, false);
+    let opts = EngineOptions::default();
+    let prompts = [prompt(9, 2), prompt(14, 3)];
+    let b = CpuBackend::new();
+    // Room for each step twice: every step runs from a copy of the tables for the logits, then
+    // from the tables themselves greedily (the same K/V go to the same slots; a page the copy
+    // grew is left unused).
+    let lens: Vec<usize> = prompts.iter().map(|p| 2 * (p.len() + 8)).collect();
+    let mut e = engine(&b, &spec, &opts, &lens);
+    let mut tables = vec![BlockTable::default(); 2];
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    e.prefill(&mut tables, &refs, opts.chunk, &mut |_, _| Ok(()))
+        .expect("prefill");
+    let mut next = vec![5u32, 77];
+    for _ in 0..3 {
+        let mut copy = tables.clone();
+        let mut refs: Vec<&mut BlockTable> = copy.iter_mut().collect();
+        let logits = e.decode(&mut refs, &next).expect("decode");
+        let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+        let ids = e.decode_greedy(&mut refs, &next).expect("greedy decode");
+        let want: Vec<u32> = logits.iter().map(|l| fdpp::engine::sampler::argmax(l) as u32).collect();
+        assert_eq!(ids, want);
+        next = ids;
+    }
+}

@@ -334,3 +334,45 @@ fn bad_layer_op_inputs_are_refused_before_any_launch() {
     ));
     gpu.synchronize().unwrap();
 }
+
+/// The device's greedy choice (kernels_cuda/sample.cu) equals the host's on fresh random logits
+/// at odd widths, with planted ties (the lowest index wins) and −inf rows; a NaN anywhere in a
+/// row is refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_argmax_rows_matches_the_host_and_refuses_nan() {
+    let (_cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        for (rows, width) in [(1usize, 32000usize), (3, 1000), (17, 257), (32, 32001), (5, 1)] {
+            let mut bits = random_bits(dt, rows * width, 8.0, r.gen());
+            for row in 0..rows {
+                let base = row * width;
+                match row % 3 {
+                    // A tie for the maximum at two random places.
+                    0 if width > 1 => {
+                        let (i, j) = (r.gen_range(0..width), r.gen_range(0..width));
+                        bits[base + i] = dt.from_f32(100.0);
+                        bits[base + j] = dt.from_f32(100.0);
+                    }
+                    // Every value −inf: index 0.
+                    1 if row == 1 => bits[base..base + width].fill(dt.from_f32(f32::NEG_INFINITY)),
+                    _ => {}
+                }
+            }
+            let want = fdpp::backend::host_argmax_rows(dt, &bits, rows, width).expect("host argmax");
+            // Rows past `rows` in the buffer are ignored: a poisoned tail row proves it.
+            let mut padded = bits.clone();
+            padded.extend(std::iter::repeat_n(dt.poison(), width));
+            let buf = gpu.upload(dt, &padded).expect("upload");
+            let got = gpu.argmax_rows(&buf, rows, width).expect("device argmax");
+            assert_eq!(got, want, "{dt} rows {rows} width {width}");
+        }
+        let mut bits = random_bits(dt, 4 * 300, 1.0, r.gen());
+        bits[2 * 300 + 123] = dt.from_f32(f32::NAN);
+        let buf = gpu.upload(dt, &bits).expect("upload");
+        let e = gpu.argmax_rows(&buf, 4, 300).expect_err("NaN row").to_string();
+        assert!(e.contains("row 2") && e.contains("NaN"), "{e}");
+        assert!(gpu.argmax_rows(&buf, 5, 300).is_err(), "rows past the buffer");
+    }
+}

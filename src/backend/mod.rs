@@ -276,6 +276,17 @@ pub trait Backend {
         Err(op_unsupported(self.info(), "fill_random"))
     }
 
+    /// Greedy choice: for each of the first `rows` rows of `width` logits in `logits`, the index
+    /// of the largest value (the lowest among equals). A row holding a NaN is an error, as it is
+    /// for the host sampler. The default reads the logits back and chooses on the host; a GPU
+    /// backend chooses on the device and reads back `rows` indices instead of rows × width
+    /// values (a decode step's largest transfer).
+    fn argmax_rows(&self, logits: &Self::Buffer, rows: usize, width: usize) -> Result<Vec<u32>> {
+        check_argmax_dims(logits.len(), rows, width)?;
+        let bits = self.download(logits)?;
+        host_argmax_rows(logits.dtype(), &bits, rows, width)
+    }
+
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
@@ -377,5 +388,70 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
                 )),
             },
         },
+    }
+}
+
+/// `rows` rows of `width` (≥ 1) must fit in a buffer of `len` elements.
+pub fn check_argmax_dims(len: usize, rows: usize, width: usize) -> Result<()> {
+    if width == 0 || rows.checked_mul(width).is_none_or(|n| n > len) {
+        return Err(FdppError::InvalidArgument(format!(
+            "argmax_rows: {rows} rows of {width} logits do not fit a buffer of {len} (width must be at least 1)"
+        )));
+    }
+    Ok(())
+}
+
+/// The host side of [`Backend::argmax_rows`]: widen each row and take its argmax.
+pub fn host_argmax_rows(dtype: DType, bits: &[u16], rows: usize, width: usize) -> Result<Vec<u32>> {
+    check_argmax_dims(bits.len(), rows, width)?;
+    let mut row = vec![0f32; width];
+    (0..rows)
+        .map(|r| {
+            dtype.widen(&bits[r * width..(r + 1) * width], &mut row);
+            if let Some(i) = row.iter().position(|v| v.is_nan()) {
+                return Err(nan_logit(r, Some(i)));
+            }
+            Ok(crate::engine::sampler::argmax(&row) as u32)
+        })
+        .collect()
+}
+
+/// The error for a row of logits holding a NaN (`token` when known).
+pub fn nan_logit(row: usize, token: Option<usize>) -> FdppError {
+    let at = token.map_or(String::new(), |t| format!(" (token {t})"));
+    FdppError::InvalidArgument(format!(
+        "logits of row {row} hold a NaN{at}: the forward pass produced a non-number"
+    ))
+}
+
+#[cfg(test)]
+mod argmax_tests {
+    use super::*;
+
+    fn bits(dt: DType, v: &[f32]) -> Vec<u16> {
+        v.iter().map(|&x| dt.from_f32(x)).collect()
+    }
+
+    #[test]
+    fn each_row_gives_its_largest_the_lowest_index_on_ties() {
+        for dt in [DType::F16, DType::Bf16] {
+            let b = bits(dt, &[0.5, 2.0, 2.0, -1.0, -3.0, -2.0, -2.5, -2.0, 7.0, 7.0, 7.0, 7.0]);
+            assert_eq!(host_argmax_rows(dt, &b, 3, 4).expect("argmax"), vec![1, 1, 0]);
+            assert_eq!(host_argmax_rows(dt, &b, 2, 4).expect("two rows"), vec![1, 1]);
+            let inf = bits(dt, &[f32::NEG_INFINITY, f32::NEG_INFINITY]);
+            assert_eq!(host_argmax_rows(dt, &inf, 1, 2).expect("all -inf"), vec![0]);
+        }
+    }
+
+    #[test]
+    fn a_nan_or_rows_past_the_buffer_are_errors() {
+        let b = bits(DType::F16, &[1.0, f32::NAN, 0.0, 3.0]);
+        let e = host_argmax_rows(DType::F16, &b, 2, 2).expect_err("nan").to_string();
+        assert!(e.contains("row 0") && e.contains("token 1") && e.contains("NaN"), "{e}");
+        let e = host_argmax_rows(DType::F16, &b, 3, 2)
+            .expect_err("too many rows")
+            .to_string();
+        assert!(e.contains("3 rows of 2"), "{e}");
+        assert!(host_argmax_rows(DType::F16, &b, 1, 0).is_err());
     }
 }

@@ -223,6 +223,11 @@ fn run_batch<B: Backend>(
         }
     }
 
+    // Greedy without a repetition penalty needs only each row's argmax: chosen on the device,
+    // so a step reads back one index per sequence instead of vocab_size logits (the same
+    // token the host sampler would choose, NaN refused alike).
+    let p = &opts.sampling;
+    let device_greedy = p.is_greedy() && p.repetition_penalty == 1.0;
     let mut step_ms = Vec::new();
     let mut decode_tokens = 0;
     let t_decode = Instant::now();
@@ -239,11 +244,21 @@ fn run_batch<B: Backend>(
             .filter(|(i, _)| seqs[*i].finish.is_none())
             .map(|(_, t)| t)
             .collect();
-        let logits = engine.decode(&mut refs, &tokens)?;
-        for (&i, l) in active.iter().zip(&logits) {
-            accept(&mut seqs[i], i, l, opts, tok, on_token)?;
-            if seqs[i].finish.is_some() {
-                engine.release(&mut tables[i])?;
+        if device_greedy {
+            let ids = engine.decode_greedy(&mut refs, &tokens)?;
+            for (&i, &id) in active.iter().zip(&ids) {
+                accept_id(&mut seqs[i], i, id, opts, tok, on_token)?;
+                if seqs[i].finish.is_some() {
+                    engine.release(&mut tables[i])?;
+                }
+            }
+        } else {
+            let logits = engine.decode(&mut refs, &tokens)?;
+            for (&i, l) in active.iter().zip(&logits) {
+                accept(&mut seqs[i], i, l, opts, tok, on_token)?;
+                if seqs[i].finish.is_some() {
+                    engine.release(&mut tables[i])?;
+                }
             }
         }
         b.synchronize()?;
@@ -279,6 +294,18 @@ fn accept(
     on_token: &mut OnToken<'_>,
 ) -> Result<()> {
     let id = seq.sampler.sample(logits, &seq.history())?;
+    accept_id(seq, index, id, opts, tok, on_token)
+}
+
+/// Stream the chosen token `id` of `seq` and decide whether the sequence is done.
+fn accept_id(
+    seq: &mut Seq,
+    index: usize,
+    id: u32,
+    opts: &GenerateOptions,
+    tok: Option<&Tokenizer>,
+    on_token: &mut OnToken<'_>,
+) -> Result<()> {
     seq.tokens.push(id);
     let piece = match tok {
         Some(t) => seq.text.push(t, id)?,

@@ -62,10 +62,23 @@ pub struct StepSeq<'a> {
     pub want_logits: bool,
 }
 
+/// What a step returns for the sequences that want its last token's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepWant {
+    /// The logits, read back to the host (any sampler).
+    Logits,
+    /// The greedy token chosen on the device ([`Backend::argmax_rows`]): one index per
+    /// sequence is read back instead of vocab_size logits.
+    Greedy,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct StepOut {
-    /// One row of vocab_size logits per sequence that wanted them, in step order.
+    /// With [`StepWant::Logits`]: one row of vocab_size logits per sequence that wanted them, in
+    /// step order.
     pub logits: Vec<Vec<f32>>,
+    /// With [`StepWant::Greedy`]: the chosen token of each of those sequences, in step order.
+    pub tokens: Vec<u32>,
     pub attn: AttnStats,
 }
 
@@ -107,6 +120,7 @@ impl<'b, B: Backend> Llama<'b, B> {
         &self,
         kind: StepKind,
         seqs: &[StepSeq],
+        want: StepWant,
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
     ) -> Result<StepOut> {
@@ -309,8 +323,8 @@ impl<'b, B: Backend> Llama<'b, B> {
         let rows = wanted_rows.len();
         if rows == 0 {
             return Ok(StepOut {
-                logits: Vec::new(),
                 attn: stats,
+                ..StepOut::default()
             });
         }
         // Every row wanted in order (a decode step): the LM head reads the normed rows as they
@@ -334,6 +348,15 @@ impl<'b, B: Backend> Llama<'b, B> {
         self.op_times.lap(b, "gather_rows")?;
         self.lm_head(&gemms, rows, acts, src, g.logits)?;
         self.op_times.lap(b, "gemm lm_head")?;
+        if want == StepWant::Greedy {
+            let tokens = b.argmax_rows(acts.get(g.logits), rows, vocab)?;
+            self.op_times.lap(b, "argmax")?;
+            return Ok(StepOut {
+                tokens,
+                attn: stats,
+                ..StepOut::default()
+            });
+        }
         let bits = b.download(acts.get(g.logits))?;
         self.op_times.lap(b, "logits download")?;
         let mut row = vec![0f32; vocab];
@@ -343,7 +366,11 @@ impl<'b, B: Backend> Llama<'b, B> {
                 row.clone()
             })
             .collect();
-        Ok(StepOut { logits, attn: stats })
+        Ok(StepOut {
+            logits,
+            attn: stats,
+            ..StepOut::default()
+        })
     }
 
     fn qkv_n(&self) -> usize {

@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 use crate::engine::activations::Activations;
-use crate::engine::forward::{Llama, StepKind, StepOut, StepSeq};
+use crate::engine::forward::{Llama, StepKind, StepOut, StepSeq, StepWant};
 use crate::engine::kv::KvCache;
 use crate::engine::memory::MemoryPlan;
 use crate::engine::score_stats::ScoreStats;
@@ -75,8 +75,8 @@ impl<'b, B: Backend> Engine<'b, B> {
         self.acts.plan.max_tokens
     }
 
-    fn run(&mut self, kind: StepKind, seqs: &[StepSeq]) -> Result<StepOut> {
-        let out = self.model.step(kind, seqs, &mut self.kv, &mut self.acts)?;
+    fn run(&mut self, kind: StepKind, seqs: &[StepSeq], want: StepWant) -> Result<StepOut> {
+        let out = self.model.step(kind, seqs, want, &mut self.kv, &mut self.acts)?;
         self.attn.rows += out.attn.rows;
         self.attn.recomputed += out.attn.recomputed;
         Ok(out)
@@ -121,7 +121,7 @@ impl<'b, B: Backend> Engine<'b, B> {
                     want_logits: start + n == lens[s],
                 })
                 .collect();
-            let res = self.run(StepKind::Prefill, &seqs)?;
+            let res = self.run(StepKind::Prefill, &seqs, StepWant::Logits)?;
             let done = step.iter().filter(|&&(s, start, n)| start + n == lens[s]).map(|p| p.0);
             for (s, logits) in done.zip(res.logits) {
                 on_done(s, &logits)?;
@@ -135,6 +135,16 @@ impl<'b, B: Backend> Engine<'b, B> {
     /// sequence's next-token logits. Running out of KV pages is `OutOfKvPages`, with every
     /// table as it was.
     pub fn decode(&mut self, tables: &mut [&mut BlockTable], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.decode_step(tables, tokens, StepWant::Logits)?.logits)
+    }
+
+    /// As [`decode`](Self::decode), returning each sequence's greedy next token, chosen on the
+    /// device (the logits stay there).
+    pub fn decode_greedy(&mut self, tables: &mut [&mut BlockTable], tokens: &[u32]) -> Result<Vec<u32>> {
+        Ok(self.decode_step(tables, tokens, StepWant::Greedy)?.tokens)
+    }
+
+    fn decode_step(&mut self, tables: &mut [&mut BlockTable], tokens: &[u32], want: StepWant) -> Result<StepOut> {
         if tables.len() != tokens.len() || tables.is_empty() {
             return Err(FdppError::InvalidArgument(format!(
                 "decode: {} block tables for {} tokens",
@@ -166,7 +176,7 @@ impl<'b, B: Backend> Engine<'b, B> {
                 want_logits: true,
             })
             .collect();
-        Ok(self.run(StepKind::Decode, &seqs)?.logits)
+        self.run(StepKind::Decode, &seqs, want)
     }
 
     /// Statistics mode on (`Some`, starting from empty histograms) or off (`None`): while on,

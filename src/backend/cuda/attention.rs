@@ -8,6 +8,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::launch::Launch;
 use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
@@ -187,7 +188,7 @@ pub fn decode(
                 0
             };
             let f = b.function_of(&uri, "attn_decode_sync", 0, src)?;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
                 .arg(&page_size)
@@ -201,7 +202,7 @@ pub fn decode(
             if splits > 1 {
                 let f = b.function_of(&uri, "attn_combine", 0, src)?;
                 let r32 = i32_of(rows, "rows")?;
-                let mut l = b.stream().launch_builder(&f);
+                let mut l = Launch::chained(b, &f);
                 l.arg(&part).arg(&r32).arg(&s32).arg(&op);
                 let cfg = LaunchConfig {
                     grid_dim: (rows as u32, 1, 1),
@@ -219,7 +220,7 @@ pub fn decode(
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
             let f = b.function_of(&uri, "attn_decode_async", 0, src)?;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
                 .arg(&page_size)

@@ -1,8 +1,9 @@
 //! Launching the three GEMM implementations on CUDA.
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{sys, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, LaunchConfig};
 
+use super::launch::Launch;
 use super::sources::{self, flat_smem_bytes, flat_stages, FLAT_THREADS, GEMV_WARPS};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
@@ -77,14 +78,14 @@ fn gemv(
         let yo = yp + (2 * m0 * d.n) as u64;
         if vec_ok(&d) {
             let f = b.function_of(&uri, GEMV_M[mm - 1], 0, src)?;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = Launch::chained(b, &f);
             l.arg(&xo).arg(&wp).arg(&yo).arg(&n).arg(&k);
             // SAFETY: pointers cover [M, K], [N, K], [M, N] (checked above); grid matches the kernel.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
         } else {
             let f = b.function_of(&uri, "gemv_scalar", 0, src)?;
             let mm32 = mm as i32;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = Launch::chained(b, &f);
             l.arg(&xo).arg(&wp).arg(&yo).arg(&mm32).arg(&n).arg(&k);
             // SAFETY: as above.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;
@@ -150,7 +151,7 @@ fn flat(
         shared_mem_bytes: smem,
     };
     let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
-    let mut l = b.stream().launch_builder(&f);
+    let mut l = Launch::chained(b, &f);
     l.arg(&xp).arg(&wp).arg(&yp).arg(&m).arg(&n).arg(&k);
     // SAFETY: pointers cover [M, K], [N, K], [M, N]; smem matches the kernel's layout.
     unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {spec}")))?;

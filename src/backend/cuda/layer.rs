@@ -8,8 +8,9 @@
 //! device scratch; stream order keeps a later upload from overwriting arrays an earlier kernel
 //! still reads.
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
+use super::launch::Launch;
 use super::upload::Upload;
 use super::{drv, sources, CudaBackend, CudaBuffer};
 use crate::backend::layer_plan::{self as plan, i32_dim, ArgPack, LayerKernel, LayerLaunch};
@@ -119,7 +120,7 @@ pub fn add_rmsnorm(
         b.ptr(weight),
         b.ptr(out),
     );
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::chained(b, &f);
     a.arg(&rp).arg(&dp).arg(&wp).arg(&op).arg(&hidden).arg(&p.eps);
     // SAFETY: validate() checked every buffer against rows × hidden; delta 0 is the kernel's "none".
     unsafe { a.launch(config(&l)) }.map_err(drv("launch add_rmsnorm"))?;
@@ -156,7 +157,7 @@ pub fn qkv_rope(
     let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
     let (xp, bp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)));
     let (qp, kp, vp) = (b.ptr(q), b.ptr(k), b.ptr(v));
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::chained(b, &f);
     a.arg(&xp).arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq);
     a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]);
     // SAFETY: validate() checked qkv, bias, q, k, v against tokens and the geometry; positions
@@ -175,7 +176,7 @@ pub fn silu_mul(b: &CudaBackend, p: &SiluMulParams, gate_up: &CudaBuffer, out: &
     );
     let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
     let (gp, op) = (b.ptr(gate_up), b.ptr(out));
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::chained(b, &f);
     a.arg(&gp).arg(&op).arg(&rows).arg(&inter);
     // SAFETY: validate() checked gate_up (rows × 2·inter) and out (rows × inter).
     unsafe { a.launch(config(&l)) }.map_err(drv("launch silu_mul"))?;
@@ -200,7 +201,7 @@ fn gather(
     st.pack.push_i32s(rows.iter().copied());
     let rp = upload_pack(b, &mut st, Slot::Rows)?;
     let (sp, dp) = (b.ptr(src), b.ptr(dst));
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::chained(b, &f);
     a.arg(&sp).arg(&dp).arg(&rp).arg(&w);
     // SAFETY: the caller validated every row index against src and dst against rows × width.
     unsafe { a.launch(config(&l)) }.map_err(drv(op))?;
@@ -242,7 +243,7 @@ pub fn kv_append(
     st.pack.push_i32s(plan::kv_slot_rows(p, &layout)?);
     let sp = upload_pack(b, &mut st, Slot::KvSlots)?;
     let (kp, vp, kpool, vpool) = (b.ptr(k), b.ptr(v), b.ptr(&kv.k), b.ptr(&kv.v));
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::chained(b, &f);
     a.arg(&kp).arg(&vp).arg(&kpool).arg(&vpool).arg(&sp).arg(&w);
     // SAFETY: validate() checked k and v against the new tokens and every used block-table entry
     // against the pool, so each slot row lies inside both pools.
@@ -258,7 +259,7 @@ pub fn fill_random(b: &CudaBackend, buf: &mut CudaBuffer, seed: u64, scale: f32)
     let l = plan::fill_random(buf.len());
     let f = kernel(b, &mut b.layer.borrow_mut(), buf.dtype(), l.kernel)?;
     let p = b.ptr(buf);
-    let mut a = b.stream().launch_builder(&f);
+    let mut a = Launch::plain(b, &f);
     a.arg(&p).arg(&len).arg(&seed).arg(&scale);
     // SAFETY: the kernel writes elements 0..len of buf.
     unsafe { a.launch(config(&l)) }.map_err(drv("launch fill_random"))?;

@@ -4,8 +4,10 @@
 pub mod attention;
 pub mod gemm;
 pub mod jit;
+pub mod launch;
 pub mod layer;
 pub mod probe;
+pub mod sample;
 pub mod scores;
 pub mod sources;
 pub mod upload;
@@ -65,6 +67,10 @@ pub struct CudaBackend {
     max_smem: u32,
     /// The small per-layer ops' loaded kernels and argument scratch (layer.rs).
     layer: RefCell<Box<layer::LayerState>>,
+    /// Programmatic dependent launch for the chained kernels (launch.rs).
+    pdl: bool,
+    /// Device indices of the greedy choice (sample.rs).
+    argmax: RefCell<Option<CudaSlice<u32>>>,
 }
 
 impl CudaBackend {
@@ -96,6 +102,8 @@ impl CudaBackend {
                 reason: "cuBLAS (libcublas.so) not found: ImplC needs it".into(),
             });
         }
+        let (major, _) = ctx.compute_capability().map_err(drv("compute capability"))?;
+        let pdl = launch::pdl_wanted(major as u32, std::env::var("FDPP_PDL").ok().as_deref());
         let max_smem = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("device attribute"))? as u32;
@@ -111,11 +119,22 @@ impl CudaBackend {
             attn: RefCell::new(attention::Scratch::default()),
             max_smem,
             layer: RefCell::default(),
+            pdl,
+            argmax: RefCell::new(None),
         })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Whether chained kernels are launched with programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl
     }
 
     /// Load (compiling or from the disk cache) the module of a kernel source.
@@ -337,6 +356,10 @@ impl Backend for CudaBackend {
 
     fn fill_random(&self, buf: &mut CudaBuffer, seed: u64, scale: f32) -> Result<()> {
         layer::fill_random(self, buf, seed, scale)
+    }
+
+    fn argmax_rows(&self, logits: &CudaBuffer, rows: usize, width: usize) -> Result<Vec<u32>> {
+        sample::argmax_rows(self, &mut self.argmax.borrow_mut(), logits, rows, width)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -17,6 +17,7 @@ const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu")
 const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
+const SAMPLE: &str = include_str!("../../../kernels_cuda/sample.cu");
 
 /// The files of the GEMM kernels: their hash is the profiles' kernel hash (a profile holds GEMM
 /// timings; an edit to another kernel does not invalidate it).
@@ -109,6 +110,15 @@ pub fn layer_source(dtype: DType) -> KernelSource {
     }
 }
 
+/// Greedy choice on the device (kernels_cuda/sample.cu), one module per dtype.
+pub fn sample_source(dtype: DType) -> KernelSource {
+    KernelSource {
+        uri: format!("sample_{dtype}"),
+        text: expand(SAMPLE),
+        defines: vec![dtype_define(dtype)],
+    }
+}
+
 /// Every kernel source fdpp compiles.
 pub fn all_sources() -> Vec<KernelSource> {
     let dtypes = [DType::F16, DType::Bf16];
@@ -118,6 +128,7 @@ pub fn all_sources() -> Vec<KernelSource> {
         .filter_map(|s| gemm_source(&s))
         .collect();
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
+    v.extend(dtypes.iter().map(|&dt| sample_source(dt)));
     for dt in dtypes {
         for &d in &crate::ops::attention::SUPPORTED_HEAD_DIMS {
             for hg in ATTN_HEADS_PER_BLOCK {

@@ -1,0 +1,117 @@
+//! Kernel launches through `cuLaunchKernelEx`, with programmatic dependent launch (PDL) on
+//! Hopper and later.
+//!
+//! A decode step is a chain of ~10 kernels per layer, most of them a few microseconds long; each
+//! boundary costs the launch, the ramp of the next grid and the tail of the last one. With the
+//! programmatic-stream-serialization attribute the next kernel's blocks may start while the
+//! previous one is still finishing: they prefetch what does not depend on it (the weights, which
+//! nothing writes during generation) and then execute `griddepcontrol.wait` (`pdl_wait()` in
+//! common.cuh), which returns once the previous grid has completed and its writes are visible.
+//!
+//! The rule that keeps this correct: a kernel launched with the attribute must call `pdl_wait()`
+//! in every thread before it reads anything an earlier kernel wrote or writes anything at all.
+//! Only the entry points audited for that are launched through [`Launch::chained`]; the others
+//! (prefill, histograms, fill_random) use [`Launch::plain`], which serialises as usual.
+//! `FDPP_PDL=0` turns the attribute off everywhere (the kernels' waits then return at once), for
+//! A/B runs and as an escape hatch.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use cudarc::driver::{sys, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
+
+use super::CudaBackend;
+
+/// Whether programmatic dependent launch is used on a device of compute capability `major`:
+/// sm_90 and later, unless `FDPP_PDL=0`.
+pub fn pdl_wanted(major: u32, env: Option<&str>) -> bool {
+    major >= 9 && !matches!(env.map(str::trim), Some("0") | Some("off") | Some("false"))
+}
+
+/// The arguments of one launch, borrowed until it is made.
+pub(crate) struct Launch<'a> {
+    b: &'a CudaBackend,
+    f: &'a CudaFunction,
+    args: Vec<*mut c_void>,
+    pdl: bool,
+    _args: PhantomData<&'a ()>,
+}
+
+impl<'a> Launch<'a> {
+    /// A launch that may overlap the previous kernel (when the device and `FDPP_PDL` allow):
+    /// only for entry points that call `pdl_wait()` before touching dependent memory.
+    pub fn chained(b: &'a CudaBackend, f: &'a CudaFunction) -> Self {
+        Launch {
+            b,
+            f,
+            args: Vec::with_capacity(16),
+            pdl: b.pdl(),
+            _args: PhantomData,
+        }
+    }
+
+    /// A launch that starts after everything queued before it has completed.
+    pub fn plain(b: &'a CudaBackend, f: &'a CudaFunction) -> Self {
+        Launch {
+            pdl: false,
+            ..Launch::chained(b, f)
+        }
+    }
+
+    pub fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.args.push(v as *const T as *mut c_void);
+        self
+    }
+
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and every
+    /// pointer among them must cover what the kernel reads and writes for `cfg`.
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        self.b.context().bind_to_thread()?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.b.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the caller vouches for the arguments; `attr` and the argument values outlive
+        // the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.f.cu_function(),
+                self.args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pdl_only_on_hopper_and_later_and_not_when_turned_off() {
+        assert!(!pdl_wanted(8, None));
+        assert!(pdl_wanted(9, None));
+        assert!(pdl_wanted(10, Some("1")));
+        for off in ["0", "off", "false", " 0 "] {
+            assert!(!pdl_wanted(9, Some(off)), "{off}");
+        }
+    }
+}
