@@ -32,9 +32,7 @@ constexpr int HG = FDPP_HG;         // query heads per block
 constexpr int THREADS = 128;
 constexpr int LPT = D / 8;          // lanes per token row
 constexpr int NG = THREADS / LPT;   // token groups per block
-// Tokens per group in flight. One query head per block (MHA) leaves registers for 8, which lets
-// a 64-key split be read in one round; with 2-4 heads the scores and sums of every head need them.
-constexpr int U = HG == 1 ? 8 : 4;
+constexpr int U = 4;                // tokens per group in flight
 constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
@@ -49,46 +47,28 @@ struct Part {
     bool over[HG];     // some s − φ > b (async)
 };
 
-// One round of a token group: the lane's 16 bytes of K and of V for U consecutive tokens.
-struct Round {
-    uint4 k[U], v[U];
-};
-
-// Load the lane's part of tokens base .. base + U − 1 that lie in [lo, hi).
-__device__ __forceinline__ void load_round(Round& r, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                           const int* __restrict__ pages, int page_size, int G, int kvh, int base,
-                                           int lo, int hi) {
-    const int li = threadIdx.x % LPT;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int t = base + u;
-        if (t >= lo && t < hi) {
-            const int page = pages[t / page_size];
-            const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
-            r.k[u] = ld_stream16(kp + at);
-            r.v[u] = ld_stream16(vp + at);
-        }
-    }
-}
-
-// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group. The
-// group's tokens of the first round below `pre_hi` are already in `r` (loaded before pdl_wait);
-// `r` is the storage of every round.
+// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group.
 template <bool ASYNC>
 __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                            const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
-                                           int G, int kvh, int t0, int t1, float phi2, float b2, Round& r,
-                                           int pre_hi) {
-    const int gid = threadIdx.x / LPT;
+                                           int G, int kvh, int t0, int t1, float phi2, float b2) {
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
     // The trip count is the same for every group: the shuffles below need whole warps.
     for (int base0 = t0; base0 < t1; base0 += NG * U) {
         const int base = base0 + gid * U;
-        load_round(r, kp, vp, pages, page_size, G, kvh, base, base0 == t0 ? pre_hi : 0, t1);
-        const uint4 (&kr)[U] = r.k;
-        const uint4 (&vr)[U] = r.v;
+        uint4 kr[U], vr[U];
         bool ok[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) ok[u] = base + u < t1;
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u;
+            ok[u] = t < t1;
+            if (ok[u]) {
+                const int page = pages[t / page_size];
+                const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
+                kr[u] = ld_stream16(kp + at);
+                vr[u] = ld_stream16(vp + at);
+            }
+        }
         float s[U][HG];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -259,28 +239,13 @@ __device__ __forceinline__ void write_rows(const Smem& sm, u16* __restrict__ out
     }
 }
 
-// Before pdl_wait (src/backend/cuda/launch.rs): the first round of the block's keys and values,
-// except the sequence's newest token. In a decode step the kernel just before this one
-// (kv_append) writes exactly that token; every other row was written before it started, so
-// these loads overlap its tail instead of following it. The lengths and page tables come from a
-// host upload, complete before any later kernel starts. Returns the bound below which the first
-// round is loaded.
-__device__ __forceinline__ int prefetch_first_round(Round& r, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                                    const int* __restrict__ pages, int page_size, int G,
-                                                    const Where& w) {
-    const int pre_hi = max(w.t0, min(w.t1, w.len - 1));
-    load_round(r, kp, vp, pages, page_size, G, w.kvh, w.t0 + (threadIdx.x / LPT) * U, w.t0, pre_hi);
-    return pre_hi;
-}
-
 // Whole-sequence sync attention for the block's heads (the async recompute path).
 __device__ void recompute_sync(Smem& sm, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                const u16* __restrict__ vp, const int* __restrict__ pages, int page_size, int G,
                                int kvh, int len, u16* __restrict__ out, int row0, unsigned mask) {
     Part p;
     init_part(p, -FDPP_INF);
-    Round r;
-    accumulate<false>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f, r, 0);
+    accumulate<false>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     block_merge<false>(sm, p, 0.f);
     write_rows(sm, out, row0, mask);
 }
@@ -289,19 +254,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                  const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                  int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ Smem sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
-    const int* pages = table + (size_t)w.b * max_pages;
-    Round r;
-    const int pre_hi = prefetch_first_round(r, kp, vp, pages, page_size, G, w);
-    pdl_wait();
-    pdl_trigger();
     float qr[HG][8];
     load_q(qr, q, w.b * H + w.h0, scale2);
     Part p;
     init_part(p, -FDPP_INF);
-    accumulate<false>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f, r, pre_hi);
+    const int* pages = table + (size_t)w.b * max_pages;
+    accumulate<false>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
     block_merge<false>(sm, p, 0.f);
     if (splits == 1) {
         write_rows(sm, out, w.b * H + w.h0, ~0u);
@@ -359,14 +322,11 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
                   const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                   int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
                   unsigned* __restrict__ recomputed, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ Smem sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
-    const int* pages = table + (size_t)w.b * max_pages;
-    Round r;
-    const int pre_hi = prefetch_first_round(r, kp, vp, pages, page_size, G, w);
-    pdl_wait();
-    pdl_trigger();
     const int rows = gridDim.y * group;
     float* accs = ws;
     float* ls = accs + (size_t)rows * D;
@@ -374,12 +334,13 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
     unsigned* overs = keys + rows;
     unsigned* arrivals = overs + rows;
     const int row0 = w.b * H + w.h0;
+    const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, phi2);
-    accumulate<true>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2, r, pre_hi);
+    accumulate<true>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     // Flags first (a lane's view), then the sums merged in shared memory.
 #pragma unroll
     for (int h = 0; h < HG; ++h) {

@@ -144,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 extern "C" __global__ void __launch_bounds__(128)
     qkv_rope(const u16* __restrict__ qkv, const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ k,
              u16* __restrict__ v, const int* __restrict__ positions, const float* __restrict__ inv_freq, int H, int G,
-             int D) {
+             int D, const int* __restrict__ slots) {
     pdl_wait();
     pdl_trigger();
     const int t = blockIdx.x;
@@ -181,7 +181,10 @@ extern "C" __global__ void __launch_bounds__(128)
             o1[e] = __fsub_rn(__fmul_rn(x1[e], c), __fmul_rn(x2[e], s));
             o2[e] = __fadd_rn(__fmul_rn(x2[e], c), __fmul_rn(x1[e], s));
         }
-        u16* dst = head < H ? q + (size_t)t * (size_t)(H * D) + off : k + (size_t)t * (size_t)(G * D) + (off - H * D);
+        // With `slots` (a decode step's fused KV append), k and v rows go straight to their slot
+        // rows of the paged pools (k and v are then the pools); otherwise to row t.
+        const size_t kv_row = slots ? (size_t)slots[t] : (size_t)t;
+        u16* dst = head < H ? q + (size_t)t * (size_t)(H * D) + off : k + kv_row * (size_t)(G * D) + (off - H * D);
         st16(dst, pack8(o1));
         st16(dst + half, pack8(o2));
     } else if (item < rot_items + v_items) {
@@ -196,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(128)
             for (int e = 0; e < 8; ++e) a[e] += b[e];
             x = pack8(a);
         }
-        st16(v + (size_t)t * (size_t)(G * D) + c, x);
+        st16(v + (slots ? (size_t)slots[t] : (size_t)t) * (size_t)(G * D) + c, x);
     }
 }
 

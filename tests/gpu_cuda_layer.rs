@@ -376,3 +376,77 @@ fn cuda_argmax_rows_matches_the_host_and_refuses_nan() {
         assert!(gpu.argmax_rows(&buf, 5, 300).is_err(), "rows past the buffer");
     }
 }
+
+/// The decode step's fused rotation and KV append (one kernel) writes the same q and the same
+/// pools, bit for bit, as qkv_rope followed by kv_append on the same device; pages scattered,
+/// GQA and MHA, with and without bias, one token per sequence at ragged lengths.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_rope_append_equals_rope_then_append() {
+    let (_cpu, gpu) = open();
+    let mut r = rng();
+    for dt in DTYPES {
+        for (h, g, d, with_bias) in [(32, 8, 128, false), (32, 32, 128, true), (4, 2, 64, true)] {
+            let geom = AttnGeometry::new(h, g, d).unwrap();
+            let layout = PagedKvLayout::new(16, 40, g, d, dt).unwrap();
+            let mut pages: Vec<u32> = (0..40).collect();
+            pages.shuffle(&mut r);
+            let seq_lens = [1usize, 17, 100, 33];
+            let mut at = 0;
+            let tables: Vec<BlockTable> = seq_lens
+                .iter()
+                .map(|&len| {
+                    let n = layout.pages_for(len);
+                    at += n;
+                    BlockTable {
+                        pages: pages[at - n..at].to_vec(),
+                        seq_len: len,
+                    }
+                })
+                .collect();
+            let append = KvAppendParams {
+                tables: FlatBlockTables::new(&layout, &tables).unwrap(),
+                new_lens: vec![1; seq_lens.len()],
+            };
+            let inv_freq: Vec<f32> = (0..d / 2).map(|i| 10_000f32.powf(-2.0 * i as f32 / d as f32)).collect();
+            let rope = RopeParams {
+                geom,
+                dtype: dt,
+                positions: seq_lens.iter().map(|&l| l as i32 - 1).collect(),
+                inv_freq,
+            };
+            let t = rope.tokens();
+            let qkv = gpu
+                .upload(dt, &random_bits(dt, t * rope.qkv_width(), 1.0, r.gen()))
+                .unwrap();
+            let bias = gpu
+                .upload(dt, &random_bits(dt, rope.qkv_width(), 0.5, r.gen()))
+                .unwrap();
+            let pool_k = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+            let pool_v = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+            let mut runs = Vec::new();
+            for fused in [false, true] {
+                let mut bufs = [t * h * d, t * g * d, t * g * d].map(|n| gpu.alloc(dt, n).unwrap());
+                let mut kv = PagedKv {
+                    layout,
+                    k: gpu.upload(dt, &pool_k).unwrap(),
+                    v: gpu.upload(dt, &pool_v).unwrap(),
+                };
+                let [q, k, v] = &mut bufs;
+                let b = with_bias.then_some(&bias);
+                if fused {
+                    gpu.qkv_rope_append(&rope, &append, &qkv, b, q, k, v, &mut kv).unwrap();
+                } else {
+                    gpu.qkv_rope(&rope, &qkv, b, q, k, v).unwrap();
+                    gpu.kv_append(&append, k, v, &mut kv).unwrap();
+                }
+                runs.push([q, &kv.k, &kv.v].map(|x| gpu.download(x).unwrap()));
+            }
+            let what = format!("{dt} {} bias {with_bias}", geom.label());
+            assert_eq!(runs[0][0], runs[1][0], "{what}: q");
+            assert_eq!(runs[0][1], runs[1][1], "{what}: K pool");
+            assert_eq!(runs[0][2], runs[1][2], "{what}: V pool");
+            assert_ne!(runs[1][1], pool_k, "{what}: the fused kernel wrote the K pool");
+        }
+    }
+}

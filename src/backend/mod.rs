@@ -263,6 +263,26 @@ pub trait Backend {
         Err(op_unsupported(self.info(), "kv_append"))
     }
 
+    /// [`qkv_rope`](Self::qkv_rope), then [`kv_append`](Self::kv_append) of the rotated k and
+    /// the v of the same tokens (a decode step). A GPU backend may do both in one kernel that
+    /// writes k and v straight into the cache and leaves the `k` and `v` buffers as they were:
+    /// after this call, read the new keys and values from the cache only.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_append(
+        &self,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        qkv: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &mut Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+    ) -> Result<()> {
+        self.qkv_rope(rope, qkv, bias, q, k, v)?;
+        self.kv_append(append, k, v, kv)
+    }
+
     /// dst[i] = src[rows[i]].
     fn gather_rows(&self, p: &GatherParams, src: &Self::Buffer, dst: &mut Self::Buffer) -> Result<()> {
         let _ = (p, src, dst);

@@ -3,8 +3,8 @@
 //! of the sequences that asked for them.
 //!
 //! Per layer: add_rmsnorm → QKV GEMM → qkv_rope → attention (prefill writes the new K/V into
-//! the cache itself; decode appends them with kv_append, then attends) → O GEMM → add_rmsnorm
-//! (the residual add fused in) → FFN1 GEMM (gate and up fused) → silu_mul → FFN2 GEMM. The
+//! the cache itself; decode appends them in the rotation's kernel, qkv_rope_append, then
+//! attends) → O GEMM → add_rmsnorm (the residual add fused in) → FFN1 GEMM (gate and up fused) → silu_mul → FFN2 GEMM. The
 //! FFN2 output is added to the residual by the next layer's add_rmsnorm, and by the final norm
 //! after the last layer. Every GEMM's implementation comes from the profile at this step's M
 //! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3).
@@ -247,12 +247,17 @@ impl<'b, B: Backend> Llama<'b, B> {
             self.op_times.lap(b, "add_rmsnorm")?;
             self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
             self.op_times.lap(b, "gemm qkv")?;
+            let cache = &mut kv.layers[l];
             {
                 let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
-                b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?;
+                match &attn {
+                    Attn::Prefill(_) => b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
+                    // A decode step appends its token's k and v to the cache in the same kernel
+                    // as the rotation (one launch fewer per layer on a GPU).
+                    Attn::Decode(ap, _) => b.qkv_rope_append(&rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
+                }
             }
             self.op_times.lap(b, "qkv_rope")?;
-            let cache = &mut kv.layers[l];
             // The enqueue entry points: a GPU backend counts recomputed rows on the device and
             // the step reads the count once, after its last layer, instead of waiting for the
             // device in every layer.
@@ -261,12 +266,7 @@ impl<'b, B: Backend> Llama<'b, B> {
                     let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
                     b.attention_prefill_enqueue(p, q, k, v, cache, out)?
                 }
-                Attn::Decode(ap, p) => {
-                    {
-                        let [k, v] = acts.many([s.k, s.v])?;
-                        b.kv_append(ap, k, v, cache)?;
-                    }
-                    self.op_times.lap(b, "kv_append")?;
+                Attn::Decode(_, p) => {
                     let [q, out] = acts.many([s.q, s.attn])?;
                     b.attention_decode_enqueue(p, q, cache, out)?
                 }

@@ -138,6 +138,64 @@ pub fn qkv_rope(
 ) -> Result<()> {
     p.validate(qkv.len(), bias.map(|x| x.len()), q.len(), k.len(), v.len())?;
     check_dtypes("qkv_rope", p.dtype, &[("qkv", qkv), ("q", q), ("k", k), ("v", v)])?;
+    let (kp, vp) = (b.ptr(k), b.ptr(v));
+    launch_rope(b, p, qkv, bias, q, (kp, vp), None)
+}
+
+/// qkv_rope with the decode step's KV append fused in: the rotated k and the v of each token go
+/// straight to its slot row of the pools (one launch instead of two; k and v stay untouched).
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_append(
+    b: &CudaBackend,
+    rope: &RopeParams,
+    append: &KvAppendParams,
+    qkv: &CudaBuffer,
+    bias: Option<&CudaBuffer>,
+    q: &mut CudaBuffer,
+    k: &CudaBuffer,
+    v: &CudaBuffer,
+    kv: &mut PagedKv<CudaBuffer>,
+) -> Result<()> {
+    rope.validate(qkv.len(), bias.map(|x| x.len()), q.len(), k.len(), v.len())?;
+    let layout = kv.layout;
+    layout.validate()?;
+    append.validate(&layout, k.len(), v.len(), (kv.k.len(), kv.v.len()))?;
+    if append.tokens() != rope.positions.len() || layout.token_elems() != rope.geom.num_kv_heads * rope.geom.head_dim {
+        return Err(FdppError::InvalidArgument(format!(
+            "qkv_rope_append: {} rotated tokens of {} kv heads × {} for {} appended tokens of width {}",
+            rope.positions.len(),
+            rope.geom.num_kv_heads,
+            rope.geom.head_dim,
+            append.tokens(),
+            layout.token_elems()
+        )));
+    }
+    check_dtypes(
+        "qkv_rope_append",
+        rope.dtype,
+        &[("qkv", qkv), ("q", q), ("K pool", &kv.k), ("V pool", &kv.v)],
+    )?;
+    let slots = {
+        let mut st = b.layer.borrow_mut();
+        st.pack.clear();
+        st.pack.push_i32s(plan::kv_slot_rows(append, &layout)?);
+        upload_pack(b, &mut st, Slot::KvSlots)?
+    };
+    let pools = (b.ptr(&kv.k), b.ptr(&kv.v));
+    launch_rope(b, rope, qkv, bias, q, pools, Some(slots))
+}
+
+/// The qkv_rope launch: k and v rows go to `kv.0` / `kv.1` at row t, or at row slots[t] when the
+/// device array `slots` is given.
+fn launch_rope(
+    b: &CudaBackend,
+    p: &RopeParams,
+    qkv: &CudaBuffer,
+    bias: Option<&CudaBuffer>,
+    q: &mut CudaBuffer,
+    kv: (u64, u64),
+    slots: Option<u64>,
+) -> Result<()> {
     if let Some(x) = bias {
         check_dtypes("qkv_rope", p.dtype, &[("bias", x)])?;
     }
@@ -155,13 +213,15 @@ pub fn qkv_rope(
     let freq_at = st.pack.push_f32s(&p.inv_freq);
     let base = upload_pack(b, &mut st, Slot::Rope)?;
     let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
-    let (xp, bp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)));
-    let (qp, kp, vp) = (b.ptr(q), b.ptr(k), b.ptr(v));
+    let (xp, bp, qp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
+    let (kp, vp) = kv;
+    let sp = slots.unwrap_or(0);
     let mut a = Launch::chained(b, &f);
     a.arg(&xp).arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq);
-    a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]);
-    // SAFETY: validate() checked qkv, bias, q, k, v against tokens and the geometry; positions
-    // (tokens i32) and inv_freq (head_dim / 2 f32, 16-byte aligned) are in the scratch.
+    a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&sp);
+    // SAFETY: the callers validated qkv, bias and q against tokens and the geometry, and k and v
+    // (or, with slots, the pools and every slot row) against the tokens; positions (tokens i32)
+    // and inv_freq (head_dim / 2 f32, 16-byte aligned) are in the scratch.
     unsafe { a.launch(config(&l)) }.map_err(drv("launch qkv_rope"))?;
     b.check_launch("qkv_rope")
 }

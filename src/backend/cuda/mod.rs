@@ -336,6 +336,20 @@ impl Backend for CudaBackend {
         layer::qkv_rope(self, p, qkv, bias, q, k, v)
     }
 
+    fn qkv_rope_append(
+        &self,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        qkv: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        q: &mut CudaBuffer,
+        k: &mut CudaBuffer,
+        v: &mut CudaBuffer,
+        kv: &mut PagedKv<CudaBuffer>,
+    ) -> Result<()> {
+        layer::qkv_rope_append(self, rope, append, qkv, bias, q, k, v, kv)
+    }
+
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
         layer::silu_mul(self, p, gate_up, out)
     }

@@ -45,7 +45,7 @@ pub fn argmax_rows(
     l.arg(&lp).arg(&op).arg(&w);
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: check_argmax_dims bounds rows × width by the buffer; out holds ≥ rows entries.
