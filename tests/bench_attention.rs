@@ -290,7 +290,31 @@ fn fails_with(extra: &[&str], needle: &str) {
 }
 
 #[test]
+fn forced_splits_reach_sync_and_async_and_stay_correct() {
+    let dir = tempfile::tempdir().unwrap();
+    let (printed, _) = run_ok(
+        &[
+            "--batch", "2", "--kv-len", "300", "--splits", "7", "--reps", "2", "--warmup", "0",
+        ],
+        &dir.path().join("out"),
+    );
+    assert_eq!(printed.len(), 3);
+    for r in &printed {
+        // Every row was checked against the reference before it was timed (assert_common).
+        assert_common(r, "decode", 2);
+        let want = if r.variant == "naive" { 1 } else { 7 };
+        assert_eq!(r.splits, Some(want), "{r:?}");
+    }
+}
+
+#[test]
 fn bad_input_is_refused_with_the_reason() {
+    fails_with(&["--splits", "0"], "--splits 0: must be 1..=64");
+    fails_with(&["--splits", "65"], "--splits 65: must be 1..=64");
+    fails_with(
+        &["--phase", "prefill", "--splits", "2"],
+        "--splits applies to --phase decode",
+    );
     fails_with(&["--head-dim", "96"], "head_dim 96; supported: [64, 128, 256]");
     fails_with(&["--heads", "24", "--kv-heads", "8"], "GQA ratio 3");
     fails_with(&["--kv-len", "97,0"], "--kv-len: kv_len must be at least 1");

@@ -300,6 +300,20 @@ pub struct VariantRun {
     pub splits: Option<usize>,
 }
 
+impl VariantRun {
+    /// The same run with `splits` split-KV blocks per row (decode sync and async; the naive
+    /// variant stays at one split, prefill has none).
+    pub fn with_splits(mut self, splits: usize) -> Self {
+        if let AttnParams::Decode(p) = &mut self.params {
+            if self.variant != AttnVariant::Naive {
+                p.num_splits = Some(splits);
+                self.splits = Some(splits);
+            }
+        }
+        self
+    }
+}
+
 /// What the untimed run of a variant showed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Checked {
@@ -808,6 +822,13 @@ mod tests {
         let sync = inp.variant(AttnVariant::Sync, SoftmaxScheme::ASYNC_DEFAULT, 132);
         assert_eq!(sync.splits, Some(num_splits(2, 2, 300, 132)));
         let asy = inp.variant(AttnVariant::Async, SoftmaxScheme::ASYNC_DEFAULT, 132);
+        let forced = asy.clone().with_splits(5);
+        assert_eq!(forced.splits, Some(5));
+        assert!(matches!(&forced.params, AttnParams::Decode(p) if p.num_splits == Some(5)));
+        let naive_forced = inp
+            .variant(AttnVariant::Naive, SoftmaxScheme::ASYNC_DEFAULT, 132)
+            .with_splits(5);
+        assert_eq!(naive_forced.splits, Some(1), "naive keeps one split");
         assert_eq!(asy.params.scheme(), SoftmaxScheme::ASYNC_DEFAULT);
     }
 

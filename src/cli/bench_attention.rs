@@ -66,6 +66,11 @@ pub struct AttnBenchArgs {
     /// naive is refused there).
     #[arg(long, value_delimiter = ',')]
     pub variant: Vec<String>,
+
+    /// Decode: split-KV blocks per row for sync and async, instead of the count fdpp chooses from
+    /// the batch, kv_len and SM count (1..=64), to measure that choice
+    #[arg(long)]
+    pub splits: Option<usize>,
     /// Unified max φ of the async scheme (default 0).
     #[arg(long, allow_hyphen_values = true)]
     pub phi: Option<f32>,
@@ -171,6 +176,14 @@ pub fn plan(a: &AttnBenchArgs) -> anyhow::Result<AttnPlan> {
     }
     if a.reps == 0 {
         bail!("--reps: at least 1 timed run is needed");
+    }
+    if let Some(n) = a.splits {
+        if a.phase != AttnPhase::Decode {
+            bail!("--splits applies to --phase decode (prefill has no split-KV)");
+        }
+        if !(1..=crate::ops::attention::MAX_SPLITS).contains(&n) {
+            bail!("--splits {n}: must be 1..={}", crate::ops::attention::MAX_SPLITS);
+        }
     }
     if !(a.peak_tflops.is_finite() && a.peak_tflops > 0.0) {
         bail!(
@@ -321,7 +334,13 @@ fn bench_attention<B: Backend>(b: &B, a: &AttnBenchArgs, p: &AttnPlan, peer: Vec
         let runs: Vec<VariantRun> = p
             .variants
             .iter()
-            .map(|&v| inputs.variant(v, p.async_scheme, info.compute_units as usize))
+            .map(|&v| {
+                let run = inputs.variant(v, p.async_scheme, info.compute_units as usize);
+                match a.splits {
+                    Some(n) => run.with_splits(n),
+                    None => run,
+                }
+            })
             .collect();
         // Check every variant first; then time the ones that passed, interleaved.
         let mut passed = Vec::new();
