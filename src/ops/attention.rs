@@ -191,16 +191,26 @@ pub const MIN_SPLIT_TOKENS: usize = 64;
 /// waves of them, to keep enough bytes in flight for the copy bandwidth (measured on the H100:
 /// 2 blocks per SM reached 0.74 TB/s at batch 1, kv_len 1024; see reports/NOTES.md).
 pub const BLOCKS_PER_SM: usize = 8;
+/// Blocks per SM when the batch has fewer (sequence, kv head) items than SMs: each row is split
+/// many ways, and every split pays its partial's combine (or atomics) and its block's fixed
+/// latency. Measured on the H100 (fp16, 32 heads, d128, batch 1, `bench attention --splits`):
+/// async 36.7 → 32.6 µs at kv_len 4096 and 111 → 99 µs at 16384 going from 33 splits (8 per SM)
+/// to 16-17 (4 per SM); at 1024 both give 16. Larger batches keep [`BLOCKS_PER_SM`]: there the
+/// count of waves decides (blocks ≈ one wave of resident slots left a 10 % tail).
+pub const SMALL_BATCH_BLOCKS_PER_SM: usize = 4;
 /// Most splits of one row (the combine step reads all of them).
 pub const MAX_SPLITS: usize = 64;
 
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
-/// [`BLOCKS_PER_SM`] per SM (one item is one thread block serving a whole GQA head
-/// group), with every split at least [`MIN_SPLIT_TOKENS`] keys long and at most [`MAX_SPLITS`]
-/// splits. Large batches get one split (the batch alone fills the device).
+/// [`BLOCKS_PER_SM`] per SM ([`SMALL_BATCH_BLOCKS_PER_SM`] when there are fewer items than SMs;
+/// one item is one thread block serving a whole GQA head group), with every split at least
+/// [`MIN_SPLIT_TOKENS`] keys long and at most [`MAX_SPLITS`] splits. Large batches get one split
+/// (the batch alone fills the device).
 pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize) -> usize {
     let items = (batch * kv_heads).max(1);
-    let target = BLOCKS_PER_SM * sm_count.max(1);
+    let sms = sm_count.max(1);
+    let per_sm = if items < sms { SMALL_BATCH_BLOCKS_PER_SM } else { BLOCKS_PER_SM };
+    let target = per_sm * sms;
     let want = target.div_ceil(items);
     let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
     want.min(by_len).clamp(1, MAX_SPLITS)
@@ -412,9 +422,12 @@ mod tests {
     }
 
     #[test]
-    fn splits_fill_two_waves_and_respect_the_minimum_length() {
-        // 1 sequence, 32 kv heads, 132 SMs: 1056 / 32 = 33 splits wanted, 16384 / 64 allowed.
-        assert_eq!(num_splits(1, 32, 16384, 132), 33);
+    fn splits_fill_the_device_and_respect_the_minimum_length() {
+        // 1 sequence, 32 kv heads (fewer items than SMs), 132 SMs: 528 / 32 = 17 splits wanted,
+        // 16384 / 64 allowed; at 1024 tokens the 64-token minimum gives 16.
+        assert_eq!(num_splits(1, 32, 16384, 132), 17);
+        assert_eq!(num_splits(1, 32, 1024, 132), 16);
+        assert_eq!(num_splits(32, 32, 1024, 132), 2);
         // Short context: limited by the 64-token minimum.
         assert_eq!(num_splits(1, 8, 1000, 132), 15);
         assert_eq!(num_splits(1, 8, 97, 132), 1);
