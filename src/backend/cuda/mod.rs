@@ -5,6 +5,7 @@ pub mod attention;
 pub mod gemm;
 pub mod jit;
 pub mod layer;
+pub mod prefill_hopper;
 pub mod probe;
 pub mod scores;
 pub mod sources;

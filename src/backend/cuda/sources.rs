@@ -14,6 +14,7 @@ const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
 const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
 const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
+const ATTN_PREFILL_HOPPER: &str = include_str!("../../../kernels_cuda/attn_prefill_hopper.cu");
 const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
@@ -126,8 +127,33 @@ pub fn all_sources() -> Vec<KernelSource> {
             v.push(attn_prefill_source(dt, d));
             v.push(attn_scores_source(dt, d));
         }
+        for &d in &super::prefill_hopper::HEAD_DIMS {
+            v.push(attn_prefill_hopper_source(dt, d));
+        }
     }
     v
+}
+
+/// Whether `src` compiles for `arch`: the Hopper prefill (wgmma, setmaxnreg) needs sm_90a,
+/// every other kernel compiles everywhere.
+pub fn compiles_for(src: &KernelSource, arch: &str) -> bool {
+    !src.uri.starts_with(HOPPER_PREFILL_PREFIX) || arch == "sm_90a"
+}
+
+const HOPPER_PREFILL_PREFIX: &str = "attn_prefill_hopper_";
+
+/// Causal prefill for Hopper (kernels_cuda/attn_prefill_hopper.cu, sm_90a only), sync and async,
+/// for one dtype and head_dim.
+pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize) -> KernelSource {
+    KernelSource {
+        uri: format!("{HOPPER_PREFILL_PREFIX}{dtype}_d{head_dim}"),
+        text: expand(ATTN_PREFILL_HOPPER),
+        defines: vec![
+            dtype_define(dtype),
+            ("FDPP_D".into(), head_dim.to_string()),
+            ("FDPP_STAGES".into(), super::prefill_hopper::STAGES.to_string()),
+        ],
+    }
 }
 
 // Heads per decode block: shared with the ROCm port (src/backend/attn_plan.rs).
