@@ -38,6 +38,10 @@
 #ifndef FDPP_STAGES
 #define FDPP_STAGES 2
 #endif
+// 1: overlap the softmax of a tile with P·V of the previous one inside a warpgroup.
+#ifndef FDPP_OVERLAP
+#define FDPP_OVERLAP 0
+#endif
 
 typedef unsigned long long u64;
 
@@ -91,7 +95,8 @@ __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 // Pin an accumulator register at this point: the compiler sees wgmma as a plain asm statement
 // and must not move reads of its accumulators above the wait (CUTLASS's fence_operand).
 __device__ __forceinline__ void keep(float& x) { asm volatile("" : "+f"(x)::"memory"); }
@@ -256,122 +261,202 @@ struct Rows {
     bool over[2];
 };
 
-// Consumer w walks every key tile with one scheme; O, l and the flags end in `st`.
+// What one consumer thread needs to walk the tiles: its warpgroup, its rows' positions, and
+// the softmax constants.
+struct Walker {
+    int w, tq, lane;
+    int warp_pos0;  // position of the warp's first row
+    int qpos[2];
+    u32 q_at;  // this warpgroup's 64 rows of the Q tile
+    float scale2, phi2, b2;
+};
+
+// S = Q · Kᵀ of stage s issued (not waited): 64 rows × BN keys, K-major A and B, k16 steps
+// along D (4 per 128-byte column block, +32 bytes each).
+__device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&sc)[NT * 4], int s) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const u32 kb = (u32)(ks >> 2) * 128u, ko = (u32)(ks & 3) * 32u;
+        const u64 da = desc_sw128(k.q_at + kb * BM + ko, 16, 1024);
+        const u64 db = desc_sw128(c.sk(s) + kb * BN + ko, 16, 1024);
+        wgmma_ss_n128(sc, da, db, ks);
+    }
+    wg_commit();
+}
+
+// O += P · V of stage s issued: V [keys, D] is N-major for B (transpose bit); a k16 step is 16
+// keys, 2048 bytes; the D/64 column blocks are BN·128 bytes apart (leading byte offset), the
+// 8-key groups 1024 (stride byte offset).
+__device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)[PS][4], int s) {
+#pragma unroll
+    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], desc_sw128(c.sv(s) + kk * 2048u, BN * 128, 1024));
+    wg_commit();
+}
+
+// The softmax of key tile n in place: scale to log2 units, mask keys past each row's position
+// (causal) or past the end, update the row state, and leave P = 2^(S − m) in `sc`; `corr` is
+// the factor O must be rescaled by before P·V of this tile is added (1 under async).
 template <bool ASYNC>
-__device__ void walk(const Ctx& c, int w, int& it, Rows& st, float scale2, float phi2, float b2) {
-    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    const int g = lane / 4, tq = lane % 4;
+__device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4], Rows& st, float (&corr)[2], int n) {
+    const bool diag = n * BN + BN - 1 > k.warp_pos0;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = n * BN + 8 * j + 2 * k.tq + (i & 1);
+            float& x = sc[4 * j + i];
+            x *= k.scale2;
+            if (diag && key > k.qpos[i >> 1]) x = -FDPP_INF;
+        }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        st.m[r] = ASYNC ? phi2 : -FDPP_INF;
+        float tm = -FDPP_INF;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) tm = fmaxf(tm, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        if (ASYNC) {
+            st.mx[r] = fmaxf(st.mx[r], tm);
+            st.over[r] |= tm - k.phi2 > k.b2;
+            corr[r] = 1.f;
+        } else {
+            const float mn = fmaxf(st.m[r], tm);
+            // A row with every key so far masked keeps m = −inf; nothing to rescale.
+            corr[r] = mn == -FDPP_INF ? 1.f : ex2(st.m[r] - mn);
+            st.m[r] = mn;
+        }
+    }
+    float ls[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float& x = sc[4 * j + i];
+            x = x == -FDPP_INF ? 0.f : ex2(x - st.m[i >> 1]);
+            ls[i >> 1] += x;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * corr[r] + ls[r];
+}
+
+// P as the A operand of P·V: column groups 2kk and 2kk + 1 of S are registers {0, 1} and {2, 3}
+// of k-step kk (wgmma's accumulator and A-fragment layouts line up for 16-bit types).
+__device__ __forceinline__ void pack_p(const float (&sc)[NT * 4], u32 (&pa)[PS][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        pa[j / 2][(j % 2) * 2 + 0] = pack2(sc[4 * j + 0], sc[4 * j + 1]);
+        pa[j / 2][(j % 2) * 2 + 1] = pack2(sc[4 * j + 2], sc[4 * j + 3]);
+    }
+}
+
+template <bool ASYNC>
+__device__ __forceinline__ void rescale_o(Rows& st, const float (&corr)[2]) {
+    if (!ASYNC) {
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+            st.o[4 * j + 0] *= corr[0];
+            st.o[4 * j + 1] *= corr[0];
+            st.o[4 * j + 2] *= corr[1];
+            st.o[4 * j + 3] *= corr[1];
+        }
+    }
+}
+
+__device__ __forceinline__ void keep_all(float* x, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) keep(x[i]);
+}
+
+// Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
+// stage uses (the ring's phases continue into the recompute walk).
+template <bool ASYNC>
+__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
         st.l[r] = 0.f;
         st.mx[r] = -FDPP_INF;
         st.over[r] = false;
     }
 #pragma unroll
     for (int i = 0; i < DT * 4; ++i) st.o[i] = 0.f;
-    const int warp_pos0 = c.pos0 + WG_ROWS * w + 16 * warp;
-    const int qpos[2] = {warp_pos0 + g, warp_pos0 + g + 8};
-    const int ntiles = c.tiles(), mine = c.tiles_of(w);
-    const u32 q_at = c.sq() + WG_ROWS * w * 128;
-    for (int n = 0; n < ntiles; ++n, ++it) {
-        const int s = it % STAGES;
-        const u32 ph = (u32)(it / STAGES) & 1u;
-        mbar_wait(c.full_k(s), ph);
-        if (n >= mine) {
-            // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to
-            // compute, but the stage is released in order so that the ring's phases stay paired.
-            mbar_wait(c.full_v(s), ph);
-            if (lane == 0) mbar_arrive(c.empty(s));
-            continue;
-        }
-        fence_async_smem();
-        // S = Q · Kᵀ: 64 rows × BN keys, K-major A and B, k16 steps along D.
-        float sc[NT * 4];
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const u32 kb = (u32)(ks >> 2) * 128u, ko = (u32)(ks & 3) * 32u;
-            const u64 da = desc_sw128(q_at + kb * BM + ko, 16, 1024);
-            const u64 db = desc_sw128(c.sk(s) + kb * BN + ko, 16, 1024);
-            wgmma_ss_n128(sc, da, db, ks);
-        }
-        wg_commit();
-        wg_wait0();
-#pragma unroll
-        for (int i = 0; i < NT * 4; ++i) keep(sc[i]);
-        // Scale to log2 units and mask keys past each row's position (causal) or past the end.
-        const bool diag = n * BN + BN - 1 > warp_pos0;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = n * BN + 8 * j + 2 * tq + (i & 1);
-                float& x = sc[4 * j + i];
-                x *= scale2;
-                if (diag && key > qpos[i >> 1]) x = -FDPP_INF;
-            }
-        float corr[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float tm = -FDPP_INF;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) tm = fmaxf(tm, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
-            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
-            if (ASYNC) {
-                st.mx[r] = fmaxf(st.mx[r], tm);
-                st.over[r] |= tm - phi2 > b2;
-                corr[r] = 1.f;
-            } else {
-                const float mn = fmaxf(st.m[r], tm);
-                // A row with every key so far masked keeps m = −inf; nothing to rescale.
-                corr[r] = mn == -FDPP_INF ? 1.f : ex2(st.m[r] - mn);
-                st.m[r] = mn;
-            }
-        }
-        // P = 2^(S − m), packed as the A operand of P·V: column groups 2kk and 2kk + 1 of S are
-        // registers {0, 1} and {2, 3} of k-step kk.
-        u32 pa[PS][4];
-        float ls[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            float p[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float x = sc[4 * j + i];
-                p[i] = x == -FDPP_INF ? 0.f : ex2(x - st.m[i >> 1]);
-            }
-            ls[0] += p[0] + p[1];
-            ls[1] += p[2] + p[3];
-            pa[j / 2][(j % 2) * 2 + 0] = pack2(p[0], p[1]);
-            pa[j / 2][(j % 2) * 2 + 1] = pack2(p[2], p[3]);
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * corr[r] + ls[r];
-        if (!ASYNC) {
-#pragma unroll
-            for (int j = 0; j < DT; ++j) {
-                st.o[4 * j + 0] *= corr[0];
-                st.o[4 * j + 1] *= corr[0];
-                st.o[4 * j + 2] *= corr[1];
-                st.o[4 * j + 3] *= corr[1];
-            }
-        }
-        // O += P · V: V [keys, D] is N-major for B (transpose bit); a k16 step is 16 keys, 2048
-        // bytes; the D/64 column blocks are BN·128 bytes apart (leading byte offset), the 8-key
-        // groups 1024 (stride byte offset).
-        mbar_wait(c.full_v(s), ph);
+    const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
+    auto stage = [](int i) { return i % STAGES; };
+    auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
+    auto release = [&](int i) {
+        // This warp's part of every wgmma that read the stage is complete.
+        if (k.lane == 0) mbar_arrive(c.empty(stage(i)));
+    };
+    float sc[NT * 4];
+    u32 pa[PS][4];
+    float corr[2];
+#if FDPP_OVERLAP
+    // FA3 §3.2's intra-warpgroup pipelining: the softmax of tile n runs while the tensor cores
+    // do P·V of tile n − 1, so each iteration issues S_n = Q·K_nᵀ and O += P_{n−1}·V_{n−1}
+    // together, waits for S_n only, and rescales O for tile n at the start of the next one.
+    if (mine > 0) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
         fence_async_smem();
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], desc_sw128(c.sv(s) + kk * 2048u, BN * 128, 1024));
-        wg_commit();
-        wg_wait0();
-#pragma unroll
-        for (int i = 0; i < DT * 4; ++i) keep(st.o[i]);
-        // This warp has read the stage (its part of both wgmma groups is complete).
-        if (lane == 0) mbar_arrive(c.empty(s));
+        issue_qk(c, k, sc, stage(it));
+        wg_wait<0>();
+        keep_all(sc, NT * 4);
+        softmax_tile<ASYNC>(k, sc, st, corr, 0);
+        pack_p(sc, pa);
+        for (int n = 1; n < mine; ++n, ++it) {
+            // `it` is tile n − 1's use.
+            mbar_wait(c.full_k(stage(it + 1)), parity(it + 1));
+            rescale_o<ASYNC>(st, corr);
+            mbar_wait(c.full_v(stage(it)), parity(it));
+            fence_async_smem();
+            wg_fence();
+            issue_qk(c, k, sc, stage(it + 1));
+            issue_pv(c, st, pa, stage(it));
+            wg_wait<1>();
+            keep_all(sc, NT * 4);
+            softmax_tile<ASYNC>(k, sc, st, corr, n);
+            wg_wait<0>();
+            keep_all(st.o, DT * 4);
+            release(it);
+            pack_p(sc, pa);
+        }
+        rescale_o<ASYNC>(st, corr);
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        fence_async_smem();
+        wg_fence();
+        issue_pv(c, st, pa, stage(it));
+        wg_wait<0>();
+        keep_all(st.o, DT * 4);
+        release(it);
+        ++it;
+    }
+#else
+    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
+    for (int n = 0; n < mine; ++n, ++it) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
+        fence_async_smem();
+        wg_fence();
+        issue_qk(c, k, sc, stage(it));
+        wg_wait<0>();
+        keep_all(sc, NT * 4);
+        softmax_tile<ASYNC>(k, sc, st, corr, n);
+        pack_p(sc, pa);
+        rescale_o<ASYNC>(st, corr);
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        fence_async_smem();
+        wg_fence();
+        issue_pv(c, st, pa, stage(it));
+        wg_wait<0>();
+        keep_all(st.o, DT * 4);
+        release(it);
+    }
+#endif
+    // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
+    // but each stage is released in order, after it was filled, so that the phases stay paired.
+    for (int n = mine; n < ntiles; ++n, ++it) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        release(it);
     }
     // Row sums over the quad that holds each row.
 #pragma unroll
@@ -445,8 +530,19 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     load_q(c, w);
     fence_async_smem();
     named_sync(1 + w, 128);
+    Walker k;
+    k.w = w;
+    k.lane = threadIdx.x % 32;
+    k.tq = k.lane % 4;
+    k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * ((threadIdx.x % 128) / 32);
+    k.qpos[0] = k.warp_pos0 + k.lane / 4;
+    k.qpos[1] = k.qpos[0] + 8;
+    k.q_at = c.sq() + WG_ROWS * w * 128;
+    k.scale2 = scale2;
+    k.phi2 = phi2;
+    k.b2 = b2;
     Rows st;
-    walk<ASYNC>(c, w, it, st, scale2, phi2, b2);
+    walk<ASYNC>(c, k, it, st);
     if (!ASYNC) {
         store(c, w, st, out, 3u);
         return;
@@ -467,7 +563,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     store(c, w, st, out, ~bad & 3u);
     // The producer joins this vote and, when any row is flagged, streams the keys again.
     if (__syncthreads_or(bad != 0)) {
-        walk<false>(c, w, it, st, scale2, 0.f, 0.f);
+        walk<false>(c, k, it, st);
         store(c, w, st, out, bad);
         // One lane per quad counts its rows.
         if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));

@@ -20,8 +20,78 @@ use crate::ops::attention::{PrefillParams, SoftmaxScheme};
 
 /// head_dims the Hopper kernel is built for (other head_dims use attn_prefill.cu).
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
-/// K/V stages of the producer's ring (attn_prefill_hopper.cu: FDPP_STAGES).
-pub const STAGES: usize = 2;
+/// The compile-time schedule of the kernel: K/V stages of the producer's ring (FDPP_STAGES) and
+/// whether a consumer overlaps the softmax of a tile with P·V of the previous one (FDPP_OVERLAP,
+/// FlashAttention-3 §3.2). `FDPP_HOPPER_STAGES=2|3` and `FDPP_HOPPER_OVERLAP=0|1` pick another
+/// one for measurements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub stages: usize,
+    pub overlap: bool,
+}
+
+impl Schedule {
+    pub const DEFAULT: Schedule = Schedule {
+        stages: 2,
+        overlap: false,
+    };
+
+    /// Every schedule `fdpp kernels check` compiles.
+    pub const ALL: [Schedule; 4] = [
+        Schedule::DEFAULT,
+        Schedule {
+            stages: 2,
+            overlap: true,
+        },
+        Schedule {
+            stages: 3,
+            overlap: false,
+        },
+        Schedule {
+            stages: 3,
+            overlap: true,
+        },
+    ];
+
+    /// The URI suffix, e.g. `s3o1`.
+    pub fn tag(&self) -> String {
+        format!("s{}o{}", self.stages, u8::from(self.overlap))
+    }
+
+    fn parse(stages: Option<&str>, overlap: Option<&str>) -> Result<Self> {
+        let mut v = Schedule::DEFAULT;
+        if let Some(s) = stages.map(str::trim).filter(|s| !s.is_empty()) {
+            v.stages = match s {
+                "2" => 2,
+                "3" => 3,
+                o => {
+                    return Err(FdppError::InvalidArgument(format!(
+                        "FDPP_HOPPER_STAGES={o}: expected 2 or 3"
+                    )))
+                }
+            };
+        }
+        if let Some(s) = overlap.map(str::trim).filter(|s| !s.is_empty()) {
+            v.overlap = match s {
+                "0" => false,
+                "1" => true,
+                o => {
+                    return Err(FdppError::InvalidArgument(format!(
+                        "FDPP_HOPPER_OVERLAP={o}: expected 0 or 1"
+                    )))
+                }
+            };
+        }
+        Ok(v)
+    }
+
+    fn from_env() -> Result<Self> {
+        Schedule::parse(
+            std::env::var("FDPP_HOPPER_STAGES").ok().as_deref(),
+            std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
+        )
+    }
+}
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
 pub const BM: usize = 128;
 pub const BN: usize = 128;
@@ -32,10 +102,10 @@ pub const ARCH: &str = "sm_90a";
 /// Whether the Hopper kernel attends by default on sm_90a (when FDPP_PREFILL is unset).
 pub const DEFAULT_ON: bool = false;
 
-/// Dynamic shared memory of a block: Q [BM, D], STAGES × (K and V [BN, D]), 128 bytes of
+/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
 /// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
-pub fn smem_bytes(head_dim: usize) -> u32 {
-    ((BM * head_dim + 2 * STAGES * BN * head_dim) * 2 + 128 + 1024) as u32
+pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
@@ -69,7 +139,7 @@ impl Choice {
 /// fallback; head_dims it is not built for (256) stay on the mma.sync kernel even when forced, so
 /// that a forced `fdpp check` covers every case.
 pub fn decide(choice: Choice, arch: &str, head_dim: usize, smem_limit: u32) -> Result<bool> {
-    let device = arch == ARCH && smem_bytes(128) <= smem_limit;
+    let device = arch == ARCH && smem_bytes(128, Schedule::DEFAULT.stages) <= smem_limit;
     let shape = HEAD_DIMS.contains(&head_dim);
     match choice {
         Choice::Mma => Ok(false),
@@ -79,7 +149,7 @@ pub fn decide(choice: Choice, arch: &str, head_dim: usize, smem_limit: u32) -> R
             spec: format!("attn_prefill_hopper_d{head_dim}"),
             what: format!(
                 "FDPP_PREFILL=hopper on {arch} (needs {ARCH} and {} KiB of shared memory per block)",
-                smem_bytes(128) >> 10
+                smem_bytes(128, Schedule::DEFAULT.stages) >> 10
             ),
         }),
     }
@@ -111,9 +181,21 @@ pub fn attend(
     if tiles.is_empty() {
         return Ok(0);
     }
-    let src = || Ok(attn_prefill_hopper_source(p.dtype, d));
-    let uri = format!("attn_prefill_hopper_{}_d{d}", p.dtype);
-    let smem = smem_bytes(d);
+    let sched = Schedule::from_env()?;
+    let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
+    let uri = format!("attn_prefill_hopper_{}_d{d}_{}", p.dtype, sched.tag());
+    let smem = smem_bytes(d, sched.stages);
+    if smem > b.max_smem_per_block() {
+        return Err(FdppError::Unsupported {
+            spec: uri,
+            what: format!(
+                "{} stages at head_dim {d}: {} KiB of shared memory, {} KiB allowed",
+                sched.stages,
+                smem >> 10,
+                b.max_smem_per_block() >> 10
+            ),
+        });
+    }
 
     let mut sc = b.attn.borrow_mut();
     // The tile list follows the table; int4 loads want it 16-byte aligned.
@@ -187,23 +269,31 @@ mod tests {
         assert!(!decide(Choice::Default, "sm_89", 128, lim).unwrap());
         assert!(!decide(Choice::Default, ARCH, 256, lim).unwrap());
         assert!(decide(Choice::Hopper, "sm_80", 128, lim).is_err());
-        assert!(decide(Choice::Hopper, ARCH, 128, smem_bytes(128) - 1).is_err());
+        assert!(decide(Choice::Hopper, ARCH, 128, smem_bytes(128, 2) - 1).is_err());
         // head_dim 256 has only the mma.sync kernel, forced or not.
         assert!(!decide(Choice::Hopper, ARCH, 256, lim).unwrap());
     }
 
     #[test]
     fn shared_memory_fits_hopper_and_the_sources_are_sm90a_only() {
-        // 227 KiB opt-in per block on the H100.
-        assert!(smem_bytes(128) <= 227 << 10);
+        // 227 KiB opt-in per block on the H100, three stages included.
+        assert!(smem_bytes(128, 3) <= 227 << 10);
         assert_eq!(BM, sources::PREFILL_BM, "same tile list as the mma.sync kernel");
         for &d in &HEAD_DIMS {
-            let s = attn_prefill_hopper_source(crate::dtype::DType::F16, d);
+            let s = attn_prefill_hopper_source(crate::dtype::DType::F16, d, Schedule::DEFAULT);
             assert!(sources::all_sources().contains(&s));
             assert!(sources::compiles_for(&s, ARCH));
             assert!(!sources::compiles_for(&s, "sm_80") && !sources::compiles_for(&s, "sm_89"));
-            assert_eq!(s.uri, format!("attn_prefill_hopper_f16_d{d}"));
+            assert_eq!(
+                s.uri,
+                format!("attn_prefill_hopper_f16_d{d}_{}", Schedule::DEFAULT.tag())
+            );
         }
+        assert_eq!(Schedule::parse(None, None).unwrap(), Schedule::DEFAULT);
+        let v = Schedule::parse(Some("3"), Some("1")).unwrap();
+        assert_eq!((v.stages, v.overlap, v.tag().as_str()), (3, true, "s3o1"));
+        assert!(Schedule::parse(Some("4"), None).is_err());
+        assert!(Schedule::parse(None, Some("yes")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }

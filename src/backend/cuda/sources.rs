@@ -128,7 +128,9 @@ pub fn all_sources() -> Vec<KernelSource> {
             v.push(attn_scores_source(dt, d));
         }
         for &d in &super::prefill_hopper::HEAD_DIMS {
-            v.push(attn_prefill_hopper_source(dt, d));
+            for sched in super::prefill_hopper::Schedule::ALL {
+                v.push(attn_prefill_hopper_source(dt, d, sched));
+            }
         }
     }
     v
@@ -143,15 +145,16 @@ pub fn compiles_for(src: &KernelSource, arch: &str) -> bool {
 const HOPPER_PREFILL_PREFIX: &str = "attn_prefill_hopper_";
 
 /// Causal prefill for Hopper (kernels_cuda/attn_prefill_hopper.cu, sm_90a only), sync and async,
-/// for one dtype and head_dim.
-pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize) -> KernelSource {
+/// for one dtype, head_dim and schedule (K/V stages, softmax overlapped with P·V or not).
+pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize, v: super::prefill_hopper::Schedule) -> KernelSource {
     KernelSource {
-        uri: format!("{HOPPER_PREFILL_PREFIX}{dtype}_d{head_dim}"),
+        uri: format!("{HOPPER_PREFILL_PREFIX}{dtype}_d{head_dim}_{}", v.tag()),
         text: expand(ATTN_PREFILL_HOPPER),
         defines: vec![
             dtype_define(dtype),
             ("FDPP_D".into(), head_dim.to_string()),
-            ("FDPP_STAGES".into(), super::prefill_hopper::STAGES.to_string()),
+            ("FDPP_STAGES".into(), v.stages.to_string()),
+            ("FDPP_OVERLAP".into(), u8::from(v.overlap).to_string()),
         ],
     }
 }
