@@ -74,6 +74,7 @@ constexpr int CONSUMER_REGS = 232;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
 static_assert(3 * STAGES * 8 <= 128, "sources.rs reserves 128 bytes of barriers");
+static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
 
@@ -206,36 +207,49 @@ struct Ctx {
     }
 };
 
-// Producer: stage key tile n of K (then V) into stage s; keys at or past kv_end are zero-filled.
-__device__ __forceinline__ void load_rows(const Ctx& c, const u16* src, u32 dst, int n) {
-    const int t = threadIdx.x % 128;
-    const int ch = t % CH;
-    constexpr int STEP = 128 / CH;
+// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the
+// element offset of row 32·pw + l in the pools (−1 past kv_end): one page-table load and one
+// division per row and tile, shared by K and V and broadcast by shuffles. (A lookup per 16-byte
+// chunk, as attn_prefill.cu does, made the producer's dependent loads the bottleneck: ncu showed
+// the L1TEX scoreboard as the main stall and the tensor pipe nearly idle.)
+__device__ __forceinline__ long long row_offset(const Ctx& c, int key) {
+    if (key >= c.kv_end) return -1;
+    const int page = c.pages[key / c.page_size];
+    return ((long long)page * c.page_size + key % c.page_size) * c.G * D + (long long)c.kvh * D;
+}
+
+// Copy the warp's 32 rows of one tile of K or V: each iteration, 32 / CH rows of CH chunks.
+__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off, int pw, int lane) {
+    constexpr int RPI = 32 / CH;
+    const int ch = lane % CH;
+    const u32 lo = (u32)off, hi = (u32)((unsigned long long)off >> 32);
+    // Partly unrolled: the producer lives in PRODUCER_REGS registers.
 #pragma unroll 4
-    for (int r = t / CH; r < BN; r += STEP) {
-        const int key = n * BN + r;
-        const bool ok = key < c.kv_end;
-        size_t at = 0;
-        if (ok) {
-            const int page = c.pages[key / c.page_size];
-            at = ((size_t)page * c.page_size + key % c.page_size) * c.G * D + (size_t)c.kvh * D + ch * 8;
-        }
-        cp_async16(dst + swz(r, ch, BN), src + at, ok ? 16 : 0);
+    for (int i = 0; i < 32 / RPI; ++i) {
+        const int rr = i * RPI + lane / CH;
+        const u32 l = __shfl_sync(0xffffffffu, lo, rr), h = __shfl_sync(0xffffffffu, hi, rr);
+        const long long o = (long long)(((unsigned long long)h << 32) | l);
+        const bool ok = o >= 0;
+        cp_async16(dst + swz(32 * pw + rr, ch, BN), src + (ok ? o + ch * 8 : 0), ok ? 16 : 0);
     }
 }
 
 // The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
 // phases continue into the recompute walk).
 __device__ void produce(const Ctx& c, int& it) {
+    const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
+    long long off = row_offset(c, 32 * pw + lane);
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
         if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
-        load_rows(c, c.kp, c.sk(s), n);
+        copy_rows(c.kp, c.sk(s), off, pw, lane);
         cp_async_arrive(c.full_k(s));
-        load_rows(c, c.vp, c.sv(s), n);
+        copy_rows(c.vp, c.sv(s), off, pw, lane);
         cp_async_arrive(c.full_v(s));
+        // The next tile's rows, looked up while the consumers work on this one.
+        if (n + 1 < ntiles) off = row_offset(c, (n + 1) * BN + 32 * pw + lane);
     }
 }
 
@@ -293,21 +307,23 @@ __device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)
     wg_commit();
 }
 
-// The softmax of key tile n in place: scale to log2 units, mask keys past each row's position
-// (causal) or past the end, update the row state, and leave P = 2^(S − m) in `sc`; `corr` is
-// the factor O must be rescaled by before P·V of this tile is added (1 under async).
+// The softmax of key tile n in place: mask keys past each row's position (causal; keys past
+// the end lie past every real row's position), update the row state, and leave
+// P = 2^(S·scale2 − m) in `sc`, m in log2 units; `corr` is the factor O must be rescaled by
+// before P·V of this tile is added (1 under async). The scale is folded into the exponent's FMA
+// (FA3 does the same); m is finite from the first tile on (key 0 is at or before every row's
+// position; async's m is φ), so a masked −inf gives 2^−inf = 0 with no test.
 template <bool ASYNC>
 __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4], Rows& st, float (&corr)[2], int n) {
-    const bool diag = n * BN + BN - 1 > k.warp_pos0;
+    if (n * BN + BN - 1 > k.warp_pos0) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = n * BN + 8 * j + 2 * k.tq + (i & 1);
-            float& x = sc[4 * j + i];
-            x *= k.scale2;
-            if (diag && key > k.qpos[i >> 1]) x = -FDPP_INF;
-        }
+            for (int i = 0; i < 4; ++i) {
+                const int key = n * BN + 8 * j + 2 * k.tq + (i & 1);
+                if (key > k.qpos[i >> 1]) sc[4 * j + i] = -FDPP_INF;
+            }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float tm = -FDPP_INF;
@@ -315,14 +331,15 @@ __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4
         for (int j = 0; j < NT; ++j) tm = fmaxf(tm, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
         tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
         tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        tm *= k.scale2;  // scale2 > 0: the max commutes with it
         if (ASYNC) {
             st.mx[r] = fmaxf(st.mx[r], tm);
             st.over[r] |= tm - k.phi2 > k.b2;
             corr[r] = 1.f;
         } else {
             const float mn = fmaxf(st.m[r], tm);
-            // A row with every key so far masked keeps m = −inf; nothing to rescale.
-            corr[r] = mn == -FDPP_INF ? 1.f : ex2(st.m[r] - mn);
+            // Before the first tile m = −inf and O = 0: nothing to rescale.
+            corr[r] = st.m[r] == -FDPP_INF ? 1.f : ex2(st.m[r] - mn);
             st.m[r] = mn;
         }
     }
@@ -332,7 +349,7 @@ __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float& x = sc[4 * j + i];
-            x = x == -FDPP_INF ? 0.f : ex2(x - st.m[i >> 1]);
+            x = ex2(fmaf(x, k.scale2, -st.m[i >> 1]));
             ls[i >> 1] += x;
         }
 #pragma unroll

@@ -156,13 +156,28 @@ pub fn decide(choice: Choice, arch: &str, head_dim: usize, smem_limit: u32) -> R
 }
 
 /// Whether this prefill goes to the Hopper kernel on `b`.
+/// With FDPP_PREFILL set, the first decision of the process is printed to stderr, so that an
+/// A/B measurement shows which kernel it measured.
 pub fn wanted(b: &CudaBackend, p: &PrefillParams) -> Result<bool> {
-    decide(
-        Choice::from_env()?,
-        &b.info().arch,
-        p.geom.head_dim,
-        b.max_smem_per_block(),
-    )
+    let choice = Choice::from_env()?;
+    let arch = &b.info().arch;
+    let hopper = decide(choice, arch, p.geom.head_dim, b.max_smem_per_block())?;
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if choice != Choice::Default {
+        SAID.call_once(|| {
+            let sched = Schedule::from_env().map(|s| s.tag()).unwrap_or_default();
+            eprintln!(
+                "fdpp: FDPP_PREFILL={choice:?} on {arch}, head_dim {}: {}",
+                p.geom.head_dim,
+                if hopper {
+                    format!("attn_prefill_hopper ({sched})")
+                } else {
+                    "attn_prefill (mma.sync)".to_string()
+                }
+            )
+        });
+    }
+    Ok(hopper)
 }
 
 /// Attend with the Hopper kernel (the new K and V are already in the cache); returns the rows
