@@ -42,6 +42,14 @@
 #ifndef FDPP_OVERLAP
 #define FDPP_OVERLAP 0
 #endif
+// 1: FA3 §3.1's ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named
+// barriers), so that one's softmax runs under the other's tensor-core work. Needs FDPP_OVERLAP.
+#ifndef FDPP_PINGPONG
+#define FDPP_PINGPONG 0
+#endif
+#if FDPP_PINGPONG && !FDPP_OVERLAP
+#error "FDPP_PINGPONG needs FDPP_OVERLAP"
+#endif
 
 typedef unsigned long long u64;
 
@@ -127,6 +135,7 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 // after the data is visible and before the wgmma that reads it.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -411,11 +420,39 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     // FA3 §3.2's intra-warpgroup pipelining: the softmax of tile n runs while the tensor cores
     // do P·V of tile n − 1, so each iteration issues S_n = Q·K_nᵀ and O += P_{n−1}·V_{n−1}
     // together, waits for S_n only, and rescales O for tile n at the start of the next one.
+    // The issue points are phases 0 .. ntiles (QK_0; QK_n with PV_{n−1}; PV_last); under
+    // ping-pong both warpgroups go through all ntiles + 1 of them (a warpgroup with fewer tiles
+    // passes the rest empty) so that the turn-taking barriers stay paired:
+    // barrier 3 (warpgroup 0 waits, before every phase but the first; warpgroup 1 arrives after
+    // every phase but the last) and barrier 4 (warpgroup 1 waits before every phase, warpgroup 0
+    // arrives after every phase).
+    int phase = 0;
+    auto turn_begin = [&]() {
+#if FDPP_PINGPONG
+        if (k.w == 0) {
+            if (phase > 0) named_sync(3, 256);
+        } else {
+            named_sync(4, 256);
+        }
+#endif
+    };
+    auto turn_end = [&]() {
+#if FDPP_PINGPONG
+        if (k.w == 0) {
+            named_arrive(4, 256);
+        } else if (phase < ntiles) {
+            named_arrive(3, 256);
+        }
+#endif
+        ++phase;
+    };
     if (mine > 0) {
         mbar_wait(c.full_k(stage(it)), parity(it));
         fence_async_smem();
+        turn_begin();
         wg_fence();
         issue_qk(c, k, sc, stage(it));
+        turn_end();
         wg_wait<0>();
         keep_all(sc, NT * 4);
         softmax_tile<ASYNC>(k, sc, st, corr, 0);
@@ -426,9 +463,11 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             rescale_o<ASYNC>(st, corr);
             mbar_wait(c.full_v(stage(it)), parity(it));
             fence_async_smem();
+            turn_begin();
             wg_fence();
             issue_qk(c, k, sc, stage(it + 1));
             issue_pv(c, st, pa, stage(it));
+            turn_end();
             wg_wait<1>();
             keep_all(sc, NT * 4);
             softmax_tile<ASYNC>(k, sc, st, corr, n);
@@ -440,12 +479,28 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         rescale_o<ASYNC>(st, corr);
         mbar_wait(c.full_v(stage(it)), parity(it));
         fence_async_smem();
+        turn_begin();
         wg_fence();
         issue_pv(c, st, pa, stage(it));
+        turn_end();
         wg_wait<0>();
         keep_all(st.o, DT * 4);
         release(it);
         ++it;
+    }
+    // The phases of the tiles this warpgroup skips (past its last row: the causal diagonal, or
+    // padding rows) pass empty; phase p releases tile p − 1 as a real one would, in order and
+    // after it was filled, so that the ring's phases stay paired and the producer is never held
+    // up by a release waiting behind a turn (which would deadlock the ping-pong).
+    while (phase <= ntiles) {
+        turn_begin();
+        turn_end();
+        if (phase - 2 >= mine) {
+            mbar_wait(c.full_k(stage(it)), parity(it));
+            mbar_wait(c.full_v(stage(it)), parity(it));
+            release(it);
+            ++it;
+        }
     }
 #else
     // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
@@ -467,7 +522,6 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         keep_all(st.o, DT * 4);
         release(it);
     }
-#endif
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
     for (int n = mine; n < ntiles; ++n, ++it) {
@@ -475,6 +529,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         mbar_wait(c.full_v(stage(it)), parity(it));
         release(it);
     }
+#endif
     // Row sums over the quad that holds each row.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

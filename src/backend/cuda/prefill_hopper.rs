@@ -22,43 +22,53 @@ use crate::ops::attention::{PrefillParams, SoftmaxScheme};
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// The compile-time schedule of the kernel: K/V stages of the producer's ring (FDPP_STAGES) and
 /// whether a consumer overlaps the softmax of a tile with P·V of the previous one (FDPP_OVERLAP,
-/// FlashAttention-3 §3.2). `FDPP_HOPPER_STAGES=2|3` and `FDPP_HOPPER_OVERLAP=0|1` pick another
-/// one for measurements.
+/// FlashAttention-3 §3.2), and whether the two consumer warpgroups take turns issuing their GEMMs
+/// (FDPP_PINGPONG, FA3 §3.1). `FDPP_HOPPER_STAGES=2|3`, `FDPP_HOPPER_OVERLAP=0|1` and
+/// `FDPP_HOPPER_PINGPONG=0|1` pick another one for measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {
     pub stages: usize,
     pub overlap: bool,
+    /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
+    pub pingpong: bool,
 }
 
 impl Schedule {
     pub const DEFAULT: Schedule = Schedule {
         stages: 2,
         overlap: false,
+        pingpong: false,
     };
 
     /// Every schedule `fdpp kernels check` compiles.
-    pub const ALL: [Schedule; 4] = [
+    pub const ALL: [Schedule; 6] = [
         Schedule::DEFAULT,
-        Schedule {
-            stages: 2,
-            overlap: true,
-        },
-        Schedule {
-            stages: 3,
-            overlap: false,
-        },
-        Schedule {
-            stages: 3,
-            overlap: true,
-        },
+        Schedule::new(2, true, false),
+        Schedule::new(3, false, false),
+        Schedule::new(3, true, false),
+        Schedule::new(2, true, true),
+        Schedule::new(3, true, true),
     ];
 
-    /// The URI suffix, e.g. `s3o1`.
-    pub fn tag(&self) -> String {
-        format!("s{}o{}", self.stages, u8::from(self.overlap))
+    pub const fn new(stages: usize, overlap: bool, pingpong: bool) -> Self {
+        Schedule {
+            stages,
+            overlap,
+            pingpong,
+        }
     }
 
-    fn parse(stages: Option<&str>, overlap: Option<&str>) -> Result<Self> {
+    /// The URI suffix, e.g. `s3o1p1`.
+    pub fn tag(&self) -> String {
+        format!(
+            "s{}o{}p{}",
+            self.stages,
+            u8::from(self.overlap),
+            u8::from(self.pingpong)
+        )
+    }
+
+    fn parse(stages: Option<&str>, overlap: Option<&str>, pingpong: Option<&str>) -> Result<Self> {
         let mut v = Schedule::DEFAULT;
         if let Some(s) = stages.map(str::trim).filter(|s| !s.is_empty()) {
             v.stages = match s {
@@ -71,16 +81,20 @@ impl Schedule {
                 }
             };
         }
-        if let Some(s) = overlap.map(str::trim).filter(|s| !s.is_empty()) {
-            v.overlap = match s {
-                "0" => false,
-                "1" => true,
-                o => {
-                    return Err(FdppError::InvalidArgument(format!(
-                        "FDPP_HOPPER_OVERLAP={o}: expected 0 or 1"
-                    )))
-                }
-            };
+        let flag = |name: &str, v: Option<&str>, dflt: bool| -> Result<bool> {
+            match v.map(str::trim).filter(|s| !s.is_empty()) {
+                None => Ok(dflt),
+                Some("0") => Ok(false),
+                Some("1") => Ok(true),
+                Some(o) => Err(FdppError::InvalidArgument(format!("{name}={o}: expected 0 or 1"))),
+            }
+        };
+        v.overlap = flag("FDPP_HOPPER_OVERLAP", overlap, v.overlap)?;
+        v.pingpong = flag("FDPP_HOPPER_PINGPONG", pingpong, v.pingpong)?;
+        if v.pingpong && !v.overlap {
+            return Err(FdppError::InvalidArgument(
+                "FDPP_HOPPER_PINGPONG=1 needs FDPP_HOPPER_OVERLAP=1".into(),
+            ));
         }
         Ok(v)
     }
@@ -89,6 +103,7 @@ impl Schedule {
         Schedule::parse(
             std::env::var("FDPP_HOPPER_STAGES").ok().as_deref(),
             std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
+            std::env::var("FDPP_HOPPER_PINGPONG").ok().as_deref(),
         )
     }
 }
@@ -100,7 +115,7 @@ const THREADS: u32 = 384;
 /// The arch the kernel is compiled for.
 pub const ARCH: &str = "sm_90a";
 /// Whether the Hopper kernel attends by default on sm_90a (when FDPP_PREFILL is unset).
-pub const DEFAULT_ON: bool = false;
+pub const DEFAULT_ON: bool = true;
 
 /// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
 /// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
@@ -304,11 +319,16 @@ mod tests {
                 format!("attn_prefill_hopper_f16_d{d}_{}", Schedule::DEFAULT.tag())
             );
         }
-        assert_eq!(Schedule::parse(None, None).unwrap(), Schedule::DEFAULT);
-        let v = Schedule::parse(Some("3"), Some("1")).unwrap();
-        assert_eq!((v.stages, v.overlap, v.tag().as_str()), (3, true, "s3o1"));
-        assert!(Schedule::parse(Some("4"), None).is_err());
-        assert!(Schedule::parse(None, Some("yes")).is_err());
+        assert_eq!(Schedule::parse(None, None, None).unwrap(), Schedule::DEFAULT);
+        let v = Schedule::parse(Some("3"), Some("1"), Some("1")).unwrap();
+        assert_eq!(v, Schedule::new(3, true, true));
+        assert_eq!(v.tag(), "s3o1p1");
+        assert!(Schedule::parse(Some("4"), None, None).is_err());
+        assert!(Schedule::parse(None, Some("yes"), None).is_err());
+        assert!(
+            Schedule::parse(None, Some("0"), Some("1")).is_err(),
+            "ping-pong needs the overlap"
+        );
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }
