@@ -105,8 +105,11 @@ fn check(archs: &[String]) -> anyhow::Result<()> {
         sources::kernel_hash()
     );
     let srcs = sources::all_sources();
-    let jobs: Vec<(&String, &sources::KernelSource)> =
-        archs.iter().flat_map(|a| srcs.iter().map(move |s| (a, s))).collect();
+    // Arch-specific kernels (the sm_90a prefill) are skipped on the other archs.
+    let jobs: Vec<(&String, &sources::KernelSource)> = archs
+        .iter()
+        .flat_map(|a| srcs.iter().filter(|s| sources::compiles_for(s, a)).map(move |s| (a, s)))
+        .collect();
     // NVRTC compiles are independent: one per core.
     let results: Vec<_> = jobs
         .par_iter()
@@ -131,10 +134,10 @@ fn check(archs: &[String]) -> anyhow::Result<()> {
         bail!(
             "{} of {} kernel compiles failed: {}",
             failed.len(),
-            srcs.len() * archs.len(),
+            jobs.len(),
             failed.join(", ")
         );
     }
-    println!("all {} kernel compiles succeeded", srcs.len() * archs.len());
+    println!("all {} kernel compiles succeeded", jobs.len());
     Ok(())
 }

@@ -68,7 +68,7 @@ fn ptr_of<T>(b: &CudaBackend, slot: &Option<CudaSlice<T>>) -> Result<u64> {
 
 /// `host` on the device (copied after anything queued before it, unless unchanged since the
 /// last call: every layer of a step reads the same tables) and its pointer.
-fn upload_ints(b: &CudaBackend, sc: &mut Scratch, host: &[i32]) -> Result<u64> {
+pub(super) fn upload_ints(b: &CudaBackend, sc: &mut Scratch, host: &[i32]) -> Result<u64> {
     sc.ints.put(b, &i32_bytes(host), "block tables")
 }
 
@@ -94,7 +94,7 @@ fn reset_counter(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
     Ok(ptr_of(b, &sc.counters)? + 4 * PER_CALL as u64)
 }
 
-fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
+pub(super) fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
     if counting {
         reset_counter(b, sc)
     } else {
@@ -117,7 +117,7 @@ fn read_counter(b: &CudaBackend, sc: &Scratch, slot: usize) -> Result<usize> {
 
 /// The rows this call recomputed (a device wait) when counting, else 0 (the running total keeps
 /// them).
-fn per_call_count(b: &CudaBackend, sc: &Scratch, counting: bool) -> Result<usize> {
+pub(super) fn per_call_count(b: &CudaBackend, sc: &Scratch, counting: bool) -> Result<usize> {
     if counting {
         read_counter(b, sc, PER_CALL)
     } else {
@@ -269,6 +269,14 @@ pub fn prefill(
     )?;
     let g = p.geom;
     let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
+    // sm_90a: the wgmma kernel (prefill_hopper.rs), unless FDPP_PREFILL says otherwise.
+    if super::prefill_hopper::wanted(b, p)? {
+        let recomputed = super::prefill_hopper::attend(b, p, q, kv, out, counting)?;
+        return Ok(AttnStats {
+            rows: p.tokens() * heads,
+            recomputed,
+        });
+    }
     let tiles = attn_plan::prefill_tiles(p, PREFILL_BM)?;
     let ntiles = tiles.len();
     let uri = format!("attn_prefill_{}_d{d}", p.dtype);

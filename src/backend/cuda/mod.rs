@@ -6,6 +6,7 @@ pub mod gemm;
 pub mod jit;
 pub mod launch;
 pub mod layer;
+pub mod prefill_hopper;
 pub mod probe;
 pub mod sample;
 pub mod scores;

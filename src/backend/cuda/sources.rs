@@ -14,6 +14,7 @@ const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
 const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
 const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
+const ATTN_PREFILL_HOPPER: &str = include_str!("../../../kernels_cuda/attn_prefill_hopper.cu");
 const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
@@ -137,8 +138,37 @@ pub fn all_sources() -> Vec<KernelSource> {
             v.push(attn_prefill_source(dt, d));
             v.push(attn_scores_source(dt, d));
         }
+        for &d in &super::prefill_hopper::HEAD_DIMS {
+            for sched in super::prefill_hopper::Schedule::ALL {
+                v.push(attn_prefill_hopper_source(dt, d, sched));
+            }
+        }
     }
     v
+}
+
+/// Whether `src` compiles for `arch`: the Hopper prefill (wgmma, setmaxnreg) needs sm_90a,
+/// every other kernel compiles everywhere.
+pub fn compiles_for(src: &KernelSource, arch: &str) -> bool {
+    !src.uri.starts_with(HOPPER_PREFILL_PREFIX) || arch == "sm_90a"
+}
+
+const HOPPER_PREFILL_PREFIX: &str = "attn_prefill_hopper_";
+
+/// Causal prefill for Hopper (kernels_cuda/attn_prefill_hopper.cu, sm_90a only), sync and async,
+/// for one dtype, head_dim and schedule (K/V stages, softmax overlapped with P·V or not).
+pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize, v: super::prefill_hopper::Schedule) -> KernelSource {
+    KernelSource {
+        uri: format!("{HOPPER_PREFILL_PREFIX}{dtype}_d{head_dim}_{}", v.tag()),
+        text: expand(ATTN_PREFILL_HOPPER),
+        defines: vec![
+            dtype_define(dtype),
+            ("FDPP_D".into(), head_dim.to_string()),
+            ("FDPP_STAGES".into(), v.stages.to_string()),
+            ("FDPP_OVERLAP".into(), u8::from(v.overlap).to_string()),
+            ("FDPP_PINGPONG".into(), u8::from(v.pingpong).to_string()),
+        ],
+    }
 }
 
 // Heads per decode block: shared with the ROCm port (src/backend/attn_plan.rs).

@@ -1,0 +1,658 @@
+// Causal prefill attention for Hopper (sm_90a), in the FlashAttention-3 shape (Shah et al.,
+// 2024, §3.1): warp specialisation and wgmma. Same entry-point arguments, tile list and
+// semantics as attn_prefill.cu (causal mask, GQA, K/V read from the paged cache after the host
+// appended the new tokens, sync and async softmax with the recompute rule); only the schedule
+// and the instructions differ.
+//
+// A block owns BM = 128 query rows of one head and has three warpgroups:
+// - warpgroup 0, the producer, gives most of its registers back (setmaxnreg) and fills a ring of
+//   STAGES stages, each a tile of BN = 128 keys of K and of V, with 16-byte cp.async gathered row
+//   by row from the 16-token pages (TMA would want one tensor map per page: not worth it for a
+//   paged cache). Each thread's copies arrive on the stage's "K full" / "V full" mbarrier when
+//   they land (cp.async.mbarrier.arrive.noinc), so the producer never blocks on its own loads,
+//   and S = Q·Kᵀ starts before V is in.
+// - warpgroups 1 and 2, the consumers, own 64 query rows each (FA3's consumer shape) and take
+//   the registers the producer gave back. Per key tile: S = Q·Kᵀ with wgmma m64n128k16, both
+//   operands from shared memory (Q [rows, D] and K [keys, D] are both K-major), the softmax on
+//   the fp32 accumulators, then O += P·V with P from registers (the accumulator layout of S is
+//   the A-operand layout of the next wgmma for 16-bit types: FA3 §3.3, no shuffles) and V from
+//   shared memory through the transpose bit (V [keys, D] is N-major for B). A consumer releases
+//   the stage on its "empty" mbarrier. The two consumers run out of step, so one's softmax
+//   overlaps the other's tensor-core work (the effect FA3's ping-pong schedule enforces).
+//
+// Shared tiles use the 128-byte swizzle of the wgmma descriptors: a tile [rows, D] is stored as
+// D/64 column blocks [rows][64] (128 bytes a row), and the 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8), atoms of 8 rows × 128 bytes 1024-byte aligned. See swz() and the descriptors.
+//
+// Softmax (FlashDecoding++ §3), as attn_prefill.cu: `sync` keeps a running row max and rescales
+// O and l when it grows; `async` takes every term against the unified φ, no row max, no rescale.
+// A row whose scores leave [φ + a, φ + b] (or whose sum is not finite) is flagged; if any row of
+// the block is flagged, the whole block (producer included) walks the keys again with the sync
+// scheme and rewrites the flagged rows, counting them.
+#include "common.cuh"
+#include "attn_common.cuh"
+
+#ifndef FDPP_D
+#define FDPP_D 128
+#endif
+#ifndef FDPP_STAGES
+#define FDPP_STAGES 2
+#endif
+// 1: overlap the softmax of a tile with P·V of the previous one inside a warpgroup.
+#ifndef FDPP_OVERLAP
+#define FDPP_OVERLAP 0
+#endif
+// 1: FA3 §3.1's ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named
+// barriers), so that one's softmax runs under the other's tensor-core work. Needs FDPP_OVERLAP.
+#ifndef FDPP_PINGPONG
+#define FDPP_PINGPONG 0
+#endif
+#if FDPP_PINGPONG && !FDPP_OVERLAP
+#error "FDPP_PINGPONG needs FDPP_OVERLAP"
+#endif
+
+typedef unsigned long long u64;
+
+#if FDPP_BF16
+#define WG_T "bf16"
+#else
+#define WG_T "f16"
+#endif
+
+constexpr int D = FDPP_D;
+constexpr int STAGES = FDPP_STAGES;
+constexpr int WG_ROWS = 64;               // query rows per consumer warpgroup (wgmma's M)
+constexpr int CONSUMERS = 2;
+constexpr int BM = WG_ROWS * CONSUMERS;   // query rows per block (sources.rs: PREFILL_BM)
+constexpr int BN = 128;                   // keys per tile (the N of S = Q·Kᵀ)
+constexpr int THREADS = 128 * (1 + CONSUMERS);
+constexpr int CH = D / 8;                 // 16-byte chunks per row
+constexpr int NT = BN / 8;                // n8 column groups of S a thread holds
+constexpr int DT = D / 8;                 // n8 column groups of O
+constexpr int KS = D / 16;                // k16 steps of Q·Kᵀ
+constexpr int PS = BN / 16;               // k16 steps of P·V
+constexpr u32 Q_BYTES = BM * D * 2;
+constexpr u32 KV_BYTES = BN * D * 2;      // K (or V) of one stage
+constexpr u32 BAR_AT = Q_BYTES + 2 * STAGES * KV_BYTES;
+// Registers per thread after setmaxnreg: 128·40 + 256·232 = 64512 ≤ 65536, the pool of one
+// 384-thread block launched at 168 (FA3 gives its producers 24–32; these ones compute the
+// page addresses of their copies, so a little more).
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
+
+static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
+static_assert(3 * STAGES * 8 <= 128, "sources.rs reserves 128 bytes of barriers");
+static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
+
+// ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
+
+// Byte offset of 16-byte chunk c (0 .. CH-1) of row r in a [rows, D] tile with the 128-byte
+// swizzle: column block c / 8, then 128 bytes per row, the chunk XORed with the row within its
+// 8-row atom (the hardware applies the same XOR of address bits 4–6 with bits 7–9).
+__device__ __forceinline__ u32 swz(int r, int c, int rows) {
+    return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// A wgmma shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+// stride byte offsets (all in 16-byte units), layout type 1 in bits 62–63. Base offset 0: every
+// atom is 1024-byte aligned, and the k-step advances (+32 bytes inside an atom) leave address
+// bits 7–9 alone.
+__device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
+           ((u64)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Pin an accumulator register at this point: the compiler sees wgmma as a plain asm statement
+// and must not move reads of its accumulators above the wait (CUTLASS's fence_operand).
+__device__ __forceinline__ void keep(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+// Block until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+// Arrive on the barrier once every cp.async this thread issued so far has landed; the barrier's
+// expected count already holds this arrival (.noinc).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy: a proxy fence
+// after the data is visible and before the wgmma that reads it.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats to a packed pair of 16-bit elements, `lo` in the low half.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if FDPP_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#endif
+    return r;
+}
+
+// S = A·B (+ S when `acc`): m64n128k16, A and B from shared memory, both K-major.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_T "." WG_T " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+// D += A·B: m64n128k16, A (four packed pairs per thread) from registers, B from shared memory
+// N-major (the transpose bit: V is stored [keys][D], D contiguous).
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_T "." WG_T " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D += A·B: m64n64k16, A (four packed pairs per thread) from registers, B from shared memory
+// N-major (the transpose bit: V is stored [keys][D], D contiguous).
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_T "." WG_T " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+
+// ---- the block ----
+
+struct Ctx {
+    const u16* q;
+    const u16* kp;
+    const u16* vp;
+    const int* pages;
+    int page_size, H, G, h, kvh, kv_end;
+    int row0, pos0, rows;
+    u32 base;  // shared address of the 1024-byte aligned tile area
+    __device__ __forceinline__ u32 sq() const { return base; }
+    __device__ __forceinline__ u32 sk(int s) const { return base + Q_BYTES + 2 * s * KV_BYTES; }
+    __device__ __forceinline__ u32 sv(int s) const { return sk(s) + KV_BYTES; }
+    __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
+    __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
+    // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
+    __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
+    __device__ __forceinline__ int tiles_of(int w) const {
+        const int first = WG_ROWS * w;
+        if (first >= rows) return 0;
+        const int last = min(rows, first + WG_ROWS);
+        return (pos0 + last + BN - 1) / BN;
+    }
+};
+
+// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the
+// element offset of row 32·pw + l in the pools (−1 past kv_end): one page-table load and one
+// division per row and tile, shared by K and V and broadcast by shuffles. (A lookup per 16-byte
+// chunk, as attn_prefill.cu does, made the producer's dependent loads the bottleneck: ncu showed
+// the L1TEX scoreboard as the main stall and the tensor pipe nearly idle.)
+__device__ __forceinline__ long long row_offset(const Ctx& c, int key) {
+    if (key >= c.kv_end) return -1;
+    const int page = c.pages[key / c.page_size];
+    return ((long long)page * c.page_size + key % c.page_size) * c.G * D + (long long)c.kvh * D;
+}
+
+// Copy the warp's 32 rows of one tile of K or V: each iteration, 32 / CH rows of CH chunks.
+__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off, int pw, int lane) {
+    constexpr int RPI = 32 / CH;
+    const int ch = lane % CH;
+    const u32 lo = (u32)off, hi = (u32)((unsigned long long)off >> 32);
+    // Partly unrolled: the producer lives in PRODUCER_REGS registers.
+#pragma unroll 4
+    for (int i = 0; i < 32 / RPI; ++i) {
+        const int rr = i * RPI + lane / CH;
+        const u32 l = __shfl_sync(0xffffffffu, lo, rr), h = __shfl_sync(0xffffffffu, hi, rr);
+        const long long o = (long long)(((unsigned long long)h << 32) | l);
+        const bool ok = o >= 0;
+        cp_async16(dst + swz(32 * pw + rr, ch, BN), src + (ok ? o + ch * 8 : 0), ok ? 16 : 0);
+    }
+}
+
+// The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
+// phases continue into the recompute walk).
+__device__ void produce(const Ctx& c, int& it) {
+    const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
+    const int ntiles = c.tiles();
+    long long off = row_offset(c, 32 * pw + lane);
+    for (int n = 0; n < ntiles; ++n, ++it) {
+        const int s = it % STAGES;
+        // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
+        if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
+        copy_rows(c.kp, c.sk(s), off, pw, lane);
+        cp_async_arrive(c.full_k(s));
+        copy_rows(c.vp, c.sv(s), off, pw, lane);
+        cp_async_arrive(c.full_v(s));
+        // The next tile's rows, looked up while the consumers work on this one.
+        if (n + 1 < ntiles) off = row_offset(c, (n + 1) * BN + 32 * pw + lane);
+    }
+}
+
+// Consumer w loads its 64 rows of Q into the swizzled Q tile.
+__device__ __forceinline__ void load_q(const Ctx& c, int w) {
+    const int t = threadIdx.x % 128;
+    for (int i = t; i < WG_ROWS * CH; i += 128) {
+        const int row = WG_ROWS * w + i / CH, ch = i % CH;
+        const bool ok = row < c.rows;
+        const size_t at = ok ? ((size_t)(c.row0 + row) * c.H + c.h) * D + ch * 8 : 0;
+        cp_async16(c.sq() + swz(row, ch, BM), c.q + at, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+
+// Row state of the two rows a thread holds (16·warp + g and + 8 within its warpgroup's 64);
+// o[4·j + i] is the accumulator element of column group j (wgmma's D fragment: i = 0, 1 on the
+// first row, columns 8j + 2·(lane % 4) + {0, 1}; i = 2, 3 on the second).
+struct Rows {
+    float o[DT * 4];
+    float m[2], l[2], mx[2];
+    bool over[2];
+};
+
+// What one consumer thread needs to walk the tiles: its warpgroup, its rows' positions, and
+// the softmax constants.
+struct Walker {
+    int w, tq, lane;
+    int warp_pos0;  // position of the warp's first row
+    int qpos[2];
+    u32 q_at;  // this warpgroup's 64 rows of the Q tile
+    float scale2, phi2, b2;
+};
+
+// S = Q · Kᵀ of stage s issued (not waited): 64 rows × BN keys, K-major A and B, k16 steps
+// along D (4 per 128-byte column block, +32 bytes each).
+__device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&sc)[NT * 4], int s) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const u32 kb = (u32)(ks >> 2) * 128u, ko = (u32)(ks & 3) * 32u;
+        const u64 da = desc_sw128(k.q_at + kb * BM + ko, 16, 1024);
+        const u64 db = desc_sw128(c.sk(s) + kb * BN + ko, 16, 1024);
+        wgmma_ss_n128(sc, da, db, ks);
+    }
+    wg_commit();
+}
+
+// O += P · V of stage s issued: V [keys, D] is N-major for B (transpose bit); a k16 step is 16
+// keys, 2048 bytes; the D/64 column blocks are BN·128 bytes apart (leading byte offset), the
+// 8-key groups 1024 (stride byte offset).
+__device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)[PS][4], int s) {
+#pragma unroll
+    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], desc_sw128(c.sv(s) + kk * 2048u, BN * 128, 1024));
+    wg_commit();
+}
+
+// The softmax of key tile n in place: mask keys past each row's position (causal; keys past
+// the end lie past every real row's position), update the row state, and leave
+// P = 2^(S·scale2 − m) in `sc`, m in log2 units; `corr` is the factor O must be rescaled by
+// before P·V of this tile is added (1 under async). The scale is folded into the exponent's FMA
+// (FA3 does the same); m is finite from the first tile on (key 0 is at or before every row's
+// position; async's m is φ), so a masked −inf gives 2^−inf = 0 with no test.
+template <bool ASYNC>
+__device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4], Rows& st, float (&corr)[2], int n) {
+    if (n * BN + BN - 1 > k.warp_pos0) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = n * BN + 8 * j + 2 * k.tq + (i & 1);
+                if (key > k.qpos[i >> 1]) sc[4 * j + i] = -FDPP_INF;
+            }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float tm = -FDPP_INF;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) tm = fmaxf(tm, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        tm *= k.scale2;  // scale2 > 0: the max commutes with it
+        if (ASYNC) {
+            st.mx[r] = fmaxf(st.mx[r], tm);
+            st.over[r] |= tm - k.phi2 > k.b2;
+            corr[r] = 1.f;
+        } else {
+            const float mn = fmaxf(st.m[r], tm);
+            // Before the first tile m = −inf and O = 0: nothing to rescale.
+            corr[r] = st.m[r] == -FDPP_INF ? 1.f : ex2(st.m[r] - mn);
+            st.m[r] = mn;
+        }
+    }
+    float ls[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float& x = sc[4 * j + i];
+            x = ex2(fmaf(x, k.scale2, -st.m[i >> 1]));
+            ls[i >> 1] += x;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * corr[r] + ls[r];
+}
+
+// P as the A operand of P·V: column groups 2kk and 2kk + 1 of S are registers {0, 1} and {2, 3}
+// of k-step kk (wgmma's accumulator and A-fragment layouts line up for 16-bit types).
+__device__ __forceinline__ void pack_p(const float (&sc)[NT * 4], u32 (&pa)[PS][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        pa[j / 2][(j % 2) * 2 + 0] = pack2(sc[4 * j + 0], sc[4 * j + 1]);
+        pa[j / 2][(j % 2) * 2 + 1] = pack2(sc[4 * j + 2], sc[4 * j + 3]);
+    }
+}
+
+template <bool ASYNC>
+__device__ __forceinline__ void rescale_o(Rows& st, const float (&corr)[2]) {
+    if (!ASYNC) {
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+            st.o[4 * j + 0] *= corr[0];
+            st.o[4 * j + 1] *= corr[0];
+            st.o[4 * j + 2] *= corr[1];
+            st.o[4 * j + 3] *= corr[1];
+        }
+    }
+}
+
+__device__ __forceinline__ void keep_all(float* x, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) keep(x[i]);
+}
+
+// Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
+// stage uses (the ring's phases continue into the recompute walk).
+template <bool ASYNC>
+__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
+        st.l[r] = 0.f;
+        st.mx[r] = -FDPP_INF;
+        st.over[r] = false;
+    }
+#pragma unroll
+    for (int i = 0; i < DT * 4; ++i) st.o[i] = 0.f;
+    const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
+    auto stage = [](int i) { return i % STAGES; };
+    auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
+    auto release = [&](int i) {
+        // This warp's part of every wgmma that read the stage is complete.
+        if (k.lane == 0) mbar_arrive(c.empty(stage(i)));
+    };
+    float sc[NT * 4];
+    u32 pa[PS][4];
+    float corr[2];
+#if FDPP_OVERLAP
+    // FA3 §3.2's intra-warpgroup pipelining: the softmax of tile n runs while the tensor cores
+    // do P·V of tile n − 1, so each iteration issues S_n = Q·K_nᵀ and O += P_{n−1}·V_{n−1}
+    // together, waits for S_n only, and rescales O for tile n at the start of the next one.
+    // The issue points are phases 0 .. ntiles (QK_0; QK_n with PV_{n−1}; PV_last); under
+    // ping-pong both warpgroups go through all ntiles + 1 of them (a warpgroup with fewer tiles
+    // passes the rest empty) so that the turn-taking barriers stay paired:
+    // barrier 3 (warpgroup 0 waits, before every phase but the first; warpgroup 1 arrives after
+    // every phase but the last) and barrier 4 (warpgroup 1 waits before every phase, warpgroup 0
+    // arrives after every phase).
+    int phase = 0;
+    auto turn_begin = [&]() {
+#if FDPP_PINGPONG
+        if (k.w == 0) {
+            if (phase > 0) named_sync(3, 256);
+        } else {
+            named_sync(4, 256);
+        }
+#endif
+    };
+    auto turn_end = [&]() {
+#if FDPP_PINGPONG
+        if (k.w == 0) {
+            named_arrive(4, 256);
+        } else if (phase < ntiles) {
+            named_arrive(3, 256);
+        }
+#endif
+        ++phase;
+    };
+    if (mine > 0) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
+        fence_async_smem();
+        turn_begin();
+        wg_fence();
+        issue_qk(c, k, sc, stage(it));
+        turn_end();
+        wg_wait<0>();
+        keep_all(sc, NT * 4);
+        softmax_tile<ASYNC>(k, sc, st, corr, 0);
+        pack_p(sc, pa);
+        for (int n = 1; n < mine; ++n, ++it) {
+            // `it` is tile n − 1's use.
+            mbar_wait(c.full_k(stage(it + 1)), parity(it + 1));
+            rescale_o<ASYNC>(st, corr);
+            mbar_wait(c.full_v(stage(it)), parity(it));
+            fence_async_smem();
+            turn_begin();
+            wg_fence();
+            issue_qk(c, k, sc, stage(it + 1));
+            issue_pv(c, st, pa, stage(it));
+            turn_end();
+            wg_wait<1>();
+            keep_all(sc, NT * 4);
+            softmax_tile<ASYNC>(k, sc, st, corr, n);
+            wg_wait<0>();
+            keep_all(st.o, DT * 4);
+            release(it);
+            pack_p(sc, pa);
+        }
+        rescale_o<ASYNC>(st, corr);
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        fence_async_smem();
+        turn_begin();
+        wg_fence();
+        issue_pv(c, st, pa, stage(it));
+        turn_end();
+        wg_wait<0>();
+        keep_all(st.o, DT * 4);
+        release(it);
+        ++it;
+    }
+    // The phases of the tiles this warpgroup skips (past its last row: the causal diagonal, or
+    // padding rows) pass empty; phase p releases tile p − 1 as a real one would, in order and
+    // after it was filled, so that the ring's phases stay paired and the producer is never held
+    // up by a release waiting behind a turn (which would deadlock the ping-pong).
+    while (phase <= ntiles) {
+        turn_begin();
+        turn_end();
+        if (phase - 2 >= mine) {
+            mbar_wait(c.full_k(stage(it)), parity(it));
+            mbar_wait(c.full_v(stage(it)), parity(it));
+            release(it);
+            ++it;
+        }
+    }
+#else
+    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
+    for (int n = 0; n < mine; ++n, ++it) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
+        fence_async_smem();
+        wg_fence();
+        issue_qk(c, k, sc, stage(it));
+        wg_wait<0>();
+        keep_all(sc, NT * 4);
+        softmax_tile<ASYNC>(k, sc, st, corr, n);
+        pack_p(sc, pa);
+        rescale_o<ASYNC>(st, corr);
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        fence_async_smem();
+        wg_fence();
+        issue_pv(c, st, pa, stage(it));
+        wg_wait<0>();
+        keep_all(st.o, DT * 4);
+        release(it);
+    }
+    // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
+    // but each stage is released in order, after it was filled, so that the phases stay paired.
+    for (int n = mine; n < ntiles; ++n, ++it) {
+        mbar_wait(c.full_k(stage(it)), parity(it));
+        mbar_wait(c.full_v(stage(it)), parity(it));
+        release(it);
+    }
+#endif
+    // Row sums over the quad that holds each row.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+    }
+}
+
+// Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set.
+__device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* __restrict__ out, unsigned mask) {
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = WG_ROWS * w + 16 * warp + g + 8 * r;
+        if (!(mask & (1u << r)) || row >= c.rows) continue;
+        const float inv = 1.f / st.l[r];
+        u16* o = out + ((size_t)(c.row0 + row) * c.H + c.h) * D;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+            const u32 v = pack2(st.o[4 * j + 2 * r] * inv, st.o[4 * j + 2 * r + 1] * inv);
+            *reinterpret_cast<u32*>(o + 8 * j + 2 * tq) = v;
+        }
+    }
+}
+
+template <bool ASYNC>
+__device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
+                        int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                        u16* __restrict__ out) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int4 tv = tiles[blockIdx.x];
+    Ctx c;
+    c.q = q;
+    c.kp = kp;
+    c.vp = vp;
+    c.pages = table + (size_t)tv.x * max_pages;
+    c.page_size = page_size;
+    c.H = H;
+    c.G = G;
+    c.h = blockIdx.y;
+    c.kvh = c.h / (H / G);
+    c.row0 = tv.y;
+    c.pos0 = tv.z;
+    c.rows = tv.w;
+    c.kv_end = c.pos0 + c.rows;
+    // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
+    c.base = (smem_addr(smem) + 1023u) & ~1023u;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
+            mbar_init(c.full_v(s), 128);
+            mbar_init(c.empty(s), CONSUMERS * 4);  // one arrival per consumer warp
+        }
+    }
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    int it = 0;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        produce(c, it);
+        if (ASYNC && __syncthreads_or(0)) produce(c, it);
+        // Leave no copy in flight behind an exited thread.
+        cp_async_wait<0>();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    const int w = wg - 1;
+    load_q(c, w);
+    fence_async_smem();
+    named_sync(1 + w, 128);
+    Walker k;
+    k.w = w;
+    k.lane = threadIdx.x % 32;
+    k.tq = k.lane % 4;
+    k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * ((threadIdx.x % 128) / 32);
+    k.qpos[0] = k.warp_pos0 + k.lane / 4;
+    k.qpos[1] = k.qpos[0] + 8;
+    k.q_at = c.sq() + WG_ROWS * w * 128;
+    k.scale2 = scale2;
+    k.phi2 = phi2;
+    k.b2 = b2;
+    Rows st;
+    walk<ASYNC>(c, k, it, st);
+    if (!ASYNC) {
+        store(c, w, st, out, 3u);
+        return;
+    }
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    unsigned bad = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        bool fin = st.l[r] > 0.f && finite(st.l[r]);
+#pragma unroll
+        for (int j = 0; j < DT; ++j) fin = fin && finite(st.o[4 * j + 2 * r]) && finite(st.o[4 * j + 2 * r + 1]);
+        // The quad shares the row: any lane's view flags it.
+        const bool flag_lane = st.over[r] || st.mx[r] - phi2 < a2 || !fin;
+        const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
+        const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * r < c.rows;
+        if ((quad & 0xfu) && row_ok) bad |= 1u << r;
+    }
+    store(c, w, st, out, ~bad & 3u);
+    // The producer joins this vote and, when any row is flagged, streams the keys again.
+    if (__syncthreads_or(bad != 0)) {
+        walk<false>(c, k, it, st);
+        store(c, w, st, out, bad);
+        // One lane per quad counts its rows.
+        if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
+                         int H, int G, float scale2, u16* __restrict__ out) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, 0.f, 0.f, 0.f, nullptr, out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
+                          int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                          u16* __restrict__ out) {
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, phi2, a2, b2, recomputed, out);
+}

@@ -1,0 +1,374 @@
+//! Launching the Hopper causal prefill (kernels_cuda/attn_prefill_hopper.cu: wgmma, a producer
+//! warpgroup and two consumer warpgroups, FlashAttention-3's shape) and choosing between it and
+//! the mma.sync kernel of attn_prefill.cu.
+//!
+//! The two kernels take the same arguments and tile list and have the same semantics; `prefill`
+//! in attention.rs appends the new K and V to the cache, then asks [`wanted`] which one attends.
+//! `FDPP_PREFILL=mma` forces the mma.sync kernel, `FDPP_PREFILL=hopper` the Hopper one for every
+//! head_dim it is built for (an error on other devices), for A/B comparisons in one build.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::attention::{counter_ptr, per_call_count, upload_ints};
+use super::sources::attn_prefill_hopper_source;
+use super::{drv, CudaBackend, CudaBuffer};
+use crate::backend::attn_plan::{self, i32_of, window, LOG2E};
+use crate::backend::Backend;
+use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
+use crate::ops::attention::{PrefillParams, SoftmaxScheme};
+
+/// head_dims the Hopper kernel is built for (other head_dims use attn_prefill.cu).
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// The compile-time schedule of the kernel: K/V stages of the producer's ring (FDPP_STAGES) and
+/// whether a consumer overlaps the softmax of a tile with P·V of the previous one (FDPP_OVERLAP,
+/// FlashAttention-3 §3.2), and whether the two consumer warpgroups take turns issuing their GEMMs
+/// (FDPP_PINGPONG, FA3 §3.1). `FDPP_HOPPER_STAGES=2|3`, `FDPP_HOPPER_OVERLAP=0|1` and
+/// `FDPP_HOPPER_PINGPONG=0|1` pick another one for measurements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub stages: usize,
+    pub overlap: bool,
+    /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
+    pub pingpong: bool,
+}
+
+impl Schedule {
+    /// Two stages, no overlap, no ping-pong: the other schedules measured no faster on the H100
+    /// (reports/NOTES.md).
+    pub const DEFAULT: Schedule = Schedule {
+        stages: 2,
+        overlap: false,
+        pingpong: false,
+    };
+
+    /// Every schedule `fdpp kernels check` compiles.
+    pub const ALL: [Schedule; 6] = [
+        Schedule::DEFAULT,
+        Schedule::new(2, true, false),
+        Schedule::new(3, false, false),
+        Schedule::new(3, true, false),
+        Schedule::new(2, true, true),
+        Schedule::new(3, true, true),
+    ];
+
+    pub const fn new(stages: usize, overlap: bool, pingpong: bool) -> Self {
+        Schedule {
+            stages,
+            overlap,
+            pingpong,
+        }
+    }
+
+    /// The URI suffix, e.g. `s3o1p1`.
+    pub fn tag(&self) -> String {
+        format!(
+            "s{}o{}p{}",
+            self.stages,
+            u8::from(self.overlap),
+            u8::from(self.pingpong)
+        )
+    }
+
+    fn parse(stages: Option<&str>, overlap: Option<&str>, pingpong: Option<&str>) -> Result<Self> {
+        let mut v = Schedule::DEFAULT;
+        if let Some(s) = stages.map(str::trim).filter(|s| !s.is_empty()) {
+            v.stages = match s {
+                "2" => 2,
+                "3" => 3,
+                o => {
+                    return Err(FdppError::InvalidArgument(format!(
+                        "FDPP_HOPPER_STAGES={o}: expected 2 or 3"
+                    )))
+                }
+            };
+        }
+        let flag = |name: &str, v: Option<&str>, dflt: bool| -> Result<bool> {
+            match v.map(str::trim).filter(|s| !s.is_empty()) {
+                None => Ok(dflt),
+                Some("0") => Ok(false),
+                Some("1") => Ok(true),
+                Some(o) => Err(FdppError::InvalidArgument(format!("{name}={o}: expected 0 or 1"))),
+            }
+        };
+        v.overlap = flag("FDPP_HOPPER_OVERLAP", overlap, v.overlap)?;
+        v.pingpong = flag("FDPP_HOPPER_PINGPONG", pingpong, v.pingpong)?;
+        if v.pingpong && !v.overlap {
+            return Err(FdppError::InvalidArgument(
+                "FDPP_HOPPER_PINGPONG=1 needs FDPP_HOPPER_OVERLAP=1".into(),
+            ));
+        }
+        Ok(v)
+    }
+
+    fn from_env() -> Result<Self> {
+        Schedule::parse(
+            std::env::var("FDPP_HOPPER_STAGES").ok().as_deref(),
+            std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
+            std::env::var("FDPP_HOPPER_PINGPONG").ok().as_deref(),
+        )
+    }
+}
+/// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
+pub const BM: usize = 128;
+pub const BN: usize = 128;
+/// A producer warpgroup and two consumer warpgroups.
+const THREADS: u32 = 384;
+/// The arch the kernel is compiled for.
+pub const ARCH: &str = "sm_90a";
+/// Whether the Hopper kernel attends by default on sm_90a (when FDPP_PREFILL is unset): it passes
+/// `fdpp check` and ran 2.2× / 2.8× / 2.9× the mma.sync kernel at 1k / 4k / 16k tokens on an H100
+/// (reports/NOTES.md, "Attention prefill").
+pub const DEFAULT_ON: bool = true;
+
+/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
+/// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
+pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
+}
+
+/// Which prefill kernel `FDPP_PREFILL` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Unset: the Hopper kernel where it runs and [`DEFAULT_ON`], else mma.sync.
+    Default,
+    Mma,
+    Hopper,
+}
+
+impl Choice {
+    pub fn parse(v: Option<&str>) -> Result<Self> {
+        match v.map(str::trim) {
+            None | Some("") => Ok(Choice::Default),
+            Some("mma") => Ok(Choice::Mma),
+            Some("hopper") => Ok(Choice::Hopper),
+            Some(o) => Err(FdppError::InvalidArgument(format!(
+                "FDPP_PREFILL={o}: expected `mma` or `hopper`"
+            ))),
+        }
+    }
+
+    fn from_env() -> Result<Self> {
+        Choice::parse(std::env::var("FDPP_PREFILL").ok().as_deref())
+    }
+}
+
+/// Whether the Hopper kernel attends: `arch` the device's, `smem_limit` its opt-in shared memory
+/// per block. A forced `hopper` on a device where it cannot run is an error, not a silent
+/// fallback; head_dims it is not built for (256) stay on the mma.sync kernel even when forced, so
+/// that a forced `fdpp check` covers every case.
+pub fn decide(choice: Choice, arch: &str, head_dim: usize, smem_limit: u32) -> Result<bool> {
+    let device = arch == ARCH && smem_bytes(128, Schedule::DEFAULT.stages) <= smem_limit;
+    let shape = HEAD_DIMS.contains(&head_dim);
+    match choice {
+        Choice::Mma => Ok(false),
+        Choice::Default => Ok(DEFAULT_ON && device && shape),
+        Choice::Hopper if device => Ok(shape),
+        Choice::Hopper => Err(FdppError::Unsupported {
+            spec: format!("attn_prefill_hopper_d{head_dim}"),
+            what: format!(
+                "FDPP_PREFILL=hopper on {arch} (needs {ARCH} and {} KiB of shared memory per block)",
+                smem_bytes(128, Schedule::DEFAULT.stages) >> 10
+            ),
+        }),
+    }
+}
+
+/// Whether this prefill goes to the Hopper kernel on `b`.
+/// With FDPP_PREFILL set, the first decision of the process is printed to stderr, so that an
+/// A/B measurement shows which kernel it measured.
+pub fn wanted(b: &CudaBackend, p: &PrefillParams) -> Result<bool> {
+    let choice = Choice::from_env()?;
+    let arch = &b.info().arch;
+    let hopper = decide(choice, arch, p.geom.head_dim, b.max_smem_per_block())?;
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if choice != Choice::Default {
+        SAID.call_once(|| {
+            let sched = Schedule::from_env().map(|s| s.tag()).unwrap_or_default();
+            eprintln!(
+                "fdpp: FDPP_PREFILL={choice:?} on {arch}, head_dim {}: {}",
+                p.geom.head_dim,
+                if hopper {
+                    format!("attn_prefill_hopper ({sched})")
+                } else {
+                    "attn_prefill (mma.sync)".to_string()
+                }
+            )
+        });
+    }
+    Ok(hopper)
+}
+
+/// Attend with the Hopper kernel (the new K and V are already in the cache); returns the rows
+/// the async scheme recomputed when `counting`, else 0.
+pub fn attend(
+    b: &CudaBackend,
+    p: &PrefillParams,
+    q: &CudaBuffer,
+    kv: &PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+) -> Result<usize> {
+    let g = p.geom;
+    let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
+    let tiles = attn_plan::prefill_tiles(p, BM)?;
+    if tiles.is_empty() {
+        return Ok(0);
+    }
+    let sched = Schedule::from_env()?;
+    let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
+    let uri = format!("attn_prefill_hopper_{}_d{d}_{}", p.dtype, sched.tag());
+    let smem = smem_bytes(d, sched.stages);
+    if smem > b.max_smem_per_block() {
+        return Err(FdppError::Unsupported {
+            spec: uri,
+            what: format!(
+                "{} stages at head_dim {d}: {} KiB of shared memory, {} KiB allowed",
+                sched.stages,
+                smem >> 10,
+                b.max_smem_per_block() >> 10
+            ),
+        });
+    }
+
+    let mut sc = b.attn.borrow_mut();
+    // The tile list follows the table; int4 loads want it 16-byte aligned.
+    let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
+    let table = upload_ints(b, &mut sc, &host)?;
+    let tiles_ptr = table + 4 * tiles_at as u64;
+    let (max_pages, page_size) = (
+        i32_of(p.tables.max_pages, "max_pages")?,
+        i32_of(kv.layout.page_size, "page_size")?,
+    );
+    let (h32, g32) = (i32_of(heads, "heads")?, i32_of(kvh, "kv heads")?);
+    let scale2 = g.scale() * LOG2E;
+    let cfg = LaunchConfig {
+        grid_dim: (tiles.len() as u32, heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
+    let what = format!("{uri} at {} new tokens of {} sequences", p.tokens(), p.batch());
+    let recomputed = match p.scheme {
+        SoftmaxScheme::Sync => {
+            let f = b.function_of(&uri, "attn_prefill_hopper_sync", smem, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&scale2)
+                .arg(&op);
+            // SAFETY: lengths and tables validated by the caller; the tile list covers every new
+            // row once; shared memory as smem_bytes lays it out.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            0
+        }
+        SoftmaxScheme::Async { .. } => {
+            let (phi2, a2, b2) = window(p.scheme);
+            let counter = counter_ptr(b, &mut sc, counting)?;
+            let f = b.function_of(&uri, "attn_prefill_hopper_async", smem, src)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
+            // SAFETY: as above.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            b.check_launch(&what)?;
+            per_call_count(b, &sc, counting)?
+        }
+    };
+    b.check_launch(&what)?;
+    Ok(recomputed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::sources;
+
+    #[test]
+    fn fdpp_prefill_parses_and_forced_hopper_refuses_other_devices() {
+        assert_eq!(Choice::parse(None).unwrap(), Choice::Default);
+        assert_eq!(Choice::parse(Some("mma")).unwrap(), Choice::Mma);
+        assert_eq!(Choice::parse(Some(" hopper")).unwrap(), Choice::Hopper);
+        assert!(Choice::parse(Some("wgmma")).is_err());
+        let lim = 227 << 10;
+        assert!(!decide(Choice::Mma, ARCH, 128, lim).unwrap());
+        assert!(decide(Choice::Hopper, ARCH, 128, lim).unwrap());
+        assert!(decide(Choice::Hopper, ARCH, 64, lim).unwrap());
+        assert_eq!(decide(Choice::Default, ARCH, 128, lim).unwrap(), DEFAULT_ON);
+        // Elsewhere the default falls back quietly; a forced Hopper kernel is an error.
+        assert!(!decide(Choice::Default, "sm_89", 128, lim).unwrap());
+        assert!(!decide(Choice::Default, ARCH, 256, lim).unwrap());
+        assert!(decide(Choice::Hopper, "sm_80", 128, lim).is_err());
+        assert!(decide(Choice::Hopper, ARCH, 128, smem_bytes(128, 2) - 1).is_err());
+        // head_dim 256 has only the mma.sync kernel, forced or not.
+        assert!(!decide(Choice::Hopper, ARCH, 256, lim).unwrap());
+    }
+
+    #[test]
+    fn shared_memory_fits_hopper_and_the_sources_are_sm90a_only() {
+        // 227 KiB opt-in per block on the H100, three stages included.
+        assert!(smem_bytes(128, 3) <= 227 << 10);
+        assert_eq!(BM, sources::PREFILL_BM, "same tile list as the mma.sync kernel");
+        for &d in &HEAD_DIMS {
+            let s = attn_prefill_hopper_source(crate::dtype::DType::F16, d, Schedule::DEFAULT);
+            assert!(sources::all_sources().contains(&s));
+            assert!(sources::compiles_for(&s, ARCH));
+            assert!(!sources::compiles_for(&s, "sm_80") && !sources::compiles_for(&s, "sm_89"));
+            assert_eq!(
+                s.uri,
+                format!("attn_prefill_hopper_f16_d{d}_{}", Schedule::DEFAULT.tag())
+            );
+        }
+        assert_eq!(Schedule::parse(None, None, None).unwrap(), Schedule::DEFAULT);
+        let v = Schedule::parse(Some("3"), Some("1"), Some("1")).unwrap();
+        assert_eq!(v, Schedule::new(3, true, true));
+        assert_eq!(v.tag(), "s3o1p1");
+        assert!(Schedule::parse(Some("4"), None, None).is_err());
+        assert!(Schedule::parse(None, Some("yes"), None).is_err());
+        assert!(
+            Schedule::parse(None, Some("0"), Some("1")).is_err(),
+            "ping-pong needs the overlap"
+        );
+        let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
+        assert!(sources::compiles_for(&other, "sm_80"));
+    }
+
+    /// The swizzled layout of attn_prefill_hopper.cu (swz) against the hardware's 128-byte
+    /// swizzle (XOR of byte-address bits 4–6 with bits 7–9) applied to the unswizzled offsets the
+    /// descriptors describe: every element lands where the wgmma reads it, once.
+    #[test]
+    fn swizzle_matches_the_wgmma_descriptors() {
+        // swz of the kernel, transcribed.
+        let swz = |r: usize, c: usize, rows: usize| (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        let hw = |logical: usize| logical ^ (((logical >> 7) & 7) << 4);
+        for &d in &HEAD_DIMS {
+            let rows = BN;
+            let mut seen = vec![false; rows * d * 2 / 16];
+            for r in 0..rows {
+                for c in 0..d / 8 {
+                    let at = swz(r, c, rows);
+                    assert!(!seen[at / 16]);
+                    seen[at / 16] = true;
+                    // K-major operand (Q, K): row r, k-step ks = c / 2 within column block c / 8:
+                    // descriptor start = block + (ks % 4)·32, rows 128 bytes apart, 8-row groups
+                    // 1024 apart (SBO); the chunk sits (c % 2)·16 past the k-step start.
+                    let ks = c / 2;
+                    let start = (ks >> 2) * rows * 128 + (ks & 3) * 32;
+                    let logical = start + (r / 8) * 1024 + (r % 8) * 128 + (c % 2) * 16;
+                    assert_eq!(hw(logical), at, "K-major d{d} r{r} c{c}");
+                    // N-major B (V): k-step kk = r / 16 starts at kk·2048; key groups of 8 are SBO
+                    // = 1024 apart, 64-column blocks LBO = rows·128 apart, chunk c % 8 in its row.
+                    let kk = r / 16;
+                    let logical =
+                        kk * 2048 + ((r % 16) / 8) * 1024 + (c / 8) * rows * 128 + (r % 8) * 128 + (c % 8) * 16;
+                    assert_eq!(hw(logical), at, "N-major d{d} r{r} c{c}");
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+}
