@@ -136,6 +136,18 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+// Block-wide OR vote of the async recompute rule, reached from two call sites (the producer's
+// and the consumers'). __syncthreads_or must be one call site for every thread; the non-aligned
+// PTX barrier.red (named barrier 5, all THREADS counted) is defined for any site per warp.
+__device__ __forceinline__ bool vote_or(bool p) {
+    unsigned r;
+    asm volatile(
+        "{\n.reg .pred a, q;\nsetp.ne.u32 a, %1, 0;\nbarrier.red.or.pred q, 5, %2, a;\nselp.u32 %0, 1, 0, q;\n}"
+        : "=r"(r)
+        : "r"((unsigned)p), "n"(THREADS)
+        : "memory");
+    return r != 0;
+}
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -592,7 +604,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         produce(c, it);
-        if (ASYNC && __syncthreads_or(0)) produce(c, it);
+        if (ASYNC && vote_or(false)) produce(c, it);
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
         return;
@@ -634,7 +646,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     store(c, w, st, out, ~bad & 3u);
     // The producer joins this vote and, when any row is flagged, streams the keys again.
-    if (__syncthreads_or(bad != 0)) {
+    if (vote_or(bad != 0)) {
         walk<false>(c, k, it, st);
         store(c, w, st, out, bad);
         // One lane per quad counts its rows.

@@ -209,7 +209,11 @@ pub const MAX_SPLITS: usize = 64;
 pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize) -> usize {
     let items = (batch * kv_heads).max(1);
     let sms = sm_count.max(1);
-    let per_sm = if items < sms { SMALL_BATCH_BLOCKS_PER_SM } else { BLOCKS_PER_SM };
+    let per_sm = if items < sms {
+        SMALL_BATCH_BLOCKS_PER_SM
+    } else {
+        BLOCKS_PER_SM
+    };
     let target = per_sm * sms;
     let want = target.div_ceil(items);
     let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
