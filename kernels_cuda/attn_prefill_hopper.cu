@@ -81,7 +81,7 @@ constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(3 * STAGES * 8 <= 128, "sources.rs reserves 128 bytes of barriers");
+static_assert(3 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -136,18 +136,17 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-// Block-wide OR vote of the async recompute rule, reached from two call sites (the producer's
-// and the consumers'). __syncthreads_or must be one call site for every thread; the non-aligned
-// PTX barrier.red (named barrier 5, all THREADS counted) is defined for any site per warp.
-__device__ __forceinline__ bool vote_or(bool p) {
-    unsigned r;
-    asm volatile(
-        "{\n.reg .pred a, q;\nsetp.ne.u32 a, %1, 0;\nbarrier.red.or.pred q, 5, %2, a;\nselp.u32 %0, 1, 0, q;\n}"
-        : "=r"(r)
-        : "r"((unsigned)p), "n"(THREADS)
-        : "memory");
-    return r != 0;
+// The async recompute vote (FlashDecoding++ §3: a row out of the window is recomputed with the
+// sync scheme). Consumers OR their flags into a shared word and arrive on the vote mbarrier
+// (release); consumers and the producer wait on it (acquire) and read the word. Each role reaches
+// it from its own code, which an mbarrier allows and a block barrier (__syncthreads_or) does not.
+__device__ __forceinline__ void smem_or(u32 addr, u32 v) { asm volatile("red.shared.or.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+__device__ __forceinline__ u32 smem_ld(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
 }
+__device__ __forceinline__ void smem_st(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -218,6 +217,8 @@ struct Ctx {
     __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
     __device__ __forceinline__ u32 empty(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
+    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (3 * STAGES); }
+    __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -597,6 +598,8 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
             mbar_init(c.full_v(s), 128);
             mbar_init(c.empty(s), CONSUMERS * 4);  // one arrival per consumer warp
         }
+        mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
+        smem_st(c.vote_word(), 0);
     }
     __syncthreads();
     const int wg = threadIdx.x / 128;
@@ -604,7 +607,10 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         produce(c, it);
-        if (ASYNC && vote_or(false)) produce(c, it);
+        if (ASYNC) {
+            mbar_wait(c.vote_bar(), 0);
+            if (smem_ld(c.vote_word())) produce(c, it);
+        }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
         return;
@@ -645,8 +651,12 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         if ((quad & 0xfu) && row_ok) bad |= 1u << r;
     }
     store(c, w, st, out, ~bad & 3u);
-    // The producer joins this vote and, when any row is flagged, streams the keys again.
-    if (vote_or(bad != 0)) {
+    // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams the
+    // keys again.
+    if (bad) smem_or(c.vote_word(), 1u);
+    mbar_arrive(c.vote_bar());
+    mbar_wait(c.vote_bar(), 0);
+    if (smem_ld(c.vote_word())) {
         walk<false>(c, k, it, st);
         store(c, w, st, out, bad);
         // One lane per quad counts its rows.
