@@ -9,7 +9,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::launch::Launch;
-use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, PREFILL_BM};
+use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::attn_plan::{self, i32_of, window, DecodePlan, LOG2E};
@@ -268,7 +268,7 @@ pub fn prefill(
         kv,
     )?;
     let g = p.geom;
-    let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
+    let (heads, d) = (g.num_heads, g.head_dim);
     // sm_90a: the wgmma kernel (prefill_hopper.rs), unless FDPP_PREFILL says otherwise.
     if super::prefill_hopper::wanted(b, p)? {
         let recomputed = super::prefill_hopper::attend(b, p, q, kv, out, counting)?;
@@ -277,22 +277,69 @@ pub fn prefill(
             recomputed,
         });
     }
-    let tiles = attn_plan::prefill_tiles(p, PREFILL_BM)?;
-    let ntiles = tiles.len();
-    let uri = format!("attn_prefill_{}_d{d}", p.dtype);
     let src = || Ok(attn_prefill_source(p.dtype, d));
-    let smem = prefill_smem_bytes(d);
-    if smem > b.max_smem_per_block() {
+    let recomputed = launch_prefill(
+        b,
+        p,
+        q,
+        kv,
+        out,
+        counting,
+        &PrefillKernel {
+            uri: format!("attn_prefill_{}_d{d}", p.dtype),
+            source: &src,
+            entries: ["attn_prefill_sync", "attn_prefill_async"],
+            threads: PREFILL_THREADS,
+            tile_rows: PREFILL_BM,
+            smem: prefill_smem_bytes(d),
+        },
+    )?;
+    Ok(AttnStats {
+        rows: p.tokens() * heads,
+        recomputed,
+    })
+}
+
+/// One causal prefill kernel (attn_prefill.cu or attn_prefill_hopper.cu): both take the same
+/// arguments, so one launcher serves them.
+pub(super) struct PrefillKernel<'a> {
+    pub uri: String,
+    pub source: &'a dyn Fn() -> Result<KernelSource>,
+    /// The sync and the async entry point.
+    pub entries: [&'static str; 2],
+    pub threads: u32,
+    /// Query rows per block (the tile list's granularity).
+    pub tile_rows: usize,
+    pub smem: u32,
+}
+
+/// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
+/// the async scheme recomputed when `counting`, else 0.
+pub(super) fn launch_prefill(
+    b: &CudaBackend,
+    p: &PrefillParams,
+    q: &CudaBuffer,
+    kv: &PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+    k: &PrefillKernel,
+) -> Result<usize> {
+    if k.smem > b.max_smem_per_block() {
         return Err(FdppError::Unsupported {
-            spec: uri,
+            spec: k.uri.clone(),
             what: format!(
-                "head_dim {d} on this device ({} KiB of shared memory needed, {} KiB allowed)",
-                smem >> 10,
+                "head_dim {} on this device ({} KiB of shared memory needed, {} KiB allowed)",
+                p.geom.head_dim,
+                k.smem >> 10,
                 b.max_smem_per_block() >> 10
             ),
         });
     }
-
+    let tiles = attn_plan::prefill_tiles(p, k.tile_rows)?;
+    if tiles.is_empty() {
+        return Ok(0);
+    }
+    let g = p.geom;
     let mut sc = b.attn.borrow_mut();
     // The tile list follows the table; int4 loads want it 16-byte aligned.
     let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
@@ -302,18 +349,18 @@ pub fn prefill(
         i32_of(p.tables.max_pages, "max_pages")?,
         i32_of(kv.layout.page_size, "page_size")?,
     );
-    let (h32, g32) = (i32_of(heads, "heads")?, i32_of(kvh, "kv heads")?);
+    let (h32, g32) = (i32_of(g.num_heads, "heads")?, i32_of(g.num_kv_heads, "kv heads")?);
     let scale2 = g.scale() * LOG2E;
     let cfg = LaunchConfig {
-        grid_dim: (ntiles as u32, heads as u32, 1),
-        block_dim: (PREFILL_THREADS, 1, 1),
-        shared_mem_bytes: smem,
+        grid_dim: (tiles.len() as u32, g.num_heads as u32, 1),
+        block_dim: (k.threads, 1, 1),
+        shared_mem_bytes: k.smem,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!("{uri} at {} new tokens of {} sequences", p.tokens(), p.batch());
+    let what = format!("{} at {} new tokens of {} sequences", k.uri, p.tokens(), p.batch());
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
-            let f = b.function_of(&uri, "attn_prefill_sync", smem, src)?;
+            let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
             l.arg(&max_pages)
@@ -322,14 +369,15 @@ pub fn prefill(
                 .arg(&g32)
                 .arg(&scale2)
                 .arg(&op);
-            // SAFETY: lengths and tables validated above; the tile list covers every new row once.
+            // SAFETY: the caller validated lengths and tables; the tile list covers every new row
+            // once; the shared memory is what the kernel lays out.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             0
         }
         SoftmaxScheme::Async { .. } => {
             let (phi2, a2, b2) = window(p.scheme);
             let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, "attn_prefill_async", smem, src)?;
+            let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
@@ -341,8 +389,5 @@ pub fn prefill(
         }
     };
     b.check_launch(&what)?;
-    Ok(AttnStats {
-        rows: p.tokens() * heads,
-        recomputed,
-    })
+    Ok(recomputed)
 }

@@ -7,16 +7,13 @@
 //! `FDPP_PREFILL=mma` forces the mma.sync kernel, `FDPP_PREFILL=hopper` the Hopper one for every
 //! head_dim it is built for (an error on other devices), for A/B comparisons in one build.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-
-use super::attention::{counter_ptr, per_call_count, upload_ints};
+use super::attention::{launch_prefill, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
-use super::{drv, CudaBackend, CudaBuffer};
-use crate::backend::attn_plan::{self, i32_of, window, LOG2E};
+use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::attention::{PrefillParams, SoftmaxScheme};
+use crate::ops::attention::PrefillParams;
 
 /// head_dims the Hopper kernel is built for (other head_dims use attn_prefill.cu).
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
@@ -209,78 +206,25 @@ pub fn attend(
     out: &mut CudaBuffer,
     counting: bool,
 ) -> Result<usize> {
-    let g = p.geom;
-    let (heads, kvh, d) = (g.num_heads, g.num_kv_heads, g.head_dim);
-    let tiles = attn_plan::prefill_tiles(p, BM)?;
-    if tiles.is_empty() {
-        return Ok(0);
-    }
+    let d = p.geom.head_dim;
     let sched = Schedule::from_env()?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
-    let uri = format!("attn_prefill_hopper_{}_d{d}_{}", p.dtype, sched.tag());
-    let smem = smem_bytes(d, sched.stages);
-    if smem > b.max_smem_per_block() {
-        return Err(FdppError::Unsupported {
-            spec: uri,
-            what: format!(
-                "{} stages at head_dim {d}: {} KiB of shared memory, {} KiB allowed",
-                sched.stages,
-                smem >> 10,
-                b.max_smem_per_block() >> 10
-            ),
-        });
-    }
-
-    let mut sc = b.attn.borrow_mut();
-    // The tile list follows the table; int4 loads want it 16-byte aligned.
-    let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
-    let table = upload_ints(b, &mut sc, &host)?;
-    let tiles_ptr = table + 4 * tiles_at as u64;
-    let (max_pages, page_size) = (
-        i32_of(p.tables.max_pages, "max_pages")?,
-        i32_of(kv.layout.page_size, "page_size")?,
-    );
-    let (h32, g32) = (i32_of(heads, "heads")?, i32_of(kvh, "kv heads")?);
-    let scale2 = g.scale() * LOG2E;
-    let cfg = LaunchConfig {
-        grid_dim: (tiles.len() as u32, heads as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!("{uri} at {} new tokens of {} sequences", p.tokens(), p.batch());
-    let recomputed = match p.scheme {
-        SoftmaxScheme::Sync => {
-            let f = b.function_of(&uri, "attn_prefill_hopper_sync", smem, src)?;
-            let mut l = b.stream().launch_builder(&f);
-            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages)
-                .arg(&page_size)
-                .arg(&h32)
-                .arg(&g32)
-                .arg(&scale2)
-                .arg(&op);
-            // SAFETY: lengths and tables validated by the caller; the tile list covers every new
-            // row once; shared memory as smem_bytes lays it out.
-            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
-            0
-        }
-        SoftmaxScheme::Async { .. } => {
-            let (phi2, a2, b2) = window(p.scheme);
-            let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, "attn_prefill_hopper_async", smem, src)?;
-            let mut l = b.stream().launch_builder(&f);
-            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
-            l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
-            // SAFETY: as above.
-            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
-            b.check_launch(&what)?;
-            per_call_count(b, &sc, counting)?
-        }
-    };
-    b.check_launch(&what)?;
-    Ok(recomputed)
+    launch_prefill(
+        b,
+        p,
+        q,
+        kv,
+        out,
+        counting,
+        &PrefillKernel {
+            uri: format!("attn_prefill_hopper_{}_d{d}_{}", p.dtype, sched.tag()),
+            source: &src,
+            entries: ["attn_prefill_hopper_sync", "attn_prefill_hopper_async"],
+            threads: THREADS,
+            tile_rows: BM,
+            smem: smem_bytes(d, sched.stages),
+        },
+    )
 }
 
 #[cfg(test)]
