@@ -17,3 +17,23 @@ __device__ __forceinline__ float unkey(unsigned k) {
     if (k == 0) return -FDPP_INF;
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
+
+// The tiled prefill kernels' softmax helpers (attn_prefill.cu, attn_prefill_hopper.cu).
+// 2^x with the hardware approximation (2 ulp; the fp32 accumulators and the 16-bit P operand
+// absorb it).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats to a packed pair of 16-bit elements, `lo` in the low half.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if FDPP_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#endif
+    return r;
+}

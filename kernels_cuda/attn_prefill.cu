@@ -63,24 +63,6 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two floats to a packed pair of 16-bit elements, `lo` in the low half.
-// 2^x with the hardware approximation (2 ulp; the fp32 accumulators and the 16-bit P operand
-// absorb it).
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if FDPP_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#endif
-    return r;
-}
 
 struct Tile {
     int b, row0, pos0, rows;

@@ -148,22 +148,6 @@ __device__ __forceinline__ u32 smem_ld(u32 addr) {
 }
 __device__ __forceinline__ void smem_st(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Two floats to a packed pair of 16-bit elements, `lo` in the low half.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if FDPP_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#endif
-    return r;
-}
 
 // S = A·B (+ S when `acc`): m64n128k16, A and B from shared memory, both K-major.
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int acc) {
