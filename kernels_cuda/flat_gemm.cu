@@ -30,7 +30,7 @@ constexpr int CH = BK / 8;                    // 16-byte chunks per tile row
 // 8 warps per block (src/backend/cuda/sources.rs FLAT_WARPS). Measured on the H100 against 4
 // (reports/NOTES.md): where one block per SM streams all of K (N = 4096), 4 warps leave one warp
 // per scheduler, which stalls on every shared-memory load and mma between two tiles; 8 warps
-// were faster at every shape and M = 8..64.
+// were faster at every shape and M = 8..64 but one tie (QKV M = 24, 44.5 against 44.4 µs).
 constexpr int FLAT_WARPS = 8;
 
 static_assert(BN % 16 == 0 && BN >= 32 && BN <= 256, "B_N must be 32, 64, 128 or 256");

@@ -28,8 +28,8 @@ const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("fl
 /// gemv rows per block (4 warps): 1 and 2 split K over 4 or 2 warps per row, 4..16 give each warp
 /// 1..4 whole rows.
 pub const GEMV_ROWS_PER_BLOCK: &[u32] = &[1, 2, 4, 8, 16];
-/// B_N = 256 was dropped: never the fastest on the H100 (at 4 or 8 warps it was 1.5-5x slower
-/// than B_N = 32..128 on every Llama2-7B shape at M = 8..64; reports/NOTES.md).
+/// B_N = 256 was dropped: with 8 warps never the fastest on the H100 (1.1-5x slower than the best
+/// B_N = 32..128 on every Llama2-7B shape at M = 8..64; flat_gemm v3 in reports/NOTES.md).
 pub const FLAT_BN: &[u32] = &[32, 64, 128];
 /// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; deeper
 /// pipelines keep more W tiles in flight, which pays where one block per SM must stream all of K
