@@ -21,15 +21,15 @@ fn quick_cpu_check_passes_and_prints_every_row() {
     assert!(out.status.success(), "fdpp check failed: {stderr}");
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let rows = rows.as_array().expect("an array of rows");
-    // 6 cases in 2 dtypes, 4 CPU candidates each.
-    assert_eq!(rows.len(), 48);
+    // 8 cases in 2 dtypes, 4 CPU candidates each.
+    assert_eq!(rows.len(), 64);
     for r in rows {
         assert_eq!(r["status"], "pass", "{r}");
         assert_eq!(r["backend"], "cpu");
         assert!(r["nmse"].as_f64().is_some_and(|e| e < 1e-4), "{r}");
         assert!(r["m"].as_u64().is_some() && r["n"].as_u64().is_some() && r["k"].as_u64().is_some());
     }
-    assert!(stderr.contains("48 passed, 0 failed"), "{stderr}");
+    assert!(stderr.contains("64 passed, 0 failed"), "{stderr}");
 }
 
 #[test]

@@ -25,21 +25,24 @@ pub struct GemmCase {
 /// N = 133, K = 1031 (prime-ish: no B_N, NR or lane width divides them).
 const FULL_NK: [(usize, usize); 5] = [(11008, 4096), (5504, 4097), (1000, 4097), (4096, 11008), (133, 1031)];
 /// M of the full list: 1 (GEMV), 3 and 17 (odd, ragged in every register block), 8 (the M
-/// flat_gemm pads to on tensor cores, FlashDecoding++ §3).
-const FULL_M: [usize; 4] = [1, 3, 8, 17];
+/// flat_gemm pads to on tensor cores, FlashDecoding++ §3), 41 (flat_gemm's 64-row block with
+/// three n8-tiles past M) and 70 (two blocks along M, the second holding 6 rows).
+const FULL_M: [usize; 6] = [1, 3, 8, 17, 41, 70];
 
 /// The reduced list for `cargo test` and `fdpp check --quick`, small enough for a debug build
 /// (about 10 M multiply-adds per dtype) yet with every ragged edge: N = 1000 (no B_N of 16 or 64
 /// divides it), N = 133 and 67 (ragged in the NR = 4 register block too), K = 263 and 1031 (a
 /// tail shorter than one 8-lane chunk after full K blocks), K = 4097 (a last K block of one
-/// element), odd M = 1, 3, 17 and M = 8.
-const QUICK_MNK: [(usize, usize, usize); 6] = [
+/// element), odd M = 1, 3, 17, 41, 70 and M = 8.
+const QUICK_MNK: [(usize, usize, usize); 8] = [
     (1, 1000, 263),
     (17, 1000, 263),
     (3, 133, 1031),
     (17, 133, 1031),
     (1, 67, 4097),
     (8, 67, 4097),
+    (41, 133, 1031),
+    (70, 67, 263),
 ];
 
 /// Every case of `fdpp check`: each M × (N, K) in f16 and bf16.

@@ -4,7 +4,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{sys, LaunchConfig};
 
 use super::launch::Launch;
-use super::sources::{self, flat_smem_bytes, flat_stages, FLAT_THREADS, GEMV_WARPS};
+use super::sources::{self, flat_smem_bytes, flat_stages, FLAT_WARPS, GEMV_WARPS};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
 use crate::dtype::DType;
@@ -104,15 +104,7 @@ fn flat(
     y: &mut CudaBuffer,
 ) -> Result<()> {
     let bn = spec.block_n.unwrap_or(64);
-    // M padded to 8 (FlashDecoding++ §4): 1, 2 or 4 n8-tiles per block; larger M takes more
-    // blocks along y (each re-reads W, so B stops paying there and the tuner's M2 shows it).
-    let mt: u32 = if d.m <= 8 {
-        1
-    } else if d.m <= 16 {
-        2
-    } else {
-        4
-    };
+    let mt = sources::flat_mt(d.m);
     let smem = flat_smem_bytes(bn, mt, flat_stages(spec));
     if smem > b.max_smem_per_block() {
         return Err(FdppError::Unsupported {
@@ -125,15 +117,8 @@ fn flat(
             ),
         });
     }
-    let name = match (mt, vec_ok(&d)) {
-        (1, true) => "flat_gemm_mt1_v",
-        (1, false) => "flat_gemm_mt1_s",
-        (2, true) => "flat_gemm_mt2_v",
-        (2, false) => "flat_gemm_mt2_s",
-        (_, true) => "flat_gemm_mt4_v",
-        (_, false) => "flat_gemm_mt4_s",
-    };
-    let f = b.function_of(&spec.uri(), name, smem, || {
+    let name = format!("flat_gemm_mt{mt}_{}", if vec_ok(&d) { "v" } else { "s" });
+    let f = b.function_of(&spec.uri(), &name, smem, || {
         sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))
     })?;
     let (m, n, k) = (
@@ -147,7 +132,7 @@ fn flat(
             d.m.div_ceil(8 * mt as usize) as u32,
             1,
         ),
-        block_dim: (FLAT_THREADS, 1, 1),
+        block_dim: (32 * FLAT_WARPS, 1, 1),
         shared_mem_bytes: smem,
     };
     let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));

@@ -29,19 +29,22 @@ const FILES: &[(&str, &str)] = &[("common.cuh", COMMON), ("gemv.cu", GEMV), ("fl
 /// gemv rows per block (4 warps): 1 and 2 split K over 4 or 2 warps per row, 4..16 give each warp
 /// 1..4 whole rows.
 pub const GEMV_ROWS_PER_BLOCK: &[u32] = &[1, 2, 4, 8, 16];
-pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
+/// B_N = 256 was dropped: with 8 warps never the fastest on the H100 (1.1-5x slower than the best
+/// B_N = 32..128 on every Llama2-7B shape at M = 8..64; flat_gemm v3 in reports/NOTES.md).
+pub const FLAT_BN: &[u32] = &[32, 64, 128];
 /// cp.async pipeline depths offered for flat_gemm: 2 is the paper's double buffering; deeper
 /// pipelines keep more W tiles in flight, which pays where one block per SM must stream all of K
 /// (N = 4096). A depth whose shared memory does not fit the device is skipped at run time.
 pub const FLAT_STAGES: &[u32] = &[2, 3];
 /// KiB of W per pipeline stage (B_K = this / (2·B_N)); measured against 16 KiB on the H100,
-/// see reports/NOTES.md.
+/// see reports/NOTES.md (with 4 warps, and again with 8 warps as 4- and 6-stage pipelines).
 pub const FLAT_STAGE_KB: u32 = 32;
 /// 16-byte weight loads in flight per gemv lane.
 pub const GEMV_INFLIGHT: u32 = 8;
-/// Warps per block of both kernels (must match WARPS in the sources).
+/// Warps per gemv block (must match WARPS in gemv.cu).
 pub const GEMV_WARPS: u32 = 4;
-pub const FLAT_THREADS: u32 = 128;
+/// Warps per flat_gemm block (must match FLAT_WARPS in flat_gemm.cu).
+pub const FLAT_WARPS: u32 = 8;
 
 /// SHA-256 over all kernel sources, hex, first 16 digits.
 pub fn kernel_hash() -> String {
@@ -230,12 +233,68 @@ pub fn gemv_layout(rows_per_block: u32) -> (u32, u32) {
     }
 }
 
-/// Shared memory a flat_gemm block needs for MT n8-tiles of M (must match the kernel's layout).
+/// Shared memory a flat_gemm block needs for MT n8-tiles of M (must match the kernel's layout:
+/// STAGES × (B_N + 8·MT) rows of B_K; the K-split reduction reuses it, a static_assert there).
 pub fn flat_smem_bytes(bn: u32, mt: u32, stages: u32) -> u32 {
     let bk = FLAT_STAGE_KB * 512 / bn;
     stages * (bn * bk + 8 * mt * bk) * 2
 }
 
+/// n8-tiles of M per flat_gemm block (FlashDecoding++ §4 pads M to 8): M up to 64 in one block,
+/// so that W is read from memory once; larger M takes more blocks along y, each re-reading W
+/// (the tuner's M2 shows where ImplC takes over).
+pub fn flat_mt(m: usize) -> u32 {
+    match m {
+        0..=8 => 1,
+        9..=16 => 2,
+        17..=32 => 4,
+        _ => 8,
+    }
+}
+
 pub fn flat_stages(spec: &GemmSpec) -> u32 {
     spec.stages.unwrap_or(FLAT_STAGES[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn m_up_to_64_takes_one_block_along_m() {
+        let tiles = |m: usize| 8 * flat_mt(m) as usize;
+        for m in 1..=64 {
+            assert!(tiles(m) >= m, "M = {m} needs more than one block along M");
+            assert!(tiles(m) < 2 * m.max(8), "M = {m} pads past twice its rows");
+        }
+        assert_eq!(flat_mt(65), 8);
+        assert_eq!(flat_mt(8), 1);
+        assert_eq!(flat_mt(9), 2);
+        assert_eq!(flat_mt(17), 4);
+        assert_eq!(flat_mt(33), 8);
+    }
+
+    #[test]
+    fn double_buffering_fits_the_h100_at_every_m_tile() {
+        // 227 KiB of shared memory per block on sm_90 (and on sm_80): every B_N must run with
+        // two stages at every M tiling, so that M = 64 never leaves the tuner without ImplB.
+        for &bn in FLAT_BN {
+            for mt in [1, 2, 4, 8] {
+                assert!(flat_smem_bytes(bn, mt, 2) <= 227 * 1024, "B_N {bn}, MT {mt}");
+            }
+        }
+        // The stage layout: W tile of FLAT_STAGE_KB KiB plus 8·MT rows of x, per stage.
+        assert_eq!(flat_smem_bytes(32, 8, 2), 2 * (32 + 64) * 512 * 2);
+    }
+
+    #[test]
+    fn every_flat_candidate_is_offered_in_both_dtypes() {
+        for dt in [DType::F16, DType::Bf16] {
+            let flat = all_gemm_specs(dt)
+                .into_iter()
+                .filter(|s| s.imp == GemmImpl::FlatGemm)
+                .count();
+            assert_eq!(flat, FLAT_BN.len() * FLAT_STAGES.len());
+        }
+    }
 }
