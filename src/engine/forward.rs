@@ -6,8 +6,9 @@
 //! the cache itself; decode appends them in the rotation's kernel, qkv_rope_append, then
 //! attends) → O GEMM → add_rmsnorm (the residual add fused in) → FFN1 GEMM (gate and up fused)
 //! → silu_mul → FFN2 GEMM. The FFN2 output is added to the residual by the next layer's
-//! add_rmsnorm, and by the final norm after the last layer. Every GEMM's implementation comes from the profile at this step's M
-//! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3).
+//! add_rmsnorm, and by the final norm after the last layer. Every GEMM's implementation comes
+//! from the profile at this step's M (FlashDecoding++ §4); attention uses the profile's softmax
+//! scheme (§3).
 
 use std::cell::RefCell;
 
