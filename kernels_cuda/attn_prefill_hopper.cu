@@ -184,7 +184,6 @@ __device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const u32 (&a)[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-
 // ---- the block ----
 
 struct Ctx {

@@ -16,7 +16,6 @@
 //! A/B runs and as an escape hatch.
 
 use std::ffi::c_void;
-use std::marker::PhantomData;
 
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
 
@@ -34,7 +33,6 @@ pub(crate) struct Launch<'a> {
     f: &'a CudaFunction,
     args: Vec<*mut c_void>,
     pdl: bool,
-    _args: PhantomData<&'a ()>,
 }
 
 impl<'a> Launch<'a> {
@@ -46,7 +44,6 @@ impl<'a> Launch<'a> {
             f,
             args: Vec::with_capacity(16),
             pdl: b.pdl(),
-            _args: PhantomData,
         }
     }
 
