@@ -314,7 +314,6 @@ impl<'b, B: Backend> Llama<'b, B> {
             &self.weights.final_norm,
             g.final_normed,
         )?;
-        stats.recomputed += b.take_recomputed()?;
         if stats_params.is_some() {
             if let Some(st) = self.score_stats.borrow_mut().as_mut() {
                 st.steps += 1;
@@ -322,7 +321,10 @@ impl<'b, B: Backend> Llama<'b, B> {
         }
         self.op_times.lap(b, "add_rmsnorm")?;
         let rows = wanted_rows.len();
+        // The recompute count is read after the step's own readback: reading it here would make
+        // the host wait for every layer before it could queue the LM head.
         if rows == 0 {
+            stats.recomputed += b.take_recomputed()?;
             return Ok(StepOut {
                 attn: stats,
                 ..StepOut::default()
@@ -351,6 +353,7 @@ impl<'b, B: Backend> Llama<'b, B> {
         self.op_times.lap(b, "gemm lm_head")?;
         if want == StepWant::Greedy {
             let tokens = b.argmax_rows(acts.get(g.logits), rows, vocab)?;
+            stats.recomputed += b.take_recomputed()?;
             self.op_times.lap(b, "argmax")?;
             return Ok(StepOut {
                 tokens,
@@ -359,6 +362,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             });
         }
         let bits = b.download(acts.get(g.logits))?;
+        stats.recomputed += b.take_recomputed()?;
         self.op_times.lap(b, "logits download")?;
         let mut row = vec![0f32; vocab];
         let logits = (0..rows)
