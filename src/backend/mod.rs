@@ -17,6 +17,17 @@ use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmSpec};
 use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
 
+/// How the decode steps' layers after the first ran on a backend with graphs (cuda/graph.rs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphCounts {
+    /// Replays of a captured graph.
+    pub replayed: usize,
+    /// Captures (each also launched).
+    pub captured: usize,
+    /// Eager runs: a signature's first sighting, or one whose capture failed.
+    pub eager: usize,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
@@ -187,6 +198,29 @@ pub trait Backend {
     ) -> Result<()> {
         let _ = (p, q, k, v, kv, out);
         Err(attention_unsupported(self.info(), "attention_prefill"))
+    }
+
+    /// Start folding the launches that follow into a decode-graph signature (CUDA, see
+    /// cuda/graph.rs); false when this backend does not replay graphs.
+    fn graph_begin(&self) -> bool {
+        false
+    }
+
+    /// The signature of the launches since [`graph_begin`](Self::graph_begin).
+    fn graph_end(&self) -> Option<u64> {
+        None
+    }
+
+    /// Run `body` (the same launches as every earlier call under `sig`): eagerly, or captured
+    /// into a graph, or as a replay of that graph without calling `body`.
+    fn graph_run(&self, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = sig;
+        body()
+    }
+
+    /// How often graphs were replayed, captured or bypassed; None without graphs.
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        None
     }
 
     /// Rows recomputed by the enqueue paths since the last call (waits for the device).

@@ -115,6 +115,8 @@ struct JsonReport<'a> {
     /// Every linear op's implementation at the prefill and decode M, with the reason.
     gemm_plans: Vec<String>,
     memory: &'a MemoryPlan,
+    /// How the decode steps' layers after the first ran (CUDA graphs); absent without graphs.
+    decode_graphs: Option<crate::backend::GraphCounts>,
     #[serde(flatten)]
     output: &'a GenerateOutput,
 }
@@ -300,6 +302,7 @@ fn run_on<B: Backend>(
             load_ms,
             gemm_plans,
             memory: &engine.memory,
+            decode_graphs: b.graph_counts(),
             output: &out,
         };
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -310,6 +313,12 @@ fn run_on<B: Backend>(
             print_batch(&out, tok.is_some());
         }
         print_timings(&out);
+        if let Some(g) = b.graph_counts() {
+            eprintln!(
+                "decode graphs (layers 1..): {} replayed, {} captured, {} eager",
+                g.replayed, g.captured, g.eager
+            );
+        }
     }
     Ok(())
 }

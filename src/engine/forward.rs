@@ -8,7 +8,8 @@
 //! → silu_mul → FFN2 GEMM. The FFN2 output is added to the residual by the next layer's
 //! add_rmsnorm, and by the final norm after the last layer. Every GEMM's implementation comes
 //! from the profile at this step's M (FlashDecoding++ §4); attention uses the profile's softmax
-//! scheme (§3).
+//! scheme (§3). On CUDA a decode step launches layer 0 and replays layers 1.. from a graph keyed
+//! by layer 0's launches (backend/cuda/graph.rs).
 
 use std::cell::RefCell;
 
@@ -28,6 +29,10 @@ use crate::model::ModelConfig;
 use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::scores::ScoreStatsParams;
+
+/// Block-table stride granularity of graph-replayed decode steps, in pages.
+const GRAPH_STRIDE_PAGES: usize = 64;
 
 /// A model ready to run on a backend.
 pub struct Llama<'b, B: Backend> {
@@ -171,6 +176,17 @@ impl<'b, B: Backend> Llama<'b, B> {
         let layer_slots = plan.layers.clone();
         let tables: Vec<BlockTable> = seqs.iter().map(|s| s.table.clone()).collect();
         let flat = FlatBlockTables::new(&kv.layout, &tables)?;
+        let graphs = kind == StepKind::Decode
+            && self.score_stats.borrow().is_none()
+            && !self.op_times.on()
+            && b.graph_counts().is_some();
+        // The table stride is a kernel argument: rounded up, one decode graph serves many steps.
+        let flat = if graphs {
+            let stride = flat.max_pages.div_ceil(GRAPH_STRIDE_PAGES) * GRAPH_STRIDE_PAGES;
+            flat.with_stride(stride)
+        } else {
+            flat
+        };
         let gemms = self.linears.step(t, wanted_rows.len().max(1));
         let mut stats = AttnStats::default();
 
@@ -242,70 +258,34 @@ impl<'b, B: Backend> Llama<'b, B> {
             };
             (p, st.params)
         });
-        let mut prev_ffn2: Option<usize> = None;
-        for (l, (w, s)) in self.weights.layers.iter().zip(&layer_slots).enumerate() {
-            self.add_rmsnorm(&norm, acts, g.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
-            self.op_times.lap(b, "add_rmsnorm")?;
-            self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
-            self.op_times.lap(b, "gemm qkv")?;
-            let cache = &mut kv.layers[l];
-            {
-                let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
-                match &attn {
-                    Attn::Prefill(_) => b.qkv_rope(&rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
-                    // A decode step appends its token's k and v to the cache in the same kernel
-                    // as the rotation (one launch fewer per layer on a GPU).
-                    Attn::Decode(ap, _) => b.qkv_rope_append(&rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
-                }
-            }
-            self.op_times.lap(b, "qkv_rope")?;
-            // The enqueue entry points: a GPU backend counts recomputed rows on the device and
-            // the step reads the count once, after its last layer, instead of waiting for the
-            // device in every layer.
-            match &attn {
-                Attn::Prefill(p) => {
-                    let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
-                    b.attention_prefill_enqueue(p, q, k, v, cache, out)?
-                }
-                Attn::Decode(_, p) => {
-                    let [q, out] = acts.many([s.q, s.attn])?;
-                    b.attention_decode_enqueue(p, q, cache, out)?
-                }
-            };
-            self.op_times.lap(b, "attention")?;
-            if let Some((sp, params)) = &stats_params {
-                let hists = b.attention_score_hist(sp, params, acts.get(s.q), cache)?;
-                if let Some(st) = self.score_stats.borrow_mut().as_mut() {
-                    st.add(l, &hists)?;
-                }
-                self.op_times.lap(b, "score_hist")?;
-            }
-            stats.rows += t * cfg.num_heads;
-            let qd = cfg.num_heads * cfg.head_dim;
-            self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
-            self.op_times.lap(b, "gemm o")?;
-            self.add_rmsnorm(&norm, acts, g.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
-            self.op_times.lap(b, "add_rmsnorm")?;
-            let inter = cfg.intermediate_size;
-            self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
-            self.op_times.lap(b, "gemm ffn1")?;
-            {
-                let [gate_up, out] = acts.many([s.ffn1, s.act])?;
-                b.silu_mul(
-                    &SiluMulParams {
-                        rows: t,
-                        inter,
-                        dtype: dt,
-                    },
-                    gate_up,
-                    out,
-                )?;
-            }
-            self.op_times.lap(b, "silu_mul")?;
-            self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
-            self.op_times.lap(b, "gemm ffn2")?;
-            prev_ffn2 = Some(s.ffn2);
+        let la = LayerArgs {
+            norm: &norm,
+            rope: &rope,
+            attn: &attn,
+            gemms: &gemms,
+            tokens: t,
+            residual: g.residual,
+            stats_params: &stats_params,
+        };
+        let n = self.weights.layers.len();
+        stats.rows += n * t * cfg.num_heads;
+        // Decode steps replay layers 1.. from a CUDA graph keyed by layer 0's launches
+        // (backend/cuda/graph.rs); other backends, prefill and the diagnostic modes run eagerly.
+        let sig = if n == 0 {
+            None
+        } else if graphs && b.graph_begin() {
+            self.layer(&la, 0, None, kv, acts)?;
+            b.graph_end()
+        } else {
+            self.layer(&la, 0, None, kv, acts)?;
+            None
+        };
+        let mut rest = || (1..n).try_for_each(|l| self.layer(&la, l, Some(layer_slots[l - 1].ffn2), kv, acts));
+        match sig {
+            Some(sig) => b.graph_run(sig, &mut rest)?,
+            None => rest()?,
         }
+        let prev_ffn2 = layer_slots.last().map(|s| s.ffn2);
         self.add_rmsnorm(
             &norm,
             acts,
@@ -378,6 +358,83 @@ impl<'b, B: Backend> Llama<'b, B> {
         })
     }
 
+    /// One layer's launches (see the module comment for the order). `prev_ffn2`: the slot of
+    /// the previous layer's FFN2 output, added to the residual by this layer's first norm.
+    fn layer(
+        &self,
+        a: &LayerArgs,
+        l: usize,
+        prev_ffn2: Option<usize>,
+        kv: &mut KvCache<B::Buffer>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<()> {
+        let b = self.b;
+        let cfg = &self.cfg;
+        let (h, t, dt) = (cfg.hidden_size, a.tokens, self.dtype);
+        let (w, s) = (&self.weights.layers[l], acts.plan.layers[l]);
+        let (norm, rope, gemms) = (a.norm, a.rope, a.gemms);
+        self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+        self.op_times.lap(b, "add_rmsnorm")?;
+        self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+        self.op_times.lap(b, "gemm qkv")?;
+        let cache = &mut kv.layers[l];
+        {
+            let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
+            match a.attn {
+                Attn::Prefill(_) => b.qkv_rope(rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
+                // A decode step appends its token's k and v to the cache in the same kernel
+                // as the rotation (one launch fewer per layer on a GPU).
+                Attn::Decode(ap, _) => b.qkv_rope_append(rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
+            }
+        }
+        self.op_times.lap(b, "qkv_rope")?;
+        // The enqueue entry points: a GPU backend counts recomputed rows on the device and
+        // the step reads the count once, after its last layer, instead of waiting for the
+        // device in every layer.
+        match a.attn {
+            Attn::Prefill(p) => {
+                let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
+                b.attention_prefill_enqueue(p, q, k, v, cache, out)?
+            }
+            Attn::Decode(_, p) => {
+                let [q, out] = acts.many([s.q, s.attn])?;
+                b.attention_decode_enqueue(p, q, cache, out)?
+            }
+        };
+        self.op_times.lap(b, "attention")?;
+        if let Some((sp, params)) = a.stats_params {
+            let hists = b.attention_score_hist(sp, params, acts.get(s.q), cache)?;
+            if let Some(st) = self.score_stats.borrow_mut().as_mut() {
+                st.add(l, &hists)?;
+            }
+            self.op_times.lap(b, "score_hist")?;
+        }
+        let qd = cfg.num_heads * cfg.head_dim;
+        self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+        self.op_times.lap(b, "gemm o")?;
+        self.add_rmsnorm(norm, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
+        self.op_times.lap(b, "add_rmsnorm")?;
+        let inter = cfg.intermediate_size;
+        self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+        self.op_times.lap(b, "gemm ffn1")?;
+        {
+            let [gate_up, out] = acts.many([s.ffn1, s.act])?;
+            b.silu_mul(
+                &SiluMulParams {
+                    rows: t,
+                    inter,
+                    dtype: dt,
+                },
+                gate_up,
+                out,
+            )?;
+        }
+        self.op_times.lap(b, "silu_mul")?;
+        self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+        self.op_times.lap(b, "gemm ffn2")?;
+        Ok(())
+    }
+
     fn qkv_n(&self) -> usize {
         (self.cfg.num_heads + 2 * self.cfg.num_kv_heads) * self.cfg.head_dim
     }
@@ -439,6 +496,17 @@ impl<'b, B: Backend> Llama<'b, B> {
 enum Attn {
     Prefill(PrefillParams),
     Decode(KvAppendParams, DecodeParams),
+}
+
+/// What every layer of one step shares.
+struct LayerArgs<'x> {
+    norm: &'x RmsNormParams,
+    rope: &'x RopeParams,
+    attn: &'x Attn,
+    gemms: &'x StepGemms,
+    tokens: usize,
+    residual: usize,
+    stats_params: &'x Option<(PrefillParams, ScoreStatsParams)>,
 }
 
 fn run_gemm<B: Backend>(

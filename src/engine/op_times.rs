@@ -31,6 +31,11 @@ impl OpTimes {
         }
     }
 
+    /// Whether per-op timing is on (it waits after every op).
+    pub fn on(&self) -> bool {
+        self.last.is_some()
+    }
+
     /// Start of a step of kind `tag`: the device is idle, the clock restarts.
     pub fn start<B: Backend>(&self, b: &B, tag: &'static str) -> Result<()> {
         self.tag.set(tag);

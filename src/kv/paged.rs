@@ -203,6 +203,27 @@ impl FlatBlockTables {
         self.seq_lens.len()
     }
 
+    /// The same tables with each row padded (-1) to `stride` entries, when that is longer. A
+    /// decode step's graph takes the stride as an argument (cuda/graph.rs): rounding it up keeps
+    /// one graph for many steps instead of a new one each time a sequence takes a page.
+    pub fn with_stride(self, stride: usize) -> Self {
+        if stride <= self.max_pages {
+            return self;
+        }
+        let mut block_table = vec![-1i32; self.batch() * stride];
+        for (row, old) in block_table
+            .chunks_mut(stride)
+            .zip(self.block_table.chunks(self.max_pages.max(1)))
+        {
+            row[..old.len()].copy_from_slice(old);
+        }
+        FlatBlockTables {
+            block_table,
+            max_pages: stride,
+            ..self
+        }
+    }
+
     /// Re-checks the flat form (it may have been built or edited by hand): shape, lengths ≥ 1,
     /// every page a sequence uses inside the pool.
     pub fn validate(&self, layout: &PagedKvLayout) -> Result<()> {
@@ -434,6 +455,12 @@ mod tests {
         hole.block_table[0] = -1;
         let e = hole.validate(&l).expect_err("entry 0 of sequence 0 is -1");
         assert!(e.to_string().contains("entry 0 is -1 (no page)"), "{e}");
+        let wide = f.clone().with_stride(4);
+        assert_eq!(wide.block_table, vec![5, 0, -1, -1, 3, -1, -1, -1]);
+        assert_eq!(wide.max_pages, 4);
+        assert_eq!((wide.table(0), wide.table(1)), (ts[0].clone(), ts[1].clone()));
+        wide.validate(&l).expect("padded tables stay valid");
+        assert_eq!(f.clone().with_stride(1), f, "a shorter stride changes nothing");
     }
 
     #[test]

@@ -46,6 +46,9 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     what: &str,
 ) -> Result<()> {
     if slot.as_ref().is_none_or(|s| s.len() < len) {
+        if b.graphs.borrow().capturing() {
+            return Err(super::graph::in_capture(&format!("allocating attention {what}")));
+        }
         // Zeroed: the async accumulators and the counters rely on it.
         let s = b
             .stream()

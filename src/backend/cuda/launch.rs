@@ -32,6 +32,8 @@ pub(crate) struct Launch<'a> {
     b: &'a CudaBackend,
     f: &'a CudaFunction,
     args: Vec<*mut c_void>,
+    /// Byte size of each argument (a launch is folded into a decode graph's signature: graph.rs).
+    sizes: Vec<usize>,
     pdl: bool,
 }
 
@@ -43,6 +45,7 @@ impl<'a> Launch<'a> {
             b,
             f,
             args: Vec::with_capacity(16),
+            sizes: Vec::with_capacity(16),
             pdl: b.pdl(),
         }
     }
@@ -57,6 +60,7 @@ impl<'a> Launch<'a> {
 
     pub fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
         self.args.push(v as *const T as *mut c_void);
+        self.sizes.push(std::mem::size_of::<T>());
         self
     }
 
@@ -65,6 +69,21 @@ impl<'a> Launch<'a> {
     /// pointer among them must cover what the kernel reads and writes for `cfg`.
     pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         self.b.context().bind_to_thread()?;
+        self.b.graphs.borrow_mut().record(|s| {
+            s.fold_u64(self.f.cu_function() as u64);
+            for d in [cfg.grid_dim, cfg.block_dim] {
+                for v in [d.0, d.1, d.2] {
+                    s.fold(&v.to_le_bytes());
+                }
+            }
+            s.fold(&cfg.shared_mem_bytes.to_le_bytes());
+            s.fold(&[u8::from(self.pdl)]);
+            for (&a, &n) in self.args.iter().zip(&self.sizes) {
+                s.fold_u64(n as u64);
+                // SAFETY: `a` points at a live `T` of `n` bytes, borrowed for 'a by `arg`.
+                s.fold(unsafe { std::slice::from_raw_parts(a as *const u8, n) });
+            }
+        });
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],

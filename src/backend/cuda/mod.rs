@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod gemm;
+pub mod graph;
 pub mod jit;
 pub mod launch;
 pub mod layer;
@@ -72,6 +73,8 @@ pub struct CudaBackend {
     pdl: bool,
     /// Device indices of the greedy choice (sample.rs).
     argmax: RefCell<Option<CudaSlice<u32>>>,
+    /// Decode-step graphs (graph.rs).
+    graphs: RefCell<Box<graph::Graphs>>,
 }
 
 impl CudaBackend {
@@ -94,7 +97,9 @@ impl CudaBackend {
         // uses one stream, so stream order is all the synchronisation it needs.
         // SAFETY: no buffers exist yet; every op below runs on `stream`.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A created stream, not the legacy default one: a decode graph is captured from this
+        // stream (graph.rs), and the legacy stream cannot be captured.
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         let info = probe::device_info(&ctx)?;
         // SAFETY: probing only dlopens libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -122,6 +127,9 @@ impl CudaBackend {
             layer: RefCell::default(),
             pdl,
             argmax: RefCell::new(None),
+            graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
+                std::env::var("FDPP_GRAPHS").ok().as_deref(),
+            )))),
         })
     }
 
@@ -249,6 +257,13 @@ impl Backend for CudaBackend {
     }
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CudaBuffer, w: &CudaBuffer, y: &mut CudaBuffer) -> Result<()> {
+        // cuBLAS launches what it chooses: a graph signature takes the call itself.
+        self.graphs.borrow_mut().record(|s| {
+            s.fold(format!("{spec:?} {dims:?}").as_bytes());
+            for p in [self.ptr(x), self.ptr(w), self.ptr(y)] {
+                s.fold_u64(p);
+            }
+        });
         gemm::run(self, spec, dims, x, w, y)
     }
 
@@ -294,6 +309,27 @@ impl Backend for CudaBackend {
         out: &mut CudaBuffer,
     ) -> Result<()> {
         attention::prefill(self, p, q, k, v, kv, out, false).map(|_| ())
+    }
+
+    fn graph_begin(&self) -> bool {
+        let mut g = self.graphs.borrow_mut();
+        if g.enabled() {
+            g.begin();
+        }
+        g.enabled()
+    }
+
+    fn graph_end(&self) -> Option<u64> {
+        self.graphs.borrow_mut().end()
+    }
+
+    fn graph_run(&self, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        graph::run(self, sig, body)
+    }
+
+    fn graph_counts(&self) -> Option<super::GraphCounts> {
+        let g = self.graphs.borrow();
+        g.enabled().then_some(g.counts)
     }
 
     fn take_recomputed(&self) -> Result<usize> {

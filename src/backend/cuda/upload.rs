@@ -22,6 +22,10 @@ impl Upload {
     /// before) unless the slot already holds exactly these bytes.
     pub fn put(&mut self, b: &CudaBackend, bytes: &[u8], what: &str) -> Result<u64> {
         let have = self.dev.as_ref().map_or(0, |s| s.len());
+        let changed = self.last.as_slice() != bytes;
+        if b.graphs.borrow().capturing() && (bytes.len() > have || (changed && !bytes.is_empty())) {
+            return Err(super::graph::in_capture(&format!("uploading {what}")));
+        }
         if bytes.len() > have {
             // The old copy is freed in stream order, after the kernels that read it.
             self.dev = None;
@@ -33,7 +37,7 @@ impl Upload {
         let Some(dev) = self.dev.as_mut() else {
             return Err(crate::FdppError::device("cuda", format!("{what}: upload slot missing")));
         };
-        if !bytes.is_empty() && self.last.as_slice() != bytes {
+        if !bytes.is_empty() && changed {
             b.stream()
                 .memcpy_htod(bytes, &mut dev.slice_mut(..bytes.len()))
                 .map_err(drv(&format!("uploading {what}")))?;
