@@ -75,9 +75,30 @@ impl LinearPlanner {
                     .profile
                     .as_ref()
                     .and_then(|p| p.shapes.iter().find(|s| s.k == k && s.n == n));
-                match entry {
-                    Some(sp) => select_in(sp, m),
-                    None => Plan {
+                // Without its own entry the LM head takes the choice of the widest profiled
+                // shape with its K (FFN1 in the Llama family): at decode M the weight stream
+                // decides, as it does for FFN1 (N = 22016 against the LM head's 32000).
+                let widest = || {
+                    self.profile
+                        .as_ref()?
+                        .shapes
+                        .iter()
+                        .filter(|s| s.k == k)
+                        .max_by_key(|s| s.n)
+                };
+                match (entry, widest()) {
+                    (Some(sp), _) => select_in(sp, m),
+                    (None, Some(sp)) => {
+                        let plan = select_in(sp, m);
+                        Plan {
+                            reason: format!(
+                                "lm_head [K={k},N={n}] is not in the profile: the choice of [K={},N={}] ({})",
+                                sp.k, sp.n, plan.reason
+                            ),
+                            ..plan
+                        }
+                    }
+                    (None, None) => Plan {
                         imp: GemmImpl::Gemm,
                         block_n: None,
                         stages: None,
@@ -145,5 +166,23 @@ mod tests {
             p.summary(1),
             "qkv=gemm_f16 o=gemm_f16 ffn1=gemm_f16 ffn2=gemm_f16 lm_head=gemm_f16"
         );
+    }
+
+    #[test]
+    fn the_lm_head_takes_the_widest_profiled_shape_of_its_k() {
+        let cfg = preset("llama2-7b").expect("preset");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/nvidia-h100-80gb-hbm3/llama2-7b.json");
+        let profile = Profile::load(&path).expect("the committed llama2-7b profile");
+        let p = LinearPlanner::new(&cfg, DType::F16, Some(profile));
+        for m in [1, 4, 16, 64, 512] {
+            let (head, ffn1) = (p.plan(Linear::LmHead, m), p.plan(Linear::Layer(LinearKind::Ffn1), m));
+            assert_eq!(head.spec(DType::F16), ffn1.spec(DType::F16), "M={m}");
+            assert!(
+                head.reason.contains("the choice of [K=4096,N=22016]"),
+                "{}",
+                head.reason
+            );
+        }
     }
 }
