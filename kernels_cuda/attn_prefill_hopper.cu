@@ -50,6 +50,17 @@
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
+// 1: blocks take their (query tile, head) in groups of heads, longest causal rows first (see
+// block_work); 0: the launch order (tile list fastest, then head).
+#ifndef FDPP_ORDER
+#define FDPP_ORDER 1
+#endif
+// Measurement only, never a default (results are garbage): 1 = the producer copies nothing
+// (the ceiling without K/V loads), 2 = no exponentials in the softmax (P = S, the ceiling of the
+// GEMMs and the pipeline). Sync timings only: async would recompute the garbage rows.
+#ifndef FDPP_DIAG
+#define FDPP_DIAG 0
+#endif
 
 typedef unsigned long long u64;
 
@@ -249,9 +260,13 @@ __device__ void produce(const Ctx& c, int& it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
         if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
+#if FDPP_DIAG != 1
         copy_rows(c.kp, c.sk(s), off, pw, lane);
+#endif
         cp_async_arrive(c.full_k(s));
+#if FDPP_DIAG != 1
         copy_rows(c.vp, c.sv(s), off, pw, lane);
+#endif
         cp_async_arrive(c.full_v(s));
         // The next tile's rows, looked up while the consumers work on this one.
         if (n + 1 < ntiles) off = row_offset(c, (n + 1) * BN + 32 * pw + lane);
@@ -354,7 +369,11 @@ __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float& x = sc[4 * j + i];
+#if FDPP_DIAG == 2
+            x = fmaf(x, k.scale2, -st.m[i >> 1]);
+#else
             x = ex2(fmaf(x, k.scale2, -st.m[i >> 1]));
+#endif
             ls[i >> 1] += x;
         }
 #pragma unroll
@@ -552,13 +571,49 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
     }
 }
 
+// The (entry of the tile list, head) this block attends. The hardware hands out blocks in launch
+// order (blockIdx.x fastest), one block per SM here, and a causal block's cost grows with its
+// query tile's position (tile i of a sequence walks i + 1 key tiles), so in launch order the last
+// blocks to start are the longest: at 4k tokens the last head's 32-tile blocks start in the final
+// wave and run alone (a simulated list schedule on 132 SMs: 87 % of the ideal makespan at 4k,
+// 63 % at 1k). FA3 (§3.1, and its persistent tile scheduler) starts the longest causal tiles
+// first; here the order is permuted inside the kernel (the launch and the tile list stay as they
+// are): heads in groups of g, each group's tiles from the last (longest) to the first, the g
+// heads interleaved. Longest-first leaves the short tiles for the tail (99 % in the same
+// simulation). g, a divisor of H, is the fewest heads whose blocks fill about two waves, so that
+// the heads in flight at once are few and their K/V stay in L2 (a head's K and V are 512 bytes
+// a token: 2 MiB at 4k, g = 16; 8 MiB at 16k, g = 4) rather than all H heads streaming at once.
+__device__ __forceinline__ void block_work(int& tile, int& head) {
+#if FDPP_ORDER
+    const u32 T = gridDim.x, H = gridDim.y;
+    const u32 lin = blockIdx.x + blockIdx.y * T;
+    u32 nsm;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+    const u32 want = (2 * nsm + T - 1) / T;
+    u32 g = H;
+    for (u32 d = 1; d < H; ++d)
+        if (H % d == 0 && d >= want) {
+            g = d;
+            break;
+        }
+    const u32 group = lin / (g * T), rem = lin % (g * T);
+    tile = (int)(T - 1 - rem / g);
+    head = (int)(group * g + rem % g);
+#else
+    tile = blockIdx.x;
+    head = blockIdx.y;
+#endif
+}
+
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                         int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                         u16* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const int4 tv = tiles[blockIdx.x];
+    int tile, head;
+    block_work(tile, head);
+    const int4 tv = tiles[tile];
     Ctx c;
     c.q = q;
     c.kp = kp;
@@ -567,7 +622,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = blockIdx.y;
+    c.h = head;
     c.kvh = c.h / (H / G);
     c.row0 = tv.y;
     c.pos0 = tv.z;
