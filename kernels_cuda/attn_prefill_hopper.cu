@@ -50,11 +50,6 @@
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
-// 1: blocks take their (query tile, head) in groups of heads, longest causal rows first (see
-// block_work); 0: the launch order (tile list fastest, then head).
-#ifndef FDPP_ORDER
-#define FDPP_ORDER 1
-#endif
 // Measurement only, never a default (results are garbage): 1 = the producer copies nothing
 // (the ceiling without K/V loads), 2 = no exponentials in the softmax (P = S, the ceiling of the
 // GEMMs and the pipeline). Sync timings only: async would recompute the garbage rows.
@@ -92,7 +87,7 @@ constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(3 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
+static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -210,8 +205,12 @@ struct Ctx {
     __device__ __forceinline__ u32 sv(int s) const { return sk(s) + KV_BYTES; }
     __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
-    __device__ __forceinline__ u32 empty(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
-    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (3 * STAGES); }
+    // K and V of a stage are released separately (FA3 §3.1's separate K and V pipelines): K as
+    // soon as S = Q·Kᵀ has read it, V after P·V, so the producer refills K about half a tile
+    // earlier than a joint release would let it.
+    __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
+    __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
+    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
     __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
@@ -258,12 +257,15 @@ __device__ void produce(const Ctx& c, int& it) {
     long long off = row_offset(c, 32 * pw + lane);
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
-        // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
-        if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
+        // Use u = it / STAGES of stage s waits until both consumers released use u − 1 (K and V
+        // each on its own barrier).
+        const u32 par = (u32)((it / STAGES) - 1) & 1u;
+        if (it >= STAGES) mbar_wait(c.empty_k(s), par);
 #if FDPP_DIAG != 1
         copy_rows(c.kp, c.sk(s), off, pw, lane);
 #endif
         cp_async_arrive(c.full_k(s));
+        if (it >= STAGES) mbar_wait(c.empty_v(s), par);
 #if FDPP_DIAG != 1
         copy_rows(c.vp, c.sv(s), off, pw, lane);
 #endif
@@ -424,9 +426,12 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
     auto stage = [](int i) { return i % STAGES; };
     auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
-    auto release = [&](int i) {
-        // This warp's part of every wgmma that read the stage is complete.
-        if (k.lane == 0) mbar_arrive(c.empty(stage(i)));
+    // This warp's part of every wgmma that read K (or V) of the stage is complete.
+    auto release_k = [&](int i) {
+        if (k.lane == 0) mbar_arrive(c.empty_k(stage(i)));
+    };
+    auto release_v = [&](int i) {
+        if (k.lane == 0) mbar_arrive(c.empty_v(stage(i)));
     };
     float sc[NT * 4];
     u32 pa[PS][4];
@@ -470,6 +475,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, 0);
         pack_p(sc, pa);
         for (int n = 1; n < mine; ++n, ++it) {
@@ -485,10 +491,11 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             turn_end();
             wg_wait<1>();
             keep_all(sc, NT * 4);
+            release_k(it + 1);
             softmax_tile<ASYNC>(k, sc, st, corr, n);
             wg_wait<0>();
             keep_all(st.o, DT * 4);
-            release(it);
+            release_v(it);
             pack_p(sc, pa);
         }
         rescale_o<ASYNC>(st, corr);
@@ -500,7 +507,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release(it);
+        release_v(it);
         ++it;
     }
     // The phases of the tiles this warpgroup skips (past its last row: the causal diagonal, or
@@ -512,8 +519,9 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         if (phase - 2 >= mine) {
             mbar_wait(c.full_k(stage(it)), parity(it));
+            release_k(it);
             mbar_wait(c.full_v(stage(it)), parity(it));
-            release(it);
+            release_v(it);
             ++it;
         }
     }
@@ -526,6 +534,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_qk(c, k, sc, stage(it));
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -535,14 +544,15 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_pv(c, st, pa, stage(it));
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release(it);
+        release_v(it);
     }
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
     for (int n = mine; n < ntiles; ++n, ++it) {
         mbar_wait(c.full_k(stage(it)), parity(it));
+        release_k(it);
         mbar_wait(c.full_v(stage(it)), parity(it));
-        release(it);
+        release_v(it);
     }
 #endif
     // Row sums over the quad that holds each row.
@@ -571,49 +581,13 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
     }
 }
 
-// The (entry of the tile list, head) this block attends. The hardware hands out blocks in launch
-// order (blockIdx.x fastest), one block per SM here, and a causal block's cost grows with its
-// query tile's position (tile i of a sequence walks i + 1 key tiles), so in launch order the last
-// blocks to start are the longest: at 4k tokens the last head's 32-tile blocks start in the final
-// wave and run alone (a simulated list schedule on 132 SMs: 87 % of the ideal makespan at 4k,
-// 63 % at 1k). FA3 (§3.1, and its persistent tile scheduler) starts the longest causal tiles
-// first; here the order is permuted inside the kernel (the launch and the tile list stay as they
-// are): heads in groups of g, each group's tiles from the last (longest) to the first, the g
-// heads interleaved. Longest-first leaves the short tiles for the tail (99 % in the same
-// simulation). g, a divisor of H, is the fewest heads whose blocks fill about two waves, so that
-// the heads in flight at once are few and their K/V stay in L2 (a head's K and V are 512 bytes
-// a token: 2 MiB at 4k, g = 16; 8 MiB at 16k, g = 4) rather than all H heads streaming at once.
-__device__ __forceinline__ void block_work(int& tile, int& head) {
-#if FDPP_ORDER
-    const u32 T = gridDim.x, H = gridDim.y;
-    const u32 lin = blockIdx.x + blockIdx.y * T;
-    u32 nsm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    const u32 want = (2 * nsm + T - 1) / T;
-    u32 g = H;
-    for (u32 d = 1; d < H; ++d)
-        if (H % d == 0 && d >= want) {
-            g = d;
-            break;
-        }
-    const u32 group = lin / (g * T), rem = lin % (g * T);
-    tile = (int)(T - 1 - rem / g);
-    head = (int)(group * g + rem % g);
-#else
-    tile = blockIdx.x;
-    head = blockIdx.y;
-#endif
-}
-
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                         int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                         u16* __restrict__ out) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    int tile, head;
-    block_work(tile, head);
-    const int4 tv = tiles[tile];
+    const int4 tv = tiles[blockIdx.x];
     Ctx c;
     c.q = q;
     c.kp = kp;
@@ -622,7 +596,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = head;
+    c.h = blockIdx.y;
     c.kvh = c.h / (H / G);
     c.row0 = tv.y;
     c.pos0 = tv.z;
@@ -634,7 +608,8 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
             mbar_init(c.full_v(s), 128);
-            mbar_init(c.empty(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(c.empty_v(s), CONSUMERS * 4);
         }
         mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
         smem_st(c.vote_word(), 0);

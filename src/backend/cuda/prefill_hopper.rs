@@ -28,9 +28,6 @@ pub struct Schedule {
     pub overlap: bool,
     /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
     pub pingpong: bool,
-    /// Blocks take their work longest causal tile first, in groups of heads (FDPP_ORDER=1, the
-    /// default); `FDPP_HOPPER_ORDER=launch` keeps the launch order, for A/B measurements.
-    pub heavy_first: bool,
     /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2`): 1 = no K/V copies,
     /// 2 = no exponentials. The results are garbage; never a default.
     pub diag: u8,
@@ -43,7 +40,6 @@ impl Schedule {
         stages: 2,
         overlap: false,
         pingpong: false,
-        heavy_first: true,
         diag: 0,
     };
 
@@ -62,13 +58,11 @@ impl Schedule {
             stages,
             overlap,
             pingpong,
-            heavy_first: true,
             diag: 0,
         }
     }
 
-    /// The URI suffix, e.g. `s3o1p1` (`-launch` and `-diagN` appended for the measurement-only
-    /// variants).
+    /// The URI suffix, e.g. `s3o1p1` (`-diagN` appended for the measurement-only variants).
     pub fn tag(&self) -> String {
         let mut t = format!(
             "s{}o{}p{}",
@@ -76,9 +70,6 @@ impl Schedule {
             u8::from(self.overlap),
             u8::from(self.pingpong)
         );
-        if !self.heavy_first {
-            t.push_str("-launch");
-        }
         if self.diag != 0 {
             t.push_str(&format!("-diag{}", self.diag));
         }
@@ -116,17 +107,8 @@ impl Schedule {
         Ok(v)
     }
 
-    /// `FDPP_HOPPER_ORDER=heavy|launch` and `FDPP_HOPPER_DIAG=0|1|2` on top of [`Schedule::parse`].
-    fn parse_extra(mut self, order: Option<&str>, diag: Option<&str>) -> Result<Self> {
-        match order.map(str::trim).filter(|s| !s.is_empty()) {
-            None | Some("heavy") => self.heavy_first = true,
-            Some("launch") => self.heavy_first = false,
-            Some(o) => {
-                return Err(FdppError::InvalidArgument(format!(
-                    "FDPP_HOPPER_ORDER={o}: expected heavy or launch"
-                )))
-            }
-        }
+    /// `FDPP_HOPPER_DIAG=0|1|2` on top of [`Schedule::parse`].
+    fn parse_diag(mut self, diag: Option<&str>) -> Result<Self> {
         self.diag = match diag.map(str::trim).filter(|s| !s.is_empty()) {
             None | Some("0") => 0,
             Some("1") => 1,
@@ -146,10 +128,7 @@ impl Schedule {
             std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
             std::env::var("FDPP_HOPPER_PINGPONG").ok().as_deref(),
         )?
-        .parse_extra(
-            std::env::var("FDPP_HOPPER_ORDER").ok().as_deref(),
-            std::env::var("FDPP_HOPPER_DIAG").ok().as_deref(),
-        )
+        .parse_diag(std::env::var("FDPP_HOPPER_DIAG").ok().as_deref())
     }
 }
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
@@ -165,7 +144,7 @@ pub const ARCH: &str = "sm_90a";
 pub const DEFAULT_ON: bool = true;
 
 /// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
-/// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
+/// mbarriers (full and empty, K and V, per stage; the vote), and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
     ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
 }
@@ -324,12 +303,11 @@ mod tests {
             "ping-pong needs the overlap"
         );
         let d = Schedule::DEFAULT;
-        assert_eq!(d.parse_extra(None, None).unwrap(), d);
-        let l = d.parse_extra(Some("launch"), Some("1")).unwrap();
-        assert!(!l.heavy_first && l.diag == 1);
-        assert_eq!(l.tag(), "s2o0p0-launch-diag1");
-        assert!(d.parse_extra(Some("random"), None).is_err());
-        assert!(d.parse_extra(None, Some("3")).is_err());
+        assert_eq!(d.parse_diag(None).unwrap(), d);
+        let l = d.parse_diag(Some("1")).unwrap();
+        assert_eq!(l.diag, 1);
+        assert_eq!(l.tag(), "s2o0p0-diag1");
+        assert!(d.parse_diag(Some("3")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }
