@@ -87,7 +87,7 @@ constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
+static_assert(3 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -205,12 +205,8 @@ struct Ctx {
     __device__ __forceinline__ u32 sv(int s) const { return sk(s) + KV_BYTES; }
     __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
-    // K and V of a stage are released separately (FA3 §3.1's separate K and V pipelines): K as
-    // soon as S = Q·Kᵀ has read it, V after P·V, so the producer refills K about half a tile
-    // earlier than a joint release would let it.
-    __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
-    __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
-    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
+    __device__ __forceinline__ u32 empty(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
+    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (3 * STAGES); }
     __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
@@ -222,30 +218,46 @@ struct Ctx {
     }
 };
 
-// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the
-// element offset of row 32·pw + l in the pools (−1 past kv_end): one page-table load and one
-// division per row and tile, shared by K and V and broadcast by shuffles. (A lookup per 16-byte
-// chunk, as attn_prefill.cu does, made the producer's dependent loads the bottleneck: ncu showed
-// the L1TEX scoreboard as the main stall and the tensor pipe nearly idle.)
-__device__ __forceinline__ long long row_offset(const Ctx& c, int key) {
-    if (key >= c.kv_end) return -1;
-    const int page = c.pages[key / c.page_size];
-    return ((long long)page * c.page_size + key % c.page_size) * c.G * D + (long long)c.kvh * D;
+// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the cache
+// slot (page · page_size + key % page_size) of row 32·pw + l, or NO_SLOT past kv_end: one
+// page-table load and one division per row and tile, shared by K and V and broadcast by
+// shuffles. (A lookup per 16-byte chunk, as attn_prefill.cu does, made the producer's dependent
+// loads the bottleneck: ncu showed the L1TEX scoreboard as the main stall and the tensor pipe
+// nearly idle.)
+constexpr u32 NO_SLOT = 0xffffffffu;
+__device__ __forceinline__ u32 row_slot(const Ctx& c, int key) {
+    if (key >= c.kv_end) return NO_SLOT;
+    return (u32)c.pages[key / c.page_size] * (u32)c.page_size + (u32)(key % c.page_size);
 }
 
-// Copy the warp's 32 rows of one tile of K or V: each iteration, 32 / CH rows of CH chunks.
-__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off, int pw, int lane) {
-    constexpr int RPI = 32 / CH;
-    const int ch = lane % CH;
-    const u32 lo = (u32)off, hi = (u32)((unsigned long long)off >> 32);
-    // Partly unrolled: the producer lives in PRODUCER_REGS registers.
-#pragma unroll 4
+// Copy the warp's 32 rows of one tile of K or V: iteration i copies rows RPI·i .. RPI·i + RPI − 1,
+// lane l chunk l % CH of row RPI·i + l / CH.
+// The copy loop is the producer's whole instruction stream, and its warps share each SM
+// sub-partition's issue slot with the consumer warps, whose softmax is issue-bound (FA3 §3.1
+// gives the producer one thread issuing TMA for this reason). Measured (reports/NOTES-prefill-s4.md):
+// with no copies at all (FDPP_DIAG=1) the kernel ran 20–25 % faster, while a third stage or
+// releasing K before V changed nothing, so the cost was the copies' issue, not their latency.
+// An earlier form shuffled a 64-bit offset per copy and rebuilt the address and the swizzle
+// each time (about 30 instructions per 16-byte copy in SASS); here a copy is a shuffle of the
+// 32-bit slot, one wide multiply-add and the cp.async, with the swizzled destinations
+// precomputed: the row's XOR term (row % 8) takes only 8 / RPI values per lane.
+__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, u32 slot, const Ctx& c, int pw, int lane) {
+    constexpr int RPI = 32 / CH;  // rows per iteration: 2 (D = 128) or 4 (D = 64)
+    constexpr int NX = 8 / RPI;   // distinct values of (row % 8) − (row % RPI) over iterations
+    const int ch = lane % CH, sub = lane / CH;
+    // Row 32·pw + RPI·i + sub, chunk ch: swz() = (ch / 8)·BN·128 + row·128 + ((ch % 8) ^ (row % 8))·16,
+    // and row % 8 = (RPI·i) % 8 | sub with (RPI·i) % 8 = RPI·(i % NX).
+    u32 at[NX];
+#pragma unroll
+    for (int x = 0; x < NX; ++x)
+        at[x] = dst + (u32)(ch >> 3) * BN * 128 + (u32)(32 * pw + sub) * 128 + ((u32)((ch & 7) ^ sub ^ (RPI * x)) << 4);
+    const char* base = reinterpret_cast<const char*>(src + (size_t)c.kvh * D + ch * 8);
+    const u32 stride = (u32)(c.G * D * 2);  // bytes from one token slot to the next
+#pragma unroll
     for (int i = 0; i < 32 / RPI; ++i) {
-        const int rr = i * RPI + lane / CH;
-        const u32 l = __shfl_sync(0xffffffffu, lo, rr), h = __shfl_sync(0xffffffffu, hi, rr);
-        const long long o = (long long)(((unsigned long long)h << 32) | l);
-        const bool ok = o >= 0;
-        cp_async16(dst + swz(32 * pw + rr, ch, BN), src + (ok ? o + ch * 8 : 0), ok ? 16 : 0);
+        const u32 sl = __shfl_sync(0xffffffffu, slot, RPI * i + sub);
+        const bool ok = sl != NO_SLOT;
+        cp_async16(at[i % NX] + (u32)(RPI * i) * 128u, base + (size_t)(ok ? sl : 0u) * stride, ok ? 16 : 0);
     }
 }
 
@@ -254,24 +266,21 @@ __device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off
 __device__ void produce(const Ctx& c, int& it) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
-    long long off = row_offset(c, 32 * pw + lane);
+    u32 slot = row_slot(c, 32 * pw + lane);
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
-        // Use u = it / STAGES of stage s waits until both consumers released use u − 1 (K and V
-        // each on its own barrier).
-        const u32 par = (u32)((it / STAGES) - 1) & 1u;
-        if (it >= STAGES) mbar_wait(c.empty_k(s), par);
+        // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
+        if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
 #if FDPP_DIAG != 1
-        copy_rows(c.kp, c.sk(s), off, pw, lane);
+        copy_rows(c.kp, c.sk(s), slot, c, pw, lane);
 #endif
         cp_async_arrive(c.full_k(s));
-        if (it >= STAGES) mbar_wait(c.empty_v(s), par);
 #if FDPP_DIAG != 1
-        copy_rows(c.vp, c.sv(s), off, pw, lane);
+        copy_rows(c.vp, c.sv(s), slot, c, pw, lane);
 #endif
         cp_async_arrive(c.full_v(s));
         // The next tile's rows, looked up while the consumers work on this one.
-        if (n + 1 < ntiles) off = row_offset(c, (n + 1) * BN + 32 * pw + lane);
+        if (n + 1 < ntiles) slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
     }
 }
 
@@ -426,12 +435,9 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
     auto stage = [](int i) { return i % STAGES; };
     auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
-    // This warp's part of every wgmma that read K (or V) of the stage is complete.
-    auto release_k = [&](int i) {
-        if (k.lane == 0) mbar_arrive(c.empty_k(stage(i)));
-    };
-    auto release_v = [&](int i) {
-        if (k.lane == 0) mbar_arrive(c.empty_v(stage(i)));
+    auto release = [&](int i) {
+        // This warp's part of every wgmma that read the stage is complete.
+        if (k.lane == 0) mbar_arrive(c.empty(stage(i)));
     };
     float sc[NT * 4];
     u32 pa[PS][4];
@@ -475,7 +481,6 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(sc, NT * 4);
-        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, 0);
         pack_p(sc, pa);
         for (int n = 1; n < mine; ++n, ++it) {
@@ -491,11 +496,10 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             turn_end();
             wg_wait<1>();
             keep_all(sc, NT * 4);
-            release_k(it + 1);
             softmax_tile<ASYNC>(k, sc, st, corr, n);
             wg_wait<0>();
             keep_all(st.o, DT * 4);
-            release_v(it);
+            release(it);
             pack_p(sc, pa);
         }
         rescale_o<ASYNC>(st, corr);
@@ -507,7 +511,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release_v(it);
+        release(it);
         ++it;
     }
     // The phases of the tiles this warpgroup skips (past its last row: the causal diagonal, or
@@ -519,9 +523,8 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         if (phase - 2 >= mine) {
             mbar_wait(c.full_k(stage(it)), parity(it));
-            release_k(it);
             mbar_wait(c.full_v(stage(it)), parity(it));
-            release_v(it);
+            release(it);
             ++it;
         }
     }
@@ -534,7 +537,6 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_qk(c, k, sc, stage(it));
         wg_wait<0>();
         keep_all(sc, NT * 4);
-        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -544,15 +546,14 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_pv(c, st, pa, stage(it));
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release_v(it);
+        release(it);
     }
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
     for (int n = mine; n < ntiles; ++n, ++it) {
         mbar_wait(c.full_k(stage(it)), parity(it));
-        release_k(it);
         mbar_wait(c.full_v(stage(it)), parity(it));
-        release_v(it);
+        release(it);
     }
 #endif
     // Row sums over the quad that holds each row.
@@ -608,8 +609,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
             mbar_init(c.full_v(s), 128);
-            mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
-            mbar_init(c.empty_v(s), CONSUMERS * 4);
+            mbar_init(c.empty(s), CONSUMERS * 4);  // one arrival per consumer warp
         }
         mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
         smem_st(c.vote_word(), 0);

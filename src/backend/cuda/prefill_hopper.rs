@@ -144,7 +144,7 @@ pub const ARCH: &str = "sm_90a";
 pub const DEFAULT_ON: bool = true;
 
 /// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
-/// mbarriers (full and empty, K and V, per stage; the vote), and 1024 bytes of slack to align the swizzle atoms.
+/// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
     ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
 }
