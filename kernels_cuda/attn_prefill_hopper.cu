@@ -50,6 +50,12 @@
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
+// Measurement only, never a default (results are garbage): 1 = the producer copies nothing
+// (the ceiling without K/V loads), 2 = no exponentials in the softmax (P = S, the ceiling of the
+// GEMMs and the pipeline). Sync timings only: async would recompute the garbage rows.
+#ifndef FDPP_DIAG
+#define FDPP_DIAG 0
+#endif
 
 typedef unsigned long long u64;
 
@@ -212,30 +218,46 @@ struct Ctx {
     }
 };
 
-// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the
-// element offset of row 32·pw + l in the pools (−1 past kv_end): one page-table load and one
-// division per row and tile, shared by K and V and broadcast by shuffles. (A lookup per 16-byte
-// chunk, as attn_prefill.cu does, made the producer's dependent loads the bottleneck: ncu showed
-// the L1TEX scoreboard as the main stall and the tensor pipe nearly idle.)
-__device__ __forceinline__ long long row_offset(const Ctx& c, int key) {
-    if (key >= c.kv_end) return -1;
-    const int page = c.pages[key / c.page_size];
-    return ((long long)page * c.page_size + key % c.page_size) * c.G * D + (long long)c.kvh * D;
+// Producer warp pw (0..3) stages rows 32·pw .. 32·pw + 31 of every tile. Lane l owns the cache
+// slot (page · page_size + key % page_size) of row 32·pw + l, or NO_SLOT past kv_end: one
+// page-table load and one division per row and tile, shared by K and V and broadcast by
+// shuffles. (A lookup per 16-byte chunk, as attn_prefill.cu does, made the producer's dependent
+// loads the bottleneck: ncu showed the L1TEX scoreboard as the main stall and the tensor pipe
+// nearly idle.)
+constexpr u32 NO_SLOT = 0xffffffffu;
+__device__ __forceinline__ u32 row_slot(const Ctx& c, int key) {
+    if (key >= c.kv_end) return NO_SLOT;
+    return (u32)c.pages[key / c.page_size] * (u32)c.page_size + (u32)(key % c.page_size);
 }
 
-// Copy the warp's 32 rows of one tile of K or V: each iteration, 32 / CH rows of CH chunks.
-__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off, int pw, int lane) {
-    constexpr int RPI = 32 / CH;
-    const int ch = lane % CH;
-    const u32 lo = (u32)off, hi = (u32)((unsigned long long)off >> 32);
-    // Partly unrolled: the producer lives in PRODUCER_REGS registers.
-#pragma unroll 4
+// Copy the warp's 32 rows of one tile of K or V: iteration i copies rows RPI·i .. RPI·i + RPI − 1,
+// lane l chunk l % CH of row RPI·i + l / CH.
+// The copy loop is the producer's whole instruction stream, and its warps share each SM
+// sub-partition's issue slot with the consumer warps, whose softmax is issue-bound (FA3 §3.1
+// gives the producer one thread issuing TMA for this reason). Measured (reports/NOTES-prefill-s4.md):
+// with no copies at all (FDPP_DIAG=1) the kernel ran 20–25 % faster, while a third stage or
+// releasing K before V changed nothing, so the cost was the copies' issue, not their latency.
+// An earlier form shuffled a 64-bit offset per copy and rebuilt the address and the swizzle
+// each time (about 30 instructions per 16-byte copy in SASS); here a copy is a shuffle of the
+// 32-bit slot, one wide multiply-add and the cp.async, with the swizzled destinations
+// precomputed: the row's XOR term (row % 8) takes only 8 / RPI values per lane.
+__device__ __forceinline__ void copy_rows(const u16* src, u32 dst, u32 slot, const Ctx& c, int pw, int lane) {
+    constexpr int RPI = 32 / CH;  // rows per iteration: 2 (D = 128) or 4 (D = 64)
+    constexpr int NX = 8 / RPI;   // distinct values of (row % 8) − (row % RPI) over iterations
+    const int ch = lane % CH, sub = lane / CH;
+    // Row 32·pw + RPI·i + sub, chunk ch: swz() = (ch / 8)·BN·128 + row·128 + ((ch % 8) ^ (row % 8))·16,
+    // and row % 8 = (RPI·i) % 8 | sub with (RPI·i) % 8 = RPI·(i % NX).
+    u32 at[NX];
+#pragma unroll
+    for (int x = 0; x < NX; ++x)
+        at[x] = dst + (u32)(ch >> 3) * BN * 128 + (u32)(32 * pw + sub) * 128 + ((u32)((ch & 7) ^ sub ^ (RPI * x)) << 4);
+    const char* base = reinterpret_cast<const char*>(src + (size_t)c.kvh * D + ch * 8);
+    const u32 stride = (u32)(c.G * D * 2);  // bytes from one token slot to the next
+#pragma unroll
     for (int i = 0; i < 32 / RPI; ++i) {
-        const int rr = i * RPI + lane / CH;
-        const u32 l = __shfl_sync(0xffffffffu, lo, rr), h = __shfl_sync(0xffffffffu, hi, rr);
-        const long long o = (long long)(((unsigned long long)h << 32) | l);
-        const bool ok = o >= 0;
-        cp_async16(dst + swz(32 * pw + rr, ch, BN), src + (ok ? o + ch * 8 : 0), ok ? 16 : 0);
+        const u32 sl = __shfl_sync(0xffffffffu, slot, RPI * i + sub);
+        const bool ok = sl != NO_SLOT;
+        cp_async16(at[i % NX] + (u32)(RPI * i) * 128u, base + (size_t)(ok ? sl : 0u) * stride, ok ? 16 : 0);
     }
 }
 
@@ -244,17 +266,21 @@ __device__ __forceinline__ void copy_rows(const u16* src, u32 dst, long long off
 __device__ void produce(const Ctx& c, int& it) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
-    long long off = row_offset(c, 32 * pw + lane);
+    u32 slot = row_slot(c, 32 * pw + lane);
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
         if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
-        copy_rows(c.kp, c.sk(s), off, pw, lane);
+#if FDPP_DIAG != 1
+        copy_rows(c.kp, c.sk(s), slot, c, pw, lane);
+#endif
         cp_async_arrive(c.full_k(s));
-        copy_rows(c.vp, c.sv(s), off, pw, lane);
+#if FDPP_DIAG != 1
+        copy_rows(c.vp, c.sv(s), slot, c, pw, lane);
+#endif
         cp_async_arrive(c.full_v(s));
         // The next tile's rows, looked up while the consumers work on this one.
-        if (n + 1 < ntiles) off = row_offset(c, (n + 1) * BN + 32 * pw + lane);
+        if (n + 1 < ntiles) slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
     }
 }
 
@@ -354,7 +380,11 @@ __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float& x = sc[4 * j + i];
+#if FDPP_DIAG == 2
+            x = fmaf(x, k.scale2, -st.m[i >> 1]);
+#else
             x = ex2(fmaf(x, k.scale2, -st.m[i >> 1]));
+#endif
             ls[i >> 1] += x;
         }
 #pragma unroll

@@ -28,6 +28,9 @@ pub struct Schedule {
     pub overlap: bool,
     /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
     pub pingpong: bool,
+    /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2`): 1 = no K/V copies,
+    /// 2 = no exponentials. The results are garbage; never a default.
+    pub diag: u8,
 }
 
 impl Schedule {
@@ -37,6 +40,7 @@ impl Schedule {
         stages: 2,
         overlap: false,
         pingpong: false,
+        diag: 0,
     };
 
     /// Every schedule `fdpp kernels check` compiles.
@@ -54,17 +58,22 @@ impl Schedule {
             stages,
             overlap,
             pingpong,
+            diag: 0,
         }
     }
 
-    /// The URI suffix, e.g. `s3o1p1`.
+    /// The URI suffix, e.g. `s3o1p1` (`-diagN` appended for the measurement-only variants).
     pub fn tag(&self) -> String {
-        format!(
+        let mut t = format!(
             "s{}o{}p{}",
             self.stages,
             u8::from(self.overlap),
             u8::from(self.pingpong)
-        )
+        );
+        if self.diag != 0 {
+            t.push_str(&format!("-diag{}", self.diag));
+        }
+        t
     }
 
     fn parse(stages: Option<&str>, overlap: Option<&str>, pingpong: Option<&str>) -> Result<Self> {
@@ -98,12 +107,28 @@ impl Schedule {
         Ok(v)
     }
 
+    /// `FDPP_HOPPER_DIAG=0|1|2` on top of [`Schedule::parse`].
+    fn parse_diag(mut self, diag: Option<&str>) -> Result<Self> {
+        self.diag = match diag.map(str::trim).filter(|s| !s.is_empty()) {
+            None | Some("0") => 0,
+            Some("1") => 1,
+            Some("2") => 2,
+            Some(o) => {
+                return Err(FdppError::InvalidArgument(format!(
+                    "FDPP_HOPPER_DIAG={o}: expected 0, 1 or 2"
+                )))
+            }
+        };
+        Ok(self)
+    }
+
     fn from_env() -> Result<Self> {
         Schedule::parse(
             std::env::var("FDPP_HOPPER_STAGES").ok().as_deref(),
             std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
             std::env::var("FDPP_HOPPER_PINGPONG").ok().as_deref(),
-        )
+        )?
+        .parse_diag(std::env::var("FDPP_HOPPER_DIAG").ok().as_deref())
     }
 }
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
@@ -277,6 +302,12 @@ mod tests {
             Schedule::parse(None, Some("0"), Some("1")).is_err(),
             "ping-pong needs the overlap"
         );
+        let d = Schedule::DEFAULT;
+        assert_eq!(d.parse_diag(None).unwrap(), d);
+        let l = d.parse_diag(Some("1")).unwrap();
+        assert_eq!(l.diag, 1);
+        assert_eq!(l.tag(), "s2o0p0-diag1");
+        assert!(d.parse_diag(Some("3")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }
