@@ -80,15 +80,23 @@ __device__ __forceinline__ void rms_scale(uint4 r, uint4 w, uint4* out, float in
 extern "C" __global__ void __launch_bounds__(1024)
     add_rmsnorm_v(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
                   u16* __restrict__ out, int hidden, float eps) {
+    const int nvec = hidden >> 3;
+    const uint4* w = reinterpret_cast<const uint4*>(weight);
+    const int stride = blockDim.x;
+    // The norm's weights are never written during generation: they are read before the wait,
+    // while the kernel before this one drains, and the scaling pass no longer waits on them.
+    uint4 wc[RMS_CACHE];
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) wc[j] = w[c];
+    }
     pdl_wait();
     pdl_trigger();
-    const int nvec = hidden >> 3;
     const size_t row = (size_t)blockIdx.x * hidden;
     uint4* res = reinterpret_cast<uint4*>(residual + row);
     const uint4* del = delta ? reinterpret_cast<const uint4*>(delta + row) : nullptr;
-    const uint4* w = reinterpret_cast<const uint4*>(weight);
     uint4* o = reinterpret_cast<uint4*>(out + row);
-    const int stride = blockDim.x;
 
     uint4 cache[RMS_CACHE];
     float ss = 0.f;
@@ -106,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 #pragma unroll
     for (int j = 0; j < RMS_CACHE; ++j) {
         const int c = threadIdx.x + j * stride;
-        if (c < nvec) rms_scale(cache[j], w[c], o + c, inv);
+        if (c < nvec) rms_scale(cache[j], wc[j], o + c, inv);
     }
     // Past the register cache: each thread reads back only what it stored itself.
     for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) rms_scale(res[c], w[c], o + c, inv);
@@ -145,8 +153,6 @@ extern "C" __global__ void __launch_bounds__(128)
     qkv_rope(const u16* __restrict__ qkv, const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ k,
              u16* __restrict__ v, const int* __restrict__ positions, const float* __restrict__ inv_freq, int H, int G,
              int D, const int* __restrict__ slots) {
-    pdl_wait();
-    pdl_trigger();
     const int t = blockIdx.x;
     const int item = blockIdx.y * blockDim.x + threadIdx.x;
     const int half = D >> 1, hc = half >> 3;
@@ -156,28 +162,37 @@ extern "C" __global__ void __launch_bounds__(128)
     if (item < rot_items) {
         const int head = item / hc, i0 = (item - head * hc) * 8;
         const int off = head * D + i0;
+        // The angles need only the positions and inv_freq (host uploads, complete before the
+        // kernel ahead of this one started) and the bias is a weight: all of it is read and
+        // the sines computed before the wait, while that kernel drains (launch.rs).
+        const float pos = (float)positions[t];
+        const float4 f0 = *reinterpret_cast<const float4*>(inv_freq + i0);
+        const float4 f1 = *reinterpret_cast<const float4*>(inv_freq + i0 + 4);
+        const float f[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+        float sn[8], cs[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sincosf(__fmul_rn(pos, f[e]), &sn[e], &cs[e]);
+        float b1[8], b2[8];
+        if (bias) {
+            unpack8(ld16(bias + off), b1);
+            unpack8(ld16(bias + off + half), b2);
+        }
+        pdl_wait();
+        pdl_trigger();
         float x1[8], x2[8];
         unpack8(ld16(row + off), x1);
         unpack8(ld16(row + off + half), x2);
         if (bias) {
-            float b1[8], b2[8];
-            unpack8(ld16(bias + off), b1);
-            unpack8(ld16(bias + off + half), b2);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 x1[e] += b1[e];
                 x2[e] += b2[e];
             }
         }
-        const float pos = (float)positions[t];
-        const float4 f0 = *reinterpret_cast<const float4*>(inv_freq + i0);
-        const float4 f1 = *reinterpret_cast<const float4*>(inv_freq + i0 + 4);
-        const float f[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
         float o1[8], o2[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            float s, c;
-            sincosf(__fmul_rn(pos, f[e]), &s, &c);
+            const float s = sn[e], c = cs[e];
             o1[e] = __fsub_rn(__fmul_rn(x1[e], c), __fmul_rn(x2[e], s));
             o2[e] = __fadd_rn(__fmul_rn(x2[e], c), __fmul_rn(x1[e], s));
         }
@@ -187,7 +202,12 @@ extern "C" __global__ void __launch_bounds__(128)
         u16* dst = head < H ? q + (size_t)t * (size_t)(H * D) + off : k + kv_row * (size_t)(G * D) + (off - H * D);
         st16(dst, pack8(o1));
         st16(dst + half, pack8(o2));
-    } else if (item < rot_items + v_items) {
+    } else {
+        // Every thread waits, whichever branch it takes (launch.rs: the rule of the chain).
+        pdl_wait();
+        pdl_trigger();
+    }
+    if (item >= rot_items && item < rot_items + v_items) {
         const int c = 8 * (item - rot_items);
         const int off = (H + G) * D + c;
         uint4 x = ld16(row + off);
