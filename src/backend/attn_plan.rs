@@ -101,6 +101,94 @@ impl DecodePlan {
     }
 }
 
+/// The block shape of a CUDA decode launch (kernels_cuda/attn_decode.cu's entry points
+/// `attn_decode_{sync,async}_<suffix>`): threads per block, consecutive tokens each token group
+/// reads per round, and whether a round's K/V rows go through registers or are staged in shared
+/// memory with cp.async.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeBlock {
+    pub threads: u32,
+    pub tokens_per_group: usize,
+    pub staged: bool,
+}
+
+impl DecodeBlock {
+    /// Large batches: registers, 4 tokens per group (few registers, many resident blocks).
+    pub const T128U4: DecodeBlock = DecodeBlock::new(128, 4, false);
+    pub const T128U8: DecodeBlock = DecodeBlock::new(128, 8, false);
+    pub const T256U8: DecodeBlock = DecodeBlock::new(256, 8, false);
+    pub const T128S8: DecodeBlock = DecodeBlock::new(128, 8, true);
+    pub const T128S16: DecodeBlock = DecodeBlock::new(128, 16, true);
+    pub const T256S8: DecodeBlock = DecodeBlock::new(256, 8, true);
+    /// Every shape the kernel file instantiates.
+    pub const ALL: [DecodeBlock; 6] = [
+        Self::T128U4,
+        Self::T128U8,
+        Self::T256U8,
+        Self::T128S8,
+        Self::T128S16,
+        Self::T256S8,
+    ];
+
+    const fn new(threads: u32, tokens_per_group: usize, staged: bool) -> Self {
+        DecodeBlock {
+            threads,
+            tokens_per_group,
+            staged,
+        }
+    }
+
+    /// Keys one block reads per round at `head_dim`: (threads / (head_dim / 8)) token groups of
+    /// `tokens_per_group` tokens.
+    pub fn keys_per_round(self, head_dim: usize) -> usize {
+        let lanes = (head_dim / 8).max(1);
+        (self.threads as usize / lanes).max(1) * self.tokens_per_group
+    }
+
+    /// Dynamic shared memory of a launch: the staging area (16 bytes of K and of V per thread and
+    /// token of a round; the block merge reuses it), 0 for register shapes.
+    pub fn dynamic_smem(self) -> u32 {
+        if self.staged {
+            2 * 16 * self.threads * self.tokens_per_group as u32
+        } else {
+            0
+        }
+    }
+
+    /// The entry-point suffix, e.g. `t128u4` or `t128s16`.
+    pub fn suffix(self) -> String {
+        format!(
+            "t{}{}{}",
+            self.threads,
+            if self.staged { 's' } else { 'u' },
+            self.tokens_per_group
+        )
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.suffix() == s.trim())
+    }
+
+    /// `FDPP_DECODE_BLOCK`, for measuring: an entry suffix `t<threads><u|s|x><tokens>` (x: a
+    /// register shape compiled without the residency bound) and the shape it names; unset or
+    /// malformed: None. Read once per process.
+    pub fn from_env() -> Option<(Self, String)> {
+        static FORCED: std::sync::OnceLock<Option<(DecodeBlock, String)>> = std::sync::OnceLock::new();
+        FORCED
+            .get_or_init(|| {
+                let s = std::env::var("FDPP_DECODE_BLOCK").ok()?;
+                let s = s.trim();
+                let rest = s.strip_prefix('t')?;
+                let at = rest.find(['u', 's', 'x'])?;
+                let threads: u32 = rest[..at].parse().ok()?;
+                let tokens: usize = rest[at + 1..].parse().ok()?;
+                let staged = rest[at..].starts_with('s');
+                Some((DecodeBlock::new(threads, tokens, staged), s.to_string()))
+            })
+            .clone()
+    }
+}
+
 /// The block tables and sequence lengths of a decode launch as one i32 upload: the table
 /// (`max_pages` per sequence), then the lengths at the returned index.
 pub fn decode_ints(p: &DecodeParams) -> (Vec<i32>, usize) {
