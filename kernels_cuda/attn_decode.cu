@@ -14,26 +14,22 @@
 //
 // One block serves one (sequence, kv head, split) and HG query heads of the kv head's group
 // (GQA: the K and V rows are read once for all of them). Inside a block, 16-byte loads: one
-// token row of D elements is read by D/8 lanes (a "token group"); the NT threads make NT/(D/8)
-// groups that take U consecutive tokens each per round. Scores are in log2 units (q is
+// token row of D elements is read by D/8 lanes (a "token group"); 128 threads make 128/(D/8)
+// groups that take U = 4 consecutive tokens each per round. Scores are in log2 units (q is
 // pre-scaled by log2(e)/√d) so that the exponentials are exp2.
 //
-// Two block shapes, one entry pair each (the launcher picks by batch · kv heads, see
-// src/backend/attn_plan.rs `DecodeBlock`):
-// - t128u4: 128 threads, 4 tokens per group in flight. Large batches: the batch fills the
-//   device, bandwidth decides, and few registers keep more blocks resident.
-// - t256u4 / t128u8: 64 tokens per round, so a small batch's split (the split rule makes them
-//   about 64 keys at short contexts) issues all its K/V loads at once. At batch 1 the kernel is
-//   latency-bound: what counts is the chain of dependent round trips (lens → page ids → K/V →
-//   merge → atomics → arrival → epilogue), not the bytes.
-//
-// The chain, per round trip, and what this file does about each:
-// - page ids: loaded for the next round while this round's K/V are in flight (one round trip
-//   per round instead of two);
-// - block merge: the token groups of a warp are merged with shuffles, the warps through shared
-//   memory behind a single barrier (sync and async);
-// - async epilogue: one thread fences and counts the arrival after a barrier; the last block
-//   reads every total it needs in one round trip and tests the flags with one barrier-reduction.
+// Two implementations with the same arguments, grid and workspaces; the launcher picks one
+// (src/backend/attn_plan.rs `DecodePath`):
+// - the latency path, attn_decode_{sync,async}_t128u4 (first in this file): for small batches
+//   with short splits, where a launch is a chain of dependent round trips (lens → page ids →
+//   K/V → merge → atomics → arrival → epilogue) rather than a stream of bytes. Page ids are
+//   requested a round ahead (one dependent round trip per round instead of two), without a
+//   division per token; the token groups of a warp merge with shuffles and the warps behind one
+//   barrier; the async flags are reduced per block (one atomic per head, not one per lane); the
+//   async epilogue counts the arrival from one thread after a barrier and the last split reads
+//   every total it needs in one round trip and tests the flags with one barrier-reduction.
+// - the bandwidth path, attn_decode_{sync,async} (namespace bw, last): the earlier kernel,
+//   unchanged, for batches that fill the device and for long splits, where it measured faster.
 #include "common.cuh"
 #include "attn_common.cuh"
 
@@ -106,25 +102,6 @@ __device__ __forceinline__ int fetch_pages(int (&pg)[U], const int* __restrict__
     return slot0;
 }
 
-// cp.async.wait_group with a count known only after unrolling. The "memory" clobber keeps the
-// compiler from moving this thread's reads of the staged rows above the wait (no barrier follows).
-template <int N>
-__device__ __forceinline__ void stage_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void stage_wait_n(int n) {
-    switch (n) {
-        case 0: stage_wait<0>(); break;
-        case 1: stage_wait<1>(); break;
-        case 2: stage_wait<2>(); break;
-        case 3: stage_wait<3>(); break;
-        case 4: stage_wait<4>(); break;
-        case 5: stage_wait<5>(); break;
-        case 6: stage_wait<6>(); break;
-        default: stage_wait<7>(); break;
-    }
-}
-
 // Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr.
 template <bool ASYNC, int CH>
 __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const uint4 (&kr)[CH],
@@ -185,25 +162,14 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
     }
 }
 
-// The dynamic shared memory of the staged shapes: K rows [U][NT], then V rows [U][NT], 16 bytes
-// per lane and token; the block merge reuses it afterwards.
-extern __shared__ __align__(16) uint4 fdpp_stage[];
-
 // Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group: per round
 // each group takes U consecutive tokens, and the page ids of its next round are requested while
-// this round's K/V rows are in flight.
-//
-// Register shapes (STAGED false) load a round's rows into registers. Staged shapes copy them into
-// shared memory with cp.async (each lane its own slots: no barrier), in commit groups of 4
-// tokens consumed as they land: the bytes in flight per thread are then not bounded by
-// registers, so a small batch can have its whole K/V in flight at once.
-template <bool ASYNC, int NT, int U, bool STAGED>
+// this round's K/V rows are in flight (one dependent round trip per round instead of two).
+template <bool ASYNC, int NT, int U>
 __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                            const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
                                            int G, int kvh, int t0, int t1, float phi2, float b2) {
     using S = Shape<NT, U>;
-    constexpr int CH = 4;  // tokens per commit group (staged)
-    static_assert(!STAGED || U % CH == 0, "staged rounds are whole commit groups");
     const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
     const size_t row_elems = (size_t)G * D;
     const u16* kb = kp + (size_t)kvh * D + li * 8;
@@ -216,53 +182,19 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
         bool ok[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) ok[u] = base + u < t1;
-        if (STAGED) {
-            // The copies below reuse the slots this thread read last round: keep those reads
-            // above them (cp_async16 has no memory clobber).
-            asm volatile("" ::: "memory");
+        uint4 kr[U], vr[U];
+        int slot = slot0;
 #pragma unroll
-            int slot = slot0;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (ok[u]) {
-                    const size_t at = ((size_t)pg[u] * page_size + slot) * row_elems;
-                    cp_async16(smem_addr(&fdpp_stage[u * NT + threadIdx.x]), kb + at, 16);
-                    cp_async16(smem_addr(&fdpp_stage[(U + u) * NT + threadIdx.x]), vb + at, 16);
-                }
-                if (++slot == page_size) slot = 0;
-                if (u % CH == CH - 1) cp_async_commit();
+        for (int u = 0; u < U; ++u) {
+            if (ok[u]) {
+                const size_t at = ((size_t)pg[u] * page_size + slot) * row_elems;
+                kr[u] = ld_stream16(kb + at);
+                vr[u] = ld_stream16(vb + at);
             }
-            if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
-#pragma unroll
-            for (int c = 0; c < U / CH; ++c) {
-                stage_wait_n(U / CH - 1 - c);
-                uint4 kr[CH], vr[CH];
-                bool okc[CH];
-#pragma unroll
-                for (int u = 0; u < CH; ++u) {
-                    okc[u] = ok[c * CH + u];
-                    if (okc[u]) {
-                        kr[u] = fdpp_stage[(c * CH + u) * NT + threadIdx.x];
-                        vr[u] = fdpp_stage[(U + c * CH + u) * NT + threadIdx.x];
-                    }
-                }
-                consume<ASYNC, CH>(p, qr, kr, vr, okc, phi2, b2);
-            }
-        } else {
-            uint4 kr[U], vr[U];
-            int slot = slot0;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (ok[u]) {
-                    const size_t at = ((size_t)pg[u] * page_size + slot) * row_elems;
-                    kr[u] = ld_stream16(kb + at);
-                    vr[u] = ld_stream16(vb + at);
-                }
-                if (++slot == page_size) slot = 0;
-            }
-            if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
-            consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+            if (++slot == page_size) slot = 0;
         }
+        if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
+        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
@@ -278,25 +210,6 @@ struct Smem {
     unsigned bad;    // async epilogue: flagged heads (slow path only)
 };
 
-// The block's merge state: static shared memory for register shapes; for staged shapes, the
-// front of the staging area (free once every lane has consumed its last round).
-template <bool STAGED, int NT, int U>
-struct SmemOf;
-template <int NT, int U>
-struct SmemOf<true, NT, U> {
-    using Sm = Smem<Shape<NT, U>::NW>;
-    static_assert(sizeof(Sm) <= 2 * U * NT * sizeof(uint4), "the merge state fits in the staging area");
-    static __device__ __forceinline__ Sm& get() { return *reinterpret_cast<Sm*>(fdpp_stage); }
-};
-template <int NT, int U>
-struct SmemOf<false, NT, U> {
-    using Sm = Smem<Shape<NT, U>::NW>;
-    static __device__ __forceinline__ Sm& get() {
-        __shared__ Sm sm;
-        return sm;
-    }
-};
-
 // 2^(m − bm), 0 for a state that saw no token (m = −inf; also avoids −inf − −inf).
 __device__ __forceinline__ float rescale(float m, float bm) { return m == -FDPP_INF ? 0.f : exp2f(m - bm); }
 
@@ -305,13 +218,11 @@ __device__ __forceinline__ float rescale(float m, float bm) { return m == -FDPP_
 // elements e = threadIdx.x + j·NT (< HG·D; head e / D, dim e % D): a[j] is the block's sum
 // (sync: rescaled to the block max of that head), and the per-warp (m, l, mx, over) in `sm` stay
 // readable (through block_head) until the next barrier that precedes a rewrite.
-template <bool ASYNC, int NT, int U, bool STAGED>
+template <bool ASYNC, int NT, int U>
 __device__ __forceinline__ void block_merge(Smem<Shape<NT, U>::NW>& sm, Part& p,
                                             float (&a)[Shape<NT, U>::EPT]) {
     using S = Shape<NT, U>;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = threadIdx.x % LPT;
-    // Staged: `sm` overlays other lanes' staging slots, which may still be being read.
-    if (STAGED) __syncthreads();
 #pragma unroll
     for (int o = LPT; o < 32; o <<= 1) {
 #pragma unroll
@@ -449,20 +360,18 @@ __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT],
 // Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
 // caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
 // loaded again: the rare path then costs the common one no registers.
-template <int NT, int U, bool STAGED>
+template <int NT, int U>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
                                             u16* __restrict__ out, int row0, unsigned mask) {
-    // Staged: the copies below overwrite `sm`, which other threads may still be reading.
-    if (STAGED) __syncthreads();
     float qr[HG][8];
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, -FDPP_INF);
-    accumulate<false, NT, U, STAGED>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     float a[Shape<NT, U>::EPT];
-    block_merge<false, NT, U, STAGED>(sm, p, a);
+    block_merge<false, NT, U>(sm, p, a);
     float lh[HG];
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
@@ -473,7 +382,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
-template <int NT, int U, bool STAGED>
+template <int NT, int U>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -482,7 +391,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     using S = Shape<NT, U>;
     pdl_wait();
     pdl_trigger();
-    Smem<S::NW>& sm = SmemOf<STAGED, NT, U>::get();
+    __shared__ Smem<S::NW> sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
@@ -491,9 +400,9 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
-    accumulate<false, NT, U, STAGED>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
     float a[S::EPT];
-    block_merge<false, NT, U, STAGED>(sm, p, a);
+    block_merge<false, NT, U>(sm, p, a);
     if (splits == 1) {
         float lh[HG];
 #pragma unroll
@@ -556,7 +465,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
 // Async workspace, zero between launches (the last split of each block-row restores it):
 // acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
 // arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
-template <int NT, int U, bool STAGED>
+template <int NT, int U>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -566,7 +475,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     using S = Shape<NT, U>;
     pdl_wait();
     pdl_trigger();
-    Smem<S::NW>& sm = SmemOf<STAGED, NT, U>::get();
+    __shared__ Smem<S::NW> sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int rows = gridDim.y * group;
@@ -582,9 +491,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, phi2);
-    accumulate<true, NT, U, STAGED>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     float a[S::EPT];
-    block_merge<true, NT, U, STAGED>(sm, p, a);
+    block_merge<true, NT, U>(sm, p, a);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];
@@ -672,39 +581,373 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     write_elems<NT, U>(a, lh, out, row0, ~flagged);
     if (flagged) {
         // Every read of the per-warp slots happened before the barriers above.
-        recompute_sync<NT, U, STAGED>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
+        recompute_sync<NT, U>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
                                       flagged);
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
 }
 
-// The entry points of one block shape: NT threads, U tokens per group per round, K/V through
-// registers (u) or staged in shared memory (s).
-#define FDPP_DECODE_ENTRIES(NAME, NT, U, STAGED, MINB_SYNC, MINB_ASYNC)                                                              \
-    extern "C" __global__ void __launch_bounds__(NT, MINB_SYNC) attn_decode_sync_##NAME(                                \
+// The entry points of the latency path (t128u4: 128 threads, 4 tokens per group per round).
+#define FDPP_DECODE_ENTRIES(NAME, NT, U)                                                                      \
+    extern "C" __global__ void __launch_bounds__(NT) attn_decode_sync_##NAME(                                \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {                   \
-        decode_sync<NT, U, STAGED>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part,  \
-                                   out);                                                                      \
+        decode_sync<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out);    \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(NT, MINB_ASYNC) attn_decode_async_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(NT) attn_decode_async_##NAME(                               \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
         unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
-        decode_async<NT, U, STAGED>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, \
-                                    a2, b2, ws, recomputed, out);                                             \
+        decode_async<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2, b2, \
+                            ws, recomputed, out);                                                             \
     }
 
-// Large batches are bandwidth-bound with many blocks resident: t128u4 keeps the registers of the
-// earlier kernel (sync 7 / 5 / 3 blocks per SM at HG 1 / 2 / 4, async 6 / 4 / 3).
-constexpr int MINB_U4_SYNC = HG == 1 ? 7 : (HG == 2 ? 5 : 3);
-constexpr int MINB_U4_ASYNC = HG == 1 ? 6 : (HG == 2 ? 4 : 3);
-FDPP_DECODE_ENTRIES(t128u4, 128, 4, false, MINB_U4_SYNC, MINB_U4_ASYNC)
-FDPP_DECODE_ENTRIES(t128x4, 128, 4, false, 1, 1)
-FDPP_DECODE_ENTRIES(t128u8, 128, 8, false, 1, 1)
-FDPP_DECODE_ENTRIES(t256u8, 256, 8, false, 1, 1)
-FDPP_DECODE_ENTRIES(t128s8, 128, 8, true, 1, 1)
-FDPP_DECODE_ENTRIES(t128s16, 128, 16, true, 1, 1)
-FDPP_DECODE_ENTRIES(t256s8, 256, 8, true, 1, 1)
+FDPP_DECODE_ENTRIES(t128u4, 128, 4)
+
+// The bandwidth path: the kernel as it was before the latency path (session 3), unchanged, under
+// its original entry names. Measured (reports/NOTES-decode-s4.md): wherever the batch fills the
+// device or the splits are long, the step is bandwidth-bound, and this loop (page id, then K/V,
+// per token; four-barrier merge) ran 5-15 % faster than the latency path's, which wins only
+// while a split is a round or two.
+namespace bw {
+constexpr int THREADS = 128;
+constexpr int LPT = D / 8;          // lanes per token row
+constexpr int NG = THREADS / LPT;   // token groups per block
+constexpr int U = 4;                // tokens per group in flight
+constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
+
+
+// Partial softmax state of one lane: for each of the HG heads, the 8 output dims it owns.
+struct Part {
+    float m[HG];       // running max (sync) or φ (async), log2 units
+    float l[HG];       // Σ 2^(s − m) over this lane's tokens
+    float acc[HG][8];  // Σ 2^(s − m) · v
+    float mx[HG];      // largest score seen (async flag test)
+    bool over[HG];     // some s − φ > b (async)
+};
+
+// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group.
+template <bool ASYNC>
+__device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                           const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
+                                           int G, int kvh, int t0, int t1, float phi2, float b2) {
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    // The trip count is the same for every group: the shuffles below need whole warps.
+    for (int base0 = t0; base0 < t1; base0 += NG * U) {
+        const int base = base0 + gid * U;
+        uint4 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u;
+            ok[u] = t < t1;
+            if (ok[u]) {
+                const int page = pages[t / page_size];
+                const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
+                kr[u] = ld_stream16(kp + at);
+                vr[u] = ld_stream16(vp + at);
+            }
+        }
+        float s[U][HG];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float kf[8];
+            if (ok[u]) {
+                unpack2(kr[u].x, kf[0], kf[1]);
+                unpack2(kr[u].y, kf[2], kf[3]);
+                unpack2(kr[u].z, kf[4], kf[5]);
+                unpack2(kr[u].w, kf[6], kf[7]);
+            }
+#pragma unroll
+            for (int h = 0; h < HG; ++h) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d += ok[u] ? qr[h][i] * kf[i] : 0.f;
+                // Sum over the LPT lanes of the token group (xor stays inside aligned groups).
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                s[u][h] = ok[u] ? d : -FDPP_INF;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            float cm = s[0][h];
+#pragma unroll
+            for (int u = 1; u < U; ++u) cm = fmaxf(cm, s[u][h]);
+            if (ASYNC) {
+                p.mx[h] = fmaxf(p.mx[h], cm);
+                p.over[h] |= cm - phi2 > b2;
+            } else if (cm > p.m[h]) {
+                // The running max grew: rescale what was summed against the old one.
+                const float f = exp2f(p.m[h] - cm);
+                p.l[h] *= f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) p.acc[h][i] *= f;
+                p.m[h] = cm;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (!ok[u]) continue;
+            float vf[8];
+            unpack2(vr[u].x, vf[0], vf[1]);
+            unpack2(vr[u].y, vf[2], vf[3]);
+            unpack2(vr[u].z, vf[4], vf[5]);
+            unpack2(vr[u].w, vf[6], vf[7]);
+#pragma unroll
+            for (int h = 0; h < HG; ++h) {
+                const float w = exp2f(s[u][h] - p.m[h]);
+                p.l[h] += w;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) p.acc[h][i] += w * vf[i];
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void init_part(Part& p, float m0) {
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        p.m[h] = m0;
+        p.l[h] = 0.f;
+        p.mx[h] = -FDPP_INF;
+        p.over[h] = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p.acc[h][i] = 0.f;
+    }
+}
+
+// Shared memory of one block: the groups' partial states, merged per head.
+struct Smem {
+    float acc[NG][HG][D];
+    float m[NG][HG];
+    float l[NG][HG];
+    float bm[HG];      // block max per head (sync)
+    int flag;
+};
+
+// Merge the groups' states into block-wide (m, l, acc) per head: on return sm.acc[0][h][:],
+// sm.l[0][h] and sm.bm[h] hold them. Sync states are rescaled to the block max; async states
+// share φ and are summed.
+template <bool ASYNC>
+__device__ void block_merge(Smem& sm, Part& p, float phi2) {
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    if (li == 0) {
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            sm.m[gid][h] = p.m[h];
+            sm.l[gid][h] = p.l[h];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < HG) {
+        float bm = ASYNC ? phi2 : -FDPP_INF;
+        if (!ASYNC)
+            for (int g = 0; g < NG; ++g) bm = fmaxf(bm, sm.m[g][threadIdx.x]);
+        sm.bm[threadIdx.x] = bm;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        // A group that saw no token has m = −inf and nothing to add.
+        const float f = ASYNC ? 1.f : (p.m[h] == -FDPP_INF ? 0.f : exp2f(p.m[h] - sm.bm[h]));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sm.acc[gid][h][li * 8 + i] = p.acc[h][i] * f;
+    }
+    __syncthreads();
+    if (threadIdx.x < HG) {
+        const int h = threadIdx.x;
+        float l = 0.f;
+        for (int g = 0; g < NG; ++g) {
+            const float f = ASYNC ? 1.f : (sm.m[g][h] == -FDPP_INF ? 0.f : exp2f(sm.m[g][h] - sm.bm[h]));
+            l += sm.l[g][h] * f;
+        }
+        sm.l[0][h] = l;
+    }
+    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        float a = 0.f;
+        for (int g = 0; g < NG; ++g) a += sm.acc[g][h][d];
+        sm.acc[0][h][d] = a;  // group 0's slot is read only by this thread, before this write
+    }
+    __syncthreads();
+}
+
+// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
+__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
+    const int li = threadIdx.x % LPT;
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8);
+        unpack2(v.x, qr[h][0], qr[h][1]);
+        unpack2(v.y, qr[h][2], qr[h][3]);
+        unpack2(v.z, qr[h][4], qr[h][5]);
+        unpack2(v.w, qr[h][6], qr[h][7]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qr[h][i] *= scale2;
+    }
+}
+
+struct Where {
+    int b, kvh, split, h0, len, t0, t1;
+};
+
+// Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
+// chunks of one split are adjacent, so they run together and share the K/V rows in L2);
+// grid.y = batch · kv heads.
+__device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
+    const int chunks = group / HG;
+    Where w;
+    const int chunk = blockIdx.x % chunks;
+    w.split = blockIdx.x / chunks;
+    w.b = blockIdx.y / G;
+    w.kvh = blockIdx.y % G;
+    w.h0 = w.kvh * group + chunk * HG;
+    w.len = lens[w.b];
+    const int per = (w.len + splits - 1) / splits;
+    w.t0 = min(w.len, w.split * per);
+    w.t1 = min(w.len, w.t0 + per);
+    return w;
+}
+
+// Write the block's merged rows, normalised, to out (rows [row0, row0 + HG)).
+__device__ __forceinline__ void write_rows(const Smem& sm, u16* __restrict__ out, int row0, unsigned mask) {
+    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        if (mask & (1u << h)) out[(size_t)(row0 + h) * D + d] = from_f32(sm.acc[0][h][d] / sm.l[0][h]);
+    }
+}
+
+// Whole-sequence sync attention for the block's heads (the async recompute path).
+__device__ void recompute_sync(Smem& sm, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                               const u16* __restrict__ vp, const int* __restrict__ pages, int page_size, int G,
+                               int kvh, int len, u16* __restrict__ out, int row0, unsigned mask) {
+    Part p;
+    init_part(p, -FDPP_INF);
+    accumulate<false>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    block_merge<false>(sm, p, 0.f);
+    write_rows(sm, out, row0, mask);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                 const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
+                 int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
+    __shared__ Smem sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
+    float qr[HG][8];
+    load_q(qr, q, w.b * H + w.h0, scale2);
+    Part p;
+    init_part(p, -FDPP_INF);
+    const int* pages = table + (size_t)w.b * max_pages;
+    accumulate<false>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    block_merge<false>(sm, p, 0.f);
+    if (splits == 1) {
+        write_rows(sm, out, w.b * H + w.h0, ~0u);
+        return;
+    }
+    // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
+    const int rows = gridDim.y * group;
+    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        part[((size_t)(w.b * H + w.h0 + h) * splits + w.split) * D + d] = sm.acc[0][h][d];
+    }
+    if (threadIdx.x < HG) {
+        float* ml = part + (size_t)rows * splits * D;
+        const size_t at = ((size_t)(w.b * H + w.h0 + threadIdx.x) * splits + w.split) * 2;
+        ml[at] = sm.bm[threadIdx.x];
+        ml[at + 1] = sm.l[0][threadIdx.x];
+    }
+}
+
+// Async workspace, zero between launches (the last split of each block-row restores it):
+// acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
+// arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
+extern "C" __global__ void __launch_bounds__(THREADS)
+attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                  const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
+                  int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
+                  unsigned* __restrict__ recomputed, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
+    __shared__ Smem sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
+    const int rows = gridDim.y * group;
+    float* accs = ws;
+    float* ls = accs + (size_t)rows * D;
+    unsigned* keys = reinterpret_cast<unsigned*>(ls + rows);
+    unsigned* overs = keys + rows;
+    unsigned* arrivals = overs + rows;
+    const int row0 = w.b * H + w.h0;
+    const int* pages = table + (size_t)w.b * max_pages;
+
+    float qr[HG][8];
+    load_q(qr, q, row0, scale2);
+    Part p;
+    init_part(p, phi2);
+    accumulate<true>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    // Flags first (a lane's view), then the sums merged in shared memory.
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        if (p.over[h]) atomicOr(&overs[row0 + h], 1u);
+        if (p.mx[h] != -FDPP_INF) atomicMax(&keys[row0 + h], fkey(p.mx[h]));
+    }
+    block_merge<true>(sm, p, phi2);
+    if (splits > 1) {
+        for (int i = threadIdx.x; i < HG * D; i += THREADS) atomicAdd(&accs[(size_t)row0 * D + i], sm.acc[0][i / D][i % D]);
+        if (threadIdx.x < HG) atomicAdd(&ls[row0 + threadIdx.x], sm.l[0][threadIdx.x]);
+        __threadfence();
+    }
+    __syncthreads();
+    const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
+    if (threadIdx.x == 0) sm.flag = splits == 1 || atomicAdd(&arrivals[chunk_id], 1u) == (unsigned)(splits - 1);
+    __syncthreads();
+    if (!sm.flag) return;
+    // The last split of these rows: totals are complete.
+    __threadfence();
+    if (splits > 1) {
+        for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+            sm.acc[0][i / D][i % D] = __ldcg(&accs[(size_t)row0 * D + i]);
+            accs[(size_t)row0 * D + i] = 0.f;
+        }
+        __syncthreads();
+        if (threadIdx.x < HG) {
+            sm.l[0][threadIdx.x] = __ldcg(&ls[row0 + threadIdx.x]);
+            ls[row0 + threadIdx.x] = 0.f;
+        }
+    }
+    __syncthreads();
+    __shared__ unsigned bad;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    if (threadIdx.x < HG) {
+        const int h = threadIdx.x;
+        const float mx = unkey(__ldcg(&keys[row0 + h]));
+        const bool over = __ldcg(&overs[row0 + h]) != 0;
+        const float l = sm.l[0][h];
+        const bool ok = !over && mx - phi2 >= a2 && l > 0.f && finite(l);
+        if (!ok) atomicOr(&bad, 1u << h);
+        keys[row0 + h] = 0;
+        overs[row0 + h] = 0;
+    }
+    if (threadIdx.x == 0 && splits > 1) arrivals[chunk_id] = 0;
+    __syncthreads();
+    // Non-finite sums show in the accumulator too.
+    for (int i = threadIdx.x; i < HG * D; i += THREADS)
+        if (!finite(sm.acc[0][i / D][i % D])) atomicOr(&bad, 1u << (i / D));
+    __syncthreads();
+    const unsigned flagged = bad;
+    write_rows(sm, out, row0, ~flagged);
+    if (flagged) {
+        __syncthreads();
+        recompute_sync(sm, qr, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, flagged);
+        if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
+    }
+}
+}  // namespace bw

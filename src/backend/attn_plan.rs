@@ -101,91 +101,54 @@ impl DecodePlan {
     }
 }
 
-/// The block shape of a CUDA decode launch (kernels_cuda/attn_decode.cu's entry points
-/// `attn_decode_{sync,async}_<suffix>`): threads per block, consecutive tokens each token group
-/// reads per round, and whether a round's K/V rows go through registers or are staged in shared
-/// memory with cp.async.
+/// Longest split (in keys) the latency path takes: measured faster at 64 keys per split (batch 1,
+/// kv_len 1024-1088: a split is two rounds of 32 keys) and slower at 241 (kv_len 4096), where the
+/// bandwidth path's loop wins; 128 lies between, unmeasured (reports/NOTES-decode-s4.md).
+pub const LATENCY_MAX_SPLIT_KEYS: usize = 128;
+
+/// Which CUDA decode kernel a launch uses (kernels_cuda/attn_decode.cu; both take the same
+/// arguments, grid and workspaces).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeBlock {
-    pub threads: u32,
-    pub tokens_per_group: usize,
-    pub staged: bool,
+pub enum DecodePath {
+    /// `attn_decode_{sync,async}_t128u4`: page ids a round ahead, one-barrier merge, per-block
+    /// flags, one-round-trip async epilogue. For launches that are a chain of dependent round
+    /// trips: few blocks' worth of work and short splits.
+    Latency,
+    /// `attn_decode_{sync,async}`: the earlier kernel, for bandwidth-bound launches.
+    Bandwidth,
 }
 
-impl DecodeBlock {
-    /// Large batches: registers, 4 tokens per group (few registers, many resident blocks).
-    pub const T128U4: DecodeBlock = DecodeBlock::new(128, 4, false);
-    pub const T128U8: DecodeBlock = DecodeBlock::new(128, 8, false);
-    pub const T256U8: DecodeBlock = DecodeBlock::new(256, 8, false);
-    pub const T128S8: DecodeBlock = DecodeBlock::new(128, 8, true);
-    pub const T128S16: DecodeBlock = DecodeBlock::new(128, 16, true);
-    pub const T256S8: DecodeBlock = DecodeBlock::new(256, 8, true);
-    /// Every shape the kernel file instantiates.
-    pub const ALL: [DecodeBlock; 6] = [
-        Self::T128U4,
-        Self::T128U8,
-        Self::T256U8,
-        Self::T128S8,
-        Self::T128S16,
-        Self::T256S8,
-    ];
-
-    const fn new(threads: u32, tokens_per_group: usize, staged: bool) -> Self {
-        DecodeBlock {
-            threads,
-            tokens_per_group,
-            staged,
-        }
+impl DecodePath {
+    /// Latency when the batch has fewer (sequence, kv head) items than SMs and every split is at
+    /// most [`LATENCY_MAX_SPLIT_KEYS`] keys; Bandwidth otherwise. `FDPP_DECODE_PATH=latency` or
+    /// `bandwidth` forces one (read once per process), for measuring.
+    pub fn for_plan(plan: &DecodePlan, compute_units: usize) -> Self {
+        static FORCED: std::sync::OnceLock<Option<DecodePath>> = std::sync::OnceLock::new();
+        let forced = *FORCED.get_or_init(|| match std::env::var("FDPP_DECODE_PATH").as_deref() {
+            Ok("latency") => Some(DecodePath::Latency),
+            Ok("bandwidth") => Some(DecodePath::Bandwidth),
+            _ => None,
+        });
+        forced.unwrap_or_else(|| Self::by_shape(plan, compute_units))
     }
 
-    /// Keys one block reads per round at `head_dim`: (threads / (head_dim / 8)) token groups of
-    /// `tokens_per_group` tokens.
-    pub fn keys_per_round(self, head_dim: usize) -> usize {
-        let lanes = (head_dim / 8).max(1);
-        (self.threads as usize / lanes).max(1) * self.tokens_per_group
-    }
-
-    /// Dynamic shared memory of a launch: the staging area (16 bytes of K and of V per thread and
-    /// token of a round; the block merge reuses it), 0 for register shapes.
-    pub fn dynamic_smem(self) -> u32 {
-        if self.staged {
-            2 * 16 * self.threads * self.tokens_per_group as u32
+    /// The rule of [`Self::for_plan`] without the override.
+    pub fn by_shape(plan: &DecodePlan, compute_units: usize) -> Self {
+        let small = plan.batch * plan.kv_heads < compute_units.max(1);
+        let per_split = plan.max_len.div_ceil(plan.splits.max(1));
+        if small && per_split <= LATENCY_MAX_SPLIT_KEYS {
+            DecodePath::Latency
         } else {
-            0
+            DecodePath::Bandwidth
         }
     }
 
-    /// The entry-point suffix, e.g. `t128u4` or `t128s16`.
-    pub fn suffix(self) -> String {
-        format!(
-            "t{}{}{}",
-            self.threads,
-            if self.staged { 's' } else { 'u' },
-            self.tokens_per_group
-        )
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|b| b.suffix() == s.trim())
-    }
-
-    /// `FDPP_DECODE_BLOCK`, for measuring: an entry suffix `t<threads><u|s|x><tokens>` (x: a
-    /// register shape compiled without the residency bound) and the shape it names; unset or
-    /// malformed: None. Read once per process.
-    pub fn from_env() -> Option<(Self, String)> {
-        static FORCED: std::sync::OnceLock<Option<(DecodeBlock, String)>> = std::sync::OnceLock::new();
-        FORCED
-            .get_or_init(|| {
-                let s = std::env::var("FDPP_DECODE_BLOCK").ok()?;
-                let s = s.trim();
-                let rest = s.strip_prefix('t')?;
-                let at = rest.find(['u', 's', 'x'])?;
-                let threads: u32 = rest[..at].parse().ok()?;
-                let tokens: usize = rest[at + 1..].parse().ok()?;
-                let staged = rest[at..].starts_with('s');
-                Some((DecodeBlock::new(threads, tokens, staged), s.to_string()))
-            })
-            .clone()
+    /// (sync entry, async entry).
+    pub fn entries(self) -> (&'static str, &'static str) {
+        match self {
+            DecodePath::Latency => ("attn_decode_sync_t128u4", "attn_decode_async_t128u4"),
+            DecodePath::Bandwidth => ("attn_decode_sync", "attn_decode_async"),
+        }
     }
 }
 
@@ -361,6 +324,24 @@ mod tests {
             assert!(seen.iter().all(|&c| c == 1), "h{heads}/kv{kvh} b{batch} s{splits}");
             assert!(arrivals.iter().all(|&a| a == splits));
         }
+    }
+
+    #[test]
+    fn the_latency_path_takes_small_batches_with_short_splits() {
+        // Llama2-7B batch 1 (32 kv heads, 132 SMs): 16-17 splits of ≤ 68 keys up to kv_len 1152.
+        for len in [1024, 1088, 1152] {
+            let plan = DecodePlan::new(&decode(32, 32, &[len], None), 132);
+            assert_eq!(DecodePath::by_shape(&plan, 132), DecodePath::Latency, "kv_len {len}");
+        }
+        // Long splits, or a batch that fills the device: the bandwidth path.
+        let plan = DecodePlan::new(&decode(32, 32, &[4096], None), 132);
+        assert_eq!(DecodePath::by_shape(&plan, 132), DecodePath::Bandwidth);
+        let plan = DecodePlan::new(&decode(32, 32, &[1024; 8], None), 132);
+        assert_eq!(DecodePath::by_shape(&plan, 132), DecodePath::Bandwidth);
+        // A forced single split of a short sequence stays on the latency path.
+        let plan = DecodePlan::new(&decode(8, 8, &[97], Some(1)), 132);
+        assert_eq!(DecodePath::by_shape(&plan, 132), DecodePath::Latency);
+        assert_ne!(DecodePath::Latency.entries(), DecodePath::Bandwidth.entries());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::launch::Launch;
 use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
-use crate::backend::attn_plan::{self, i32_of, window, DecodeBlock, DecodePlan, LOG2E};
+use crate::backend::attn_plan::{self, i32_of, window, DecodePath, DecodePlan, LOG2E};
 use crate::backend::{Backend, DeviceBuffer};
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
@@ -156,20 +156,9 @@ pub fn decode(
     let cus = b.info().compute_units as usize;
     let plan = DecodePlan::new(p, cus);
     let (hg, splits, rows, max_len) = (plan.hg, plan.splits, plan.rows, plan.max_len);
-    // Block shape: wide (a split's keys in one round) for latency-bound small batches.
-    let (block, suffix) = DecodeBlock::from_env().unwrap_or_else(|| {
-        let b = if bsz * kvh < cus {
-            DecodeBlock::T128U4
-        } else {
-            DecodeBlock::T128U4
-        };
-        (b, b.suffix())
-    });
-    let smem = block.dynamic_smem();
-    let (sync_entry, async_entry) = (
-        format!("attn_decode_sync_{suffix}"),
-        format!("attn_decode_async_{suffix}"),
-    );
+    // Latency-bound launches (small batch, short splits) take the latency path's entries.
+    let path = DecodePath::for_plan(&plan, cus);
+    let (sync_entry, async_entry) = path.entries();
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
@@ -189,13 +178,11 @@ pub fn decode(
     let scale2 = g.scale() * LOG2E;
     let cfg = LaunchConfig {
         grid_dim: plan.grid()?,
-        block_dim: (block.threads, 1, 1),
-        shared_mem_bytes: smem,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!(
-        "{uri} ({suffix}) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits"
-    );
+    let what = format!("{uri} ({path:?} path) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let part = if splits > 1 {
@@ -204,7 +191,7 @@ pub fn decode(
             } else {
                 0
             };
-            let f = b.function_of(&uri, &sync_entry, smem, src)?;
+            let f = b.function_of(&uri, sync_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
@@ -236,7 +223,7 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, &async_entry, smem, src)?;
+            let f = b.function_of(&uri, async_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
