@@ -156,8 +156,8 @@ pub fn decode(
     let cus = b.info().compute_units as usize;
     let plan = DecodePlan::new(p, cus);
     let (hg, splits, rows, max_len) = (plan.hg, plan.splits, plan.rows, plan.max_len);
-    // Latency-bound launches (small batch, short splits) take the latency path's entries.
-    let path = DecodePath::for_plan(&plan, cus);
+    // Latency-bound async launches (small batch, short splits) take the latency path's entries.
+    let path = DecodePath::for_plan(&plan, p.scheme, cus);
     let (sync_entry, async_entry) = path.entries();
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
