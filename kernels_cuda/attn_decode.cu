@@ -1,22 +1,35 @@
 // Split-KV decode attention over the paged KV cache (Flash-Decoding), with the two softmax
 // schemes of FlashDecoding++ §3:
 //
-// - attn_decode_sync: each split keeps a running max and rescales its partial sums when the max
-//   grows; it writes (m, l, acc) per row and split, and attn_combine merges the splits with one
-//   more rescale (the FlashDecoding baseline: two kernels, a synchronisation between them).
-// - attn_decode_async: every term is e^(x − φ) with one unified φ, so partial results from
+// - attn_decode_sync_*: each split keeps a running max and rescales its partial sums when the
+//   max grows; it writes (m, l, acc) per row and split, and attn_combine merges the splits with
+//   one more rescale (the FlashDecoding baseline: two kernels, a synchronisation between them).
+// - attn_decode_async_*: every term is e^(x − φ) with one unified φ, so partial results from
 //   different splits need no common max: each split adds its Σe^(x−φ)·v and Σe^(x−φ) into a
 //   per-row fp32 accumulator with atomics, and the last split of a row to finish normalises and
 //   writes the output. No combine kernel, no rescale. A row whose scores leave [φ + a, φ + b]
-//   (x − φ > b anywhere: overflow risk; max x − φ < a: every term underflows) or whose sums are not
-//   finite is flagged; the last split recomputes it with the sync scheme over the whole
+//   (x − φ > b anywhere: overflow risk; max x − φ < a: every term underflows) or whose sums are
+//   not finite is flagged; the last split recomputes it with the sync scheme over the whole
 //   sequence, in the same launch, and counts it.
 //
 // One block serves one (sequence, kv head, split) and HG query heads of the kv head's group
 // (GQA: the K and V rows are read once for all of them). Inside a block, 16-byte loads: one
 // token row of D elements is read by D/8 lanes (a "token group"); 128 threads make 128/(D/8)
-// groups that take tokens in turn, U at a time in flight. Scores are in log2 units (q is
+// groups that take U = 4 consecutive tokens each per round. Scores are in log2 units (q is
 // pre-scaled by log2(e)/√d) so that the exponentials are exp2.
+//
+// Two implementations with the same arguments, grid and workspaces; the launcher picks one
+// (src/backend/attn_plan.rs `DecodePath`):
+// - the latency path, attn_decode_{sync,async}_t128u4 (first in this file): for small batches
+//   with short splits, where a launch is a chain of dependent round trips (lens → page ids →
+//   K/V → merge → atomics → arrival → epilogue) rather than a stream of bytes. Page ids are
+//   requested a round ahead (one dependent round trip per round instead of two), without a
+//   division per token; the token groups of a warp merge with shuffles and the warps behind one
+//   barrier; the async flags are reduced per block (one atomic per head, not one per lane); the
+//   async epilogue counts the arrival from one thread after a barrier and the last split reads
+//   every total it needs in one round trip and tests the flags with one barrier-reduction.
+// - the bandwidth path, attn_decode_{sync,async} (namespace bw, last): the earlier kernel,
+//   unchanged, for batches that fill the device and for long splits, where it measured faster.
 #include "common.cuh"
 #include "attn_common.cuh"
 
@@ -29,14 +42,582 @@
 
 constexpr int D = FDPP_D;
 constexpr int HG = FDPP_HG;         // query heads per block
+constexpr int LPT = D / 8;          // lanes per token row
+constexpr int GPW = 32 / LPT;       // token groups per warp (4, 2 or 1)
+constexpr int COMBINE_THREADS = 128;
+constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
+
+static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
+
+// Derived sizes of one block shape.
+template <int NT, int U>
+struct Shape {
+    static constexpr int NG = NT / LPT;                  // token groups
+    static constexpr int NW = NT / 32;                   // warps
+    static constexpr int ROUND = NG * U;                 // tokens per round
+    static constexpr int EPT = (HG * D + NT - 1) / NT;   // merged elements per thread
+    static_assert(NT % 32 == 0 && NG >= 1, "whole warps of whole token groups");
+};
+
+// Partial softmax state of one lane: for each of the HG heads, the 8 output dims it owns.
+struct Part {
+    float m[HG];       // running max (sync) or φ (async), log2 units
+    float l[HG];       // Σ 2^(s − m) over this lane's tokens
+    float acc[HG][8];  // Σ 2^(s − m) · v
+    float mx[HG];      // largest score seen (async flag test)
+    bool over[HG];     // some s − φ > b (async)
+};
+
+__device__ __forceinline__ void init_part(Part& p, float m0) {
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        p.m[h] = m0;
+        p.l[h] = 0.f;
+        p.mx[h] = -FDPP_INF;
+        p.over[h] = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p.acc[h][i] = 0.f;
+    }
+}
+
+// Page ids of tokens base .. base + U − 1 (0 past t1: never used); returns base's slot in its
+// page. One division per run of U tokens: the tokens after it step through the slots (a
+// division per token, emulated in ~25 instructions with quarter-rate conversions, measured
+// 15-20 % of a bandwidth-bound round).
+template <int U>
+__device__ __forceinline__ int fetch_pages(int (&pg)[U], const int* __restrict__ pages, int page_size, int base,
+                                           int t1) {
+    int idx = base / page_size;
+    const int slot0 = base - idx * page_size;
+    int slot = slot0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        pg[u] = base + u < t1 ? pages[idx] : 0;
+        if (++slot == page_size) {
+            slot = 0;
+            ++idx;
+        }
+    }
+    return slot0;
+}
+
+// Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr.
+template <bool ASYNC, int CH>
+__device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const uint4 (&kr)[CH],
+                                        const uint4 (&vr)[CH], const bool (&ok)[CH], float phi2, float b2) {
+    float s[CH][HG];
+#pragma unroll
+    for (int u = 0; u < CH; ++u) {
+        float kf[8];
+        if (ok[u]) {
+            unpack2(kr[u].x, kf[0], kf[1]);
+            unpack2(kr[u].y, kf[2], kf[3]);
+            unpack2(kr[u].z, kf[4], kf[5]);
+            unpack2(kr[u].w, kf[6], kf[7]);
+        }
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) d += ok[u] ? qr[h][i] * kf[i] : 0.f;
+            // Sum over the LPT lanes of the token group (xor stays inside aligned groups).
+#pragma unroll
+            for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            s[u][h] = ok[u] ? d : -FDPP_INF;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        float cm = s[0][h];
+#pragma unroll
+        for (int u = 1; u < CH; ++u) cm = fmaxf(cm, s[u][h]);
+        if (ASYNC) {
+            p.mx[h] = fmaxf(p.mx[h], cm);
+            p.over[h] |= cm - phi2 > b2;
+        } else if (cm > p.m[h]) {
+            // The running max grew: rescale what was summed against the old one.
+            const float f = exp2f(p.m[h] - cm);
+            p.l[h] *= f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) p.acc[h][i] *= f;
+            p.m[h] = cm;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < CH; ++u) {
+        if (!ok[u]) continue;
+        float vf[8];
+        unpack2(vr[u].x, vf[0], vf[1]);
+        unpack2(vr[u].y, vf[2], vf[3]);
+        unpack2(vr[u].z, vf[4], vf[5]);
+        unpack2(vr[u].w, vf[6], vf[7]);
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            const float w = exp2f(s[u][h] - p.m[h]);
+            p.l[h] += w;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) p.acc[h][i] += w * vf[i];
+        }
+    }
+}
+
+// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group: per round
+// each group takes U consecutive tokens, and the page ids of its next round are requested while
+// this round's K/V rows are in flight (one dependent round trip per round instead of two).
+template <bool ASYNC, int NT, int U>
+__device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                           const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
+                                           int G, int kvh, int t0, int t1, float phi2, float b2) {
+    using S = Shape<NT, U>;
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    const size_t row_elems = (size_t)G * D;
+    const u16* kb = kp + (size_t)kvh * D + li * 8;
+    const u16* vb = vp + (size_t)kvh * D + li * 8;
+    int pg[U];
+    int slot0 = fetch_pages<U>(pg, pages, page_size, t0 + gid * U, t1);
+    // The trip count is the same for every group: the shuffles in consume need whole warps.
+    for (int base0 = t0; base0 < t1; base0 += S::ROUND) {
+        const int base = base0 + gid * U;
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) ok[u] = base + u < t1;
+        uint4 kr[U], vr[U];
+        int slot = slot0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ok[u]) {
+                const size_t at = ((size_t)pg[u] * page_size + slot) * row_elems;
+                kr[u] = ld_stream16(kb + at);
+                vr[u] = ld_stream16(vb + at);
+            }
+            if (++slot == page_size) slot = 0;
+        }
+        if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
+        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+    }
+}
+
+// Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
+template <int NW>
+struct Smem {
+    float acc[NW][HG][D];
+    float m[NW][HG];
+    float l[NW][HG];
+    float mx[NW][HG];
+    unsigned over[NW][HG];
+    float lfin[HG];  // async epilogue: the row's total Σ 2^(s − φ)
+    unsigned bad;    // async epilogue: flagged heads (slow path only)
+};
+
+// 2^(m − bm), 0 for a state that saw no token (m = −inf; also avoids −inf − −inf).
+__device__ __forceinline__ float rescale(float m, float bm) { return m == -FDPP_INF ? 0.f : exp2f(m - bm); }
+
+// Merge the block's token groups. First the GPW groups of each warp, with shuffles; then the
+// warps, through shared memory behind one barrier. On return, for each of the thread's merged
+// elements e = threadIdx.x + j·NT (< HG·D; head e / D, dim e % D): a[j] is the block's sum
+// (sync: rescaled to the block max of that head), and the per-warp (m, l, mx, over) in `sm` stay
+// readable (through block_head) until the next barrier that precedes a rewrite.
+template <bool ASYNC, int NT, int U>
+__device__ __forceinline__ void block_merge(Smem<Shape<NT, U>::NW>& sm, Part& p,
+                                            float (&a)[Shape<NT, U>::EPT]) {
+    using S = Shape<NT, U>;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = threadIdx.x % LPT;
+#pragma unroll
+    for (int o = LPT; o < 32; o <<= 1) {
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            const float lo = __shfl_xor_sync(0xffffffffu, p.l[h], o);
+            if (ASYNC) {
+                p.l[h] += lo;
+                p.mx[h] = fmaxf(p.mx[h], __shfl_xor_sync(0xffffffffu, p.mx[h], o));
+                p.over[h] |= __shfl_xor_sync(0xffffffffu, (int)p.over[h], o) != 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) p.acc[h][i] += __shfl_xor_sync(0xffffffffu, p.acc[h][i], o);
+            } else {
+                const float mo = __shfl_xor_sync(0xffffffffu, p.m[h], o);
+                const float nm = fmaxf(p.m[h], mo);
+                const float f = rescale(p.m[h], nm), fo = rescale(mo, nm);
+                p.l[h] = p.l[h] * f + lo * fo;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float ao = __shfl_xor_sync(0xffffffffu, p.acc[h][i], o);
+                    p.acc[h][i] = p.acc[h][i] * f + ao * fo;
+                }
+                p.m[h] = nm;
+            }
+        }
+    }
+    if (lane < LPT) {
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            float4* dst = reinterpret_cast<float4*>(&sm.acc[warp][h][li * 8]);
+            dst[0] = make_float4(p.acc[h][0], p.acc[h][1], p.acc[h][2], p.acc[h][3]);
+            dst[1] = make_float4(p.acc[h][4], p.acc[h][5], p.acc[h][6], p.acc[h][7]);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int h = 0; h < HG; ++h) {
+                sm.m[warp][h] = p.m[h];
+                sm.l[warp][h] = p.l[h];
+                sm.mx[warp][h] = p.mx[h];
+                sm.over[warp][h] = p.over[h];
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < S::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        a[j] = 0.f;
+        if (e < HG * D) {
+            const int h = e / D, d = e % D;
+            float bm = -FDPP_INF;
+            if (!ASYNC)
+#pragma unroll
+                for (int w = 0; w < S::NW; ++w) bm = fmaxf(bm, sm.m[w][h]);
+#pragma unroll
+            for (int w = 0; w < S::NW; ++w) a[j] += sm.acc[w][h][d] * (ASYNC ? 1.f : rescale(sm.m[w][h], bm));
+        }
+    }
+}
+
+// Head h's block totals from the warps' states left by block_merge: (block max, Σ l rescaled to
+// it, largest score, over flag). Async states share φ: the max is φ and the sums add.
+template <bool ASYNC, int NW>
+__device__ __forceinline__ void block_head(const Smem<NW>& sm, int h, float phi2, float& bm, float& l, float& mx,
+                                           bool& over) {
+    bm = ASYNC ? phi2 : -FDPP_INF;
+    l = 0.f;
+    mx = -FDPP_INF;
+    over = false;
+    if (!ASYNC)
+#pragma unroll
+        for (int w = 0; w < NW; ++w) bm = fmaxf(bm, sm.m[w][h]);
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+        l += sm.l[w][h] * (ASYNC ? 1.f : rescale(sm.m[w][h], bm));
+        mx = fmaxf(mx, sm.mx[w][h]);
+        over |= sm.over[w][h] != 0;
+    }
+}
+
+// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
+__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
+    const int li = threadIdx.x % LPT;
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8);
+        unpack2(v.x, qr[h][0], qr[h][1]);
+        unpack2(v.y, qr[h][2], qr[h][3]);
+        unpack2(v.z, qr[h][4], qr[h][5]);
+        unpack2(v.w, qr[h][6], qr[h][7]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qr[h][i] *= scale2;
+    }
+}
+
+struct Where {
+    int b, kvh, split, h0, len, t0, t1;
+};
+
+// Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
+// chunks of one split are adjacent, so they run together and share the K/V rows in L2);
+// grid.y = batch · kv heads.
+__device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
+    const int chunks = group / HG;
+    Where w;
+    const int chunk = blockIdx.x % chunks;
+    w.split = blockIdx.x / chunks;
+    w.b = blockIdx.y / G;
+    w.kvh = blockIdx.y % G;
+    w.h0 = w.kvh * group + chunk * HG;
+    w.len = lens[w.b];
+    const int per = (w.len + splits - 1) / splits;
+    w.t0 = min(w.len, w.split * per);
+    w.t1 = min(w.len, w.t0 + per);
+    return w;
+}
+
+// Write the merged elements a[] of the heads in `mask`, each divided by its head's l.
+template <int NT, int U>
+__device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT], const float (&lh)[HG],
+                                            u16* __restrict__ out, int row0, unsigned mask) {
+#pragma unroll
+    for (int j = 0; j < Shape<NT, U>::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        if (e < HG * D) {
+            const int h = e / D;
+            float l = lh[0];
+#pragma unroll
+            for (int k = 1; k < HG; ++k)
+                if (h == k) l = lh[k];
+            if (mask & (1u << h)) out[(size_t)row0 * D + e] = from_f32(a[j] / l);
+        }
+    }
+}
+
+// Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
+// caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
+// loaded again: the rare path then costs the common one no registers.
+template <int NT, int U>
+__device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
+                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                            const int* __restrict__ pages, int page_size, int G, int kvh, int len,
+                                            u16* __restrict__ out, int row0, unsigned mask) {
+    float qr[HG][8];
+    load_q(qr, q, row0, scale2);
+    Part p;
+    init_part(p, -FDPP_INF);
+    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    float a[Shape<NT, U>::EPT];
+    block_merge<false, NT, U>(sm, p, a);
+    float lh[HG];
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+        float bm, mx;
+        bool over;
+        block_head<false>(sm, h, 0.f, bm, lh[h], mx, over);
+    }
+    write_elems<NT, U>(a, lh, out, row0, mask);
+}
+
+template <int NT, int U>
+__device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
+                                            const u16* __restrict__ vp, const int* __restrict__ table,
+                                            const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
+                                            int splits, float scale2, float* __restrict__ part,
+                                            u16* __restrict__ out) {
+    using S = Shape<NT, U>;
+    pdl_wait();
+    pdl_trigger();
+    __shared__ Smem<S::NW> sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
+    const int row0 = w.b * H + w.h0;
+    float qr[HG][8];
+    load_q(qr, q, row0, scale2);
+    Part p;
+    init_part(p, -FDPP_INF);
+    const int* pages = table + (size_t)w.b * max_pages;
+    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    float a[S::EPT];
+    block_merge<false, NT, U>(sm, p, a);
+    if (splits == 1) {
+        float lh[HG];
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            float bm, mx;
+            bool over;
+            block_head<false>(sm, h, 0.f, bm, lh[h], mx, over);
+        }
+        write_elems<NT, U>(a, lh, out, row0, ~0u);
+        return;
+    }
+    // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
+    const int rows = gridDim.y * group;
+#pragma unroll
+    for (int j = 0; j < S::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        if (e < HG * D) part[((size_t)(row0 + e / D) * splits + w.split) * D + e % D] = a[j];
+    }
+    if (threadIdx.x < HG) {
+        float bm, l, mx;
+        bool over;
+        block_head<false>(sm, threadIdx.x, 0.f, bm, l, mx, over);
+        float* ml = part + (size_t)rows * splits * D;
+        const size_t at = ((size_t)(row0 + threadIdx.x) * splits + w.split) * 2;
+        ml[at] = bm;
+        ml[at + 1] = l;
+    }
+}
+
+// One block per row: merge the splits' partials, each rescaled to the largest max.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_trigger();
+    const int row = blockIdx.x;
+    const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
+    float m = -FDPP_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
+    float l = 0.f;
+    float acc[DPT];
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        if (ml[2 * s + 1] == 0.f) continue;  // an empty split (m = −inf)
+        const float f = exp2f(ml[2 * s] - m);
+        l += ml[2 * s + 1] * f;
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) {
+            const int d = threadIdx.x + j * COMBINE_THREADS;
+            if (d < D) acc[j] += part[((size_t)row * splits + s) * D + d] * f;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+        const int d = threadIdx.x + j * COMBINE_THREADS;
+        if (d < D) out[(size_t)row * D + d] = from_f32(acc[j] / l);
+    }
+}
+
+// Async workspace, zero between launches (the last split of each block-row restores it):
+// acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
+// arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
+template <int NT, int U>
+__device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
+                                             const u16* __restrict__ vp, const int* __restrict__ table,
+                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
+                                             int splits, float scale2, float phi2, float a2, float b2,
+                                             float* __restrict__ ws, unsigned* __restrict__ recomputed,
+                                             u16* __restrict__ out) {
+    using S = Shape<NT, U>;
+    pdl_wait();
+    pdl_trigger();
+    __shared__ Smem<S::NW> sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
+    const int rows = gridDim.y * group;
+    float* accs = ws;
+    float* ls = accs + (size_t)rows * D;
+    unsigned* keys = reinterpret_cast<unsigned*>(ls + rows);
+    unsigned* overs = keys + rows;
+    unsigned* arrivals = overs + rows;
+    const int row0 = w.b * H + w.h0;
+    const int* pages = table + (size_t)w.b * max_pages;
+
+    float qr[HG][8];
+    load_q(qr, q, row0, scale2);
+    Part p;
+    init_part(p, phi2);
+    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    float a[S::EPT];
+    block_merge<true, NT, U>(sm, p, a);
+
+    // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
+    float lh[HG];
+    unsigned bad = 0;
+    if (splits == 1) {
+        // The block is the whole row: its totals are final, no workspace.
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+            float bm, mx;
+            bool over;
+            block_head<true>(sm, h, phi2, bm, lh[h], mx, over);
+            if (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h])) bad |= 1u << h;
+        }
+    } else {
+        // Add this split's sums and flags to the row's, then count the arrival: the block that
+        // brings the count to `splits` sees every other split's atomics (each split's thread 0
+        // fences after its barrier, so the whole block's atomics are ordered before its count).
+#pragma unroll
+        for (int j = 0; j < S::EPT; ++j) {
+            const int e = threadIdx.x + j * NT;
+            if (e < HG * D) atomicAdd(&accs[(size_t)row0 * D + e], a[j]);
+        }
+        if (threadIdx.x < HG) {
+            float bm, l, mx;
+            bool over;
+            block_head<true>(sm, threadIdx.x, phi2, bm, l, mx, over);
+            atomicAdd(&ls[row0 + threadIdx.x], l);
+            if (mx != -FDPP_INF) atomicMax(&keys[row0 + threadIdx.x], fkey(mx));
+            if (over) atomicOr(&overs[row0 + threadIdx.x], 1u);
+        }
+        __syncthreads();
+        const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
+        int last = 0;
+        if (threadIdx.x == 0) {
+            __threadfence();
+            last = atomicAdd(&arrivals[chunk_id], 1u) == (unsigned)(splits - 1);
+            // Acquire: what the other splits added is read below, after the barrier.
+            __threadfence();
+        }
+        if (!__syncthreads_or(last)) return;
+        // The last split of these rows: totals are complete. Every read in one round trip, each
+        // slot restored to zero for the next launch.
+#pragma unroll
+        for (int j = 0; j < S::EPT; ++j) {
+            const int e = threadIdx.x + j * NT;
+            if (e < HG * D) {
+                a[j] = __ldcg(&accs[(size_t)row0 * D + e]);
+                accs[(size_t)row0 * D + e] = 0.f;
+            }
+        }
+        if (threadIdx.x < HG) {
+            const int h = threadIdx.x;
+            const float l = __ldcg(&ls[row0 + h]);
+            const float mx = unkey(__ldcg(&keys[row0 + h]));
+            const bool over = __ldcg(&overs[row0 + h]) != 0;
+            ls[row0 + h] = 0.f;
+            keys[row0 + h] = 0;
+            overs[row0 + h] = 0;
+            sm.lfin[h] = l;
+            if (over || !(mx - phi2 >= a2) || !(l > 0.f) || !finite(l)) bad |= 1u << h;
+        }
+        if (threadIdx.x == 0) arrivals[chunk_id] = 0;
+    }
+    // Non-finite sums show in the accumulator too.
+#pragma unroll
+    for (int j = 0; j < S::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        if (e < HG * D && !finite(a[j])) bad |= 1u << (e / D);
+    }
+    // One barrier-reduction tells whether any head is flagged (and publishes sm.lfin); the
+    // per-head mask is gathered only when one is.
+    const bool any_bad = __syncthreads_or(bad != 0);
+    if (splits > 1) {
+#pragma unroll
+        for (int h = 0; h < HG; ++h) lh[h] = sm.lfin[h];
+    }
+    unsigned flagged = 0;
+    if (any_bad) {
+        if (threadIdx.x == 0) sm.bad = 0;
+        __syncthreads();
+        if (bad) atomicOr(&sm.bad, bad);
+        __syncthreads();
+        flagged = sm.bad;
+    }
+    write_elems<NT, U>(a, lh, out, row0, ~flagged);
+    if (flagged) {
+        // Every read of the per-warp slots happened before the barriers above.
+        recompute_sync<NT, U>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
+                                      flagged);
+        if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
+    }
+}
+
+// The entry points of the latency path (t128u4: 128 threads, 4 tokens per group per round).
+#define FDPP_DECODE_ENTRIES(NAME, NT, U)                                                                      \
+    extern "C" __global__ void __launch_bounds__(NT) attn_decode_sync_##NAME(                                \
+        const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
+        const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
+        int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {                   \
+        decode_sync<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out);    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NT) attn_decode_async_##NAME(                               \
+        const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
+        const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
+        int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
+        unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
+        decode_async<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2, b2, \
+                            ws, recomputed, out);                                                             \
+    }
+
+FDPP_DECODE_ENTRIES(t128u4, 128, 4)
+
+// The bandwidth path: the kernel as it was before the latency path (session 3), unchanged, under
+// its original entry names. Measured (reports/NOTES-decode-s4.md): wherever the batch fills the
+// device or the splits are long, the step is bandwidth-bound, and this loop (page id, then K/V,
+// per token; four-barrier merge) ran 5-15 % faster than the latency path's, which wins only
+// while a split is a round or two.
+namespace bw {
 constexpr int THREADS = 128;
 constexpr int LPT = D / 8;          // lanes per token row
 constexpr int NG = THREADS / LPT;   // token groups per block
 constexpr int U = 4;                // tokens per group in flight
 constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
 
-static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
 
 // Partial softmax state of one lane: for each of the HG heads, the 8 output dims it owns.
 struct Part {
@@ -284,36 +865,6 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
     }
 }
 
-// One block per row: merge the splits' partials, each rescaled to the largest max.
-extern "C" __global__ void __launch_bounds__(THREADS)
-attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
-    pdl_wait();
-    pdl_trigger();
-    const int row = blockIdx.x;
-    const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
-    float m = -FDPP_INF;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
-    float l = 0.f;
-    float acc[DPT];
-#pragma unroll
-    for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        if (ml[2 * s + 1] == 0.f) continue;  // an empty split (m = −inf)
-        const float f = exp2f(ml[2 * s] - m);
-        l += ml[2 * s + 1] * f;
-#pragma unroll
-        for (int j = 0; j < DPT; ++j) {
-            const int d = threadIdx.x + j * THREADS;
-            if (d < D) acc[j] += part[((size_t)row * splits + s) * D + d] * f;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < DPT; ++j) {
-        const int d = threadIdx.x + j * THREADS;
-        if (d < D) out[(size_t)row * D + d] = from_f32(acc[j] / l);
-    }
-}
-
 // Async workspace, zero between launches (the last split of each block-row restores it):
 // acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
 // arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
@@ -399,3 +950,4 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
 }
+}  // namespace bw

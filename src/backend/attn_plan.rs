@@ -101,6 +101,60 @@ impl DecodePlan {
     }
 }
 
+/// Longest split (in keys) the latency path takes: measured faster at 64 keys per split (batch 1,
+/// kv_len 1024-1088: a split is two rounds of 32 keys) and slower at 241 (kv_len 4096), where the
+/// bandwidth path's loop wins; 128 lies between, unmeasured (reports/NOTES-decode-s4.md).
+pub const LATENCY_MAX_SPLIT_KEYS: usize = 128;
+
+/// Which CUDA decode kernel a launch uses (kernels_cuda/attn_decode.cu; both take the same
+/// arguments, grid and workspaces).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodePath {
+    /// `attn_decode_{sync,async}_t128u4`: page ids a round ahead, one-barrier merge, per-block
+    /// flags, one-round-trip async epilogue. For launches that are a chain of dependent round
+    /// trips: few blocks' worth of work and short splits.
+    Latency,
+    /// `attn_decode_{sync,async}`: the earlier kernel, for bandwidth-bound launches.
+    Bandwidth,
+}
+
+impl DecodePath {
+    /// Latency for the async scheme when the batch has fewer (sequence, kv head) items than SMs
+    /// and every split is at most [`LATENCY_MAX_SPLIT_KEYS`] keys; Bandwidth otherwise (the sync
+    /// scheme measured 2-5 % slower on the latency path at batch 1, kv_len 1024-1088).
+    /// `FDPP_DECODE_PATH=latency` or `bandwidth` forces one (read once per process), for
+    /// measuring.
+    pub fn for_plan(plan: &DecodePlan, scheme: SoftmaxScheme, compute_units: usize) -> Self {
+        static FORCED: std::sync::OnceLock<Option<DecodePath>> = std::sync::OnceLock::new();
+        let forced = *FORCED.get_or_init(|| match std::env::var("FDPP_DECODE_PATH").as_deref() {
+            Ok("latency") => Some(DecodePath::Latency),
+            Ok("bandwidth") => Some(DecodePath::Bandwidth),
+            _ => None,
+        });
+        forced.unwrap_or_else(|| Self::by_shape(plan, scheme, compute_units))
+    }
+
+    /// The rule of [`Self::for_plan`] without the override.
+    pub fn by_shape(plan: &DecodePlan, scheme: SoftmaxScheme, compute_units: usize) -> Self {
+        let small = plan.batch * plan.kv_heads < compute_units.max(1);
+        let per_split = plan.max_len.div_ceil(plan.splits.max(1));
+        let is_async = matches!(scheme, SoftmaxScheme::Async { .. });
+        if is_async && small && per_split <= LATENCY_MAX_SPLIT_KEYS {
+            DecodePath::Latency
+        } else {
+            DecodePath::Bandwidth
+        }
+    }
+
+    /// (sync entry, async entry).
+    pub fn entries(self) -> (&'static str, &'static str) {
+        match self {
+            DecodePath::Latency => ("attn_decode_sync_t128u4", "attn_decode_async_t128u4"),
+            DecodePath::Bandwidth => ("attn_decode_sync", "attn_decode_async"),
+        }
+    }
+}
+
 /// The block tables and sequence lengths of a decode launch as one i32 upload: the table
 /// (`max_pages` per sequence), then the lengths at the returned index.
 pub fn decode_ints(p: &DecodeParams) -> (Vec<i32>, usize) {
@@ -273,6 +327,30 @@ mod tests {
             assert!(seen.iter().all(|&c| c == 1), "h{heads}/kv{kvh} b{batch} s{splits}");
             assert!(arrivals.iter().all(|&a| a == splits));
         }
+    }
+
+    #[test]
+    fn the_latency_path_takes_small_async_batches_with_short_splits() {
+        let a = SoftmaxScheme::ASYNC_DEFAULT;
+        // Llama2-7B batch 1 (32 kv heads, 132 SMs): 16-17 splits of ≤ 68 keys up to kv_len 1152.
+        for len in [1024, 1088, 1152] {
+            let plan = DecodePlan::new(&decode(32, 32, &[len], None), 132);
+            assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Latency, "kv_len {len}");
+            // The sync scheme keeps the bandwidth path.
+            assert_eq!(
+                DecodePath::by_shape(&plan, SoftmaxScheme::Sync, 132),
+                DecodePath::Bandwidth
+            );
+        }
+        // Long splits, or a batch that fills the device: the bandwidth path.
+        let plan = DecodePlan::new(&decode(32, 32, &[4096], None), 132);
+        assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Bandwidth);
+        let plan = DecodePlan::new(&decode(32, 32, &[1024; 8], None), 132);
+        assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Bandwidth);
+        // A forced single split of a short sequence stays on the latency path.
+        let plan = DecodePlan::new(&decode(8, 8, &[97], Some(1)), 132);
+        assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Latency);
+        assert_ne!(DecodePath::Latency.entries(), DecodePath::Bandwidth.entries());
     }
 
     #[test]

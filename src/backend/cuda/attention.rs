@@ -12,7 +12,7 @@ use super::launch::Launch;
 use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
-use crate::backend::attn_plan::{self, i32_of, window, DecodePlan, LOG2E};
+use crate::backend::attn_plan::{self, i32_of, window, DecodePath, DecodePlan, LOG2E};
 use crate::backend::{Backend, DeviceBuffer};
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
@@ -156,8 +156,12 @@ pub fn decode(
     check_dtypes("decode attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
     let g = p.geom;
     let (bsz, heads, kvh, d) = (p.batch(), g.num_heads, g.num_kv_heads, g.head_dim);
-    let plan = DecodePlan::new(p, b.info().compute_units as usize);
-    let (hg, chunks, splits, rows, max_len) = (plan.hg, plan.chunks, plan.splits, plan.rows, plan.max_len);
+    let cus = b.info().compute_units as usize;
+    let plan = DecodePlan::new(p, cus);
+    let (hg, splits, rows, max_len) = (plan.hg, plan.splits, plan.rows, plan.max_len);
+    // Latency-bound async launches (small batch, short splits) take the latency path's entries.
+    let path = DecodePath::for_plan(&plan, p.scheme, cus);
+    let (sync_entry, async_entry) = path.entries();
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
@@ -176,12 +180,12 @@ pub fn decode(
     );
     let scale2 = g.scale() * LOG2E;
     let cfg = LaunchConfig {
-        grid_dim: ((chunks * splits) as u32, (bsz * kvh) as u32, 1),
+        grid_dim: plan.grid()?,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!("{uri} at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
+    let what = format!("{uri} ({path:?} path) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let part = if splits > 1 {
@@ -190,7 +194,7 @@ pub fn decode(
             } else {
                 0
             };
-            let f = b.function_of(&uri, "attn_decode_sync", 0, src)?;
+            let f = b.function_of(&uri, sync_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
@@ -222,7 +226,7 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, "attn_decode_async", 0, src)?;
+            let f = b.function_of(&uri, async_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
