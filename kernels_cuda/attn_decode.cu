@@ -606,27 +606,17 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 
 FDPP_DECODE_ENTRIES(t128u4, 128, 4)
 
-// The bandwidth path: the kernel as it was before the latency path (session 3), unchanged, under
-// its original entry names. Measured (reports/NOTES-decode-s4.md): wherever the batch fills the
+// The bandwidth path: the kernel as it was before the latency path (session 3), under its
+// original entry names; its loop and merge are unchanged, and it shares the lane state, the q
+// load, the block placement and the per-token arithmetic (`consume`) with the latency path. Measured (reports/NOTES-decode-s4.md): wherever the batch fills the
 // device or the splits are long, the step is bandwidth-bound, and this loop (page id, then K/V,
 // per token; four-barrier merge) ran 5-15 % faster than the latency path's, which wins only
 // while a split is a round or two.
 namespace bw {
 constexpr int THREADS = 128;
-constexpr int LPT = D / 8;          // lanes per token row
 constexpr int NG = THREADS / LPT;   // token groups per block
 constexpr int U = 4;                // tokens per group in flight
 constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
-
-
-// Partial softmax state of one lane: for each of the HG heads, the 8 output dims it owns.
-struct Part {
-    float m[HG];       // running max (sync) or φ (async), log2 units
-    float l[HG];       // Σ 2^(s − m) over this lane's tokens
-    float acc[HG][8];  // Σ 2^(s − m) · v
-    float mx[HG];      // largest score seen (async flag test)
-    bool over[HG];     // some s − φ > b (async)
-};
 
 // Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group.
 template <bool ASYNC>
@@ -650,72 +640,7 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
                 vr[u] = ld_stream16(vp + at);
             }
         }
-        float s[U][HG];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kf[8];
-            if (ok[u]) {
-                unpack2(kr[u].x, kf[0], kf[1]);
-                unpack2(kr[u].y, kf[2], kf[3]);
-                unpack2(kr[u].z, kf[4], kf[5]);
-                unpack2(kr[u].w, kf[6], kf[7]);
-            }
-#pragma unroll
-            for (int h = 0; h < HG; ++h) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) d += ok[u] ? qr[h][i] * kf[i] : 0.f;
-                // Sum over the LPT lanes of the token group (xor stays inside aligned groups).
-#pragma unroll
-                for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                s[u][h] = ok[u] ? d : -FDPP_INF;
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < HG; ++h) {
-            float cm = s[0][h];
-#pragma unroll
-            for (int u = 1; u < U; ++u) cm = fmaxf(cm, s[u][h]);
-            if (ASYNC) {
-                p.mx[h] = fmaxf(p.mx[h], cm);
-                p.over[h] |= cm - phi2 > b2;
-            } else if (cm > p.m[h]) {
-                // The running max grew: rescale what was summed against the old one.
-                const float f = exp2f(p.m[h] - cm);
-                p.l[h] *= f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) p.acc[h][i] *= f;
-                p.m[h] = cm;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (!ok[u]) continue;
-            float vf[8];
-            unpack2(vr[u].x, vf[0], vf[1]);
-            unpack2(vr[u].y, vf[2], vf[3]);
-            unpack2(vr[u].z, vf[4], vf[5]);
-            unpack2(vr[u].w, vf[6], vf[7]);
-#pragma unroll
-            for (int h = 0; h < HG; ++h) {
-                const float w = exp2f(s[u][h] - p.m[h]);
-                p.l[h] += w;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) p.acc[h][i] += w * vf[i];
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ void init_part(Part& p, float m0) {
-#pragma unroll
-    for (int h = 0; h < HG; ++h) {
-        p.m[h] = m0;
-        p.l[h] = 0.f;
-        p.mx[h] = -FDPP_INF;
-        p.over[h] = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p.acc[h][i] = 0.f;
+        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
@@ -773,43 +698,6 @@ __device__ void block_merge(Smem& sm, Part& p, float phi2) {
         sm.acc[0][h][d] = a;  // group 0's slot is read only by this thread, before this write
     }
     __syncthreads();
-}
-
-// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
-__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
-    const int li = threadIdx.x % LPT;
-#pragma unroll
-    for (int h = 0; h < HG; ++h) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8);
-        unpack2(v.x, qr[h][0], qr[h][1]);
-        unpack2(v.y, qr[h][2], qr[h][3]);
-        unpack2(v.z, qr[h][4], qr[h][5]);
-        unpack2(v.w, qr[h][6], qr[h][7]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qr[h][i] *= scale2;
-    }
-}
-
-struct Where {
-    int b, kvh, split, h0, len, t0, t1;
-};
-
-// Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
-// chunks of one split are adjacent, so they run together and share the K/V rows in L2);
-// grid.y = batch · kv heads.
-__device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
-    const int chunks = group / HG;
-    Where w;
-    const int chunk = blockIdx.x % chunks;
-    w.split = blockIdx.x / chunks;
-    w.b = blockIdx.y / G;
-    w.kvh = blockIdx.y % G;
-    w.h0 = w.kvh * group + chunk * HG;
-    w.len = lens[w.b];
-    const int per = (w.len + splits - 1) / splits;
-    w.t0 = min(w.len, w.split * per);
-    w.t1 = min(w.len, w.t0 + per);
-    return w;
 }
 
 // Write the block's merged rows, normalised, to out (rows [row0, row0 + HG)).
