@@ -274,8 +274,11 @@ impl<'b, B: Backend> Llama<'b, B> {
         let sig = if n == 0 {
             None
         } else if graphs && b.graph_begin() {
-            self.layer(&la, 0, None, kv, acts)?;
-            b.graph_end()
+            // The recording ends whatever layer 0 returns.
+            let ran = self.layer(&la, 0, None, kv, acts);
+            let sig = b.graph_end();
+            ran?;
+            sig
         } else {
             self.layer(&la, 0, None, kv, acts)?;
             None
