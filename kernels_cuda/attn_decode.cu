@@ -317,6 +317,28 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
     }
 }
 
+// Async workspace, zero between launches (the last split of each block-row restores it):
+// acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
+// arrival counter per (sequence, kv head, head chunk). Both paths lay it out the same way (the
+// launcher sizes it once: attn_plan.rs, accum_words).
+struct AsyncWs {
+    float* accs;
+    float* ls;
+    unsigned* keys;
+    unsigned* overs;
+    unsigned* arrivals;
+};
+
+__device__ __forceinline__ AsyncWs async_ws(float* ws, int rows) {
+    AsyncWs a;
+    a.accs = ws;
+    a.ls = ws + (size_t)rows * D;
+    a.keys = reinterpret_cast<unsigned*>(a.ls + rows);
+    a.overs = a.keys + rows;
+    a.arrivals = a.overs + rows;
+    return a;
+}
+
 struct Where {
     int b, kvh, split, h0, len, t0, t1;
 };
@@ -462,9 +484,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
     }
 }
 
-// Async workspace, zero between launches (the last split of each block-row restores it):
-// acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
-// arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
+// The async kernel of the latency path (workspace: async_ws(); `recomputed` is a running total).
 template <int NT, int U>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
@@ -479,11 +499,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int rows = gridDim.y * group;
-    float* accs = ws;
-    float* ls = accs + (size_t)rows * D;
-    unsigned* keys = reinterpret_cast<unsigned*>(ls + rows);
-    unsigned* overs = keys + rows;
-    unsigned* arrivals = overs + rows;
+    const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
 
@@ -753,9 +769,7 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
     }
 }
 
-// Async workspace, zero between launches (the last split of each block-row restores it):
-// acc [rows][D] f32, then l [rows] f32, then max-score keys [rows], over-flags [rows], and one
-// arrival counter per (sequence, kv head, head chunk); `recomputed` is a running total.
+// The async kernel of the bandwidth path (workspace: async_ws()).
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                   const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
@@ -767,11 +781,7 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int rows = gridDim.y * group;
-    float* accs = ws;
-    float* ls = accs + (size_t)rows * D;
-    unsigned* keys = reinterpret_cast<unsigned*>(ls + rows);
-    unsigned* overs = keys + rows;
-    unsigned* arrivals = overs + rows;
+    const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
 
