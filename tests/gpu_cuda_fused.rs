@@ -35,6 +35,36 @@ const SHAPES: [(usize, usize); 6] = [
 /// NaN in both 16-bit types (quiet, all mantissa bits set).
 const POISON: u16 = 0x7fff;
 
+/// `FDPP_FUSED_QUICK=1` (for the compute-sanitizer runs, which slow kernels many times over):
+/// the small shapes, M = 1, 3, 8, and the K-split and 4-rows-per-warp layouts only.
+fn quick() -> bool {
+    std::env::var_os("FDPP_FUSED_QUICK").is_some()
+}
+
+fn shapes() -> Vec<(usize, usize)> {
+    SHAPES
+        .iter()
+        .copied()
+        .filter(|&(k, n)| !quick() || n * k < 1 << 20)
+        .collect()
+}
+
+fn ms() -> Vec<usize> {
+    if quick() {
+        vec![1, 3, 8]
+    } else {
+        (1..=8).collect()
+    }
+}
+
+fn layouts() -> Vec<u32> {
+    if quick() {
+        vec![1, 16]
+    } else {
+        GEMV_BN.to_vec()
+    }
+}
+
 fn rng() -> rand::rngs::SmallRng {
     rand::rngs::SmallRng::seed_from_u64(rand::random())
 }
@@ -99,12 +129,12 @@ fn norm_in_matches_add_rmsnorm_then_gemv() {
     let mut r = rng();
     for dt in DTYPES {
         let (mut total, mut same, mut worst) = (0usize, 0usize, 0f64);
-        for (k, n) in SHAPES {
+        for (k, n) in shapes() {
             let w = gpu
                 .upload(dt, &random_bits(dt, n * k, 1.0 / (k as f32).sqrt(), r.gen()))
                 .unwrap();
             let gamma = gpu.upload(dt, &random_bits(dt, k, 1.5, r.gen())).unwrap();
-            for m in 1..=8 {
+            for m in ms() {
                 let res_bits = residual_rows(dt, m, k, r.gen());
                 let res = gpu.upload(dt, &res_bits).unwrap();
                 let norm = RmsNormParams {
@@ -118,7 +148,7 @@ fn norm_in_matches_add_rmsnorm_then_gemv() {
                 let mut res_copy = gpu.upload(dt, &res_bits).unwrap();
                 let mut xn = gpu.alloc(dt, m * k).unwrap();
                 gpu.add_rmsnorm(&norm, &mut res_copy, None, &gamma, &mut xn).unwrap();
-                for bn in GEMV_BN {
+                for bn in layouts() {
                     let spec = gemv(dt, bn);
                     let what = format!("norm_in {spec} M={m} N={n} K={k}");
                     let mut want = gpu.alloc(dt, m * n).unwrap();
@@ -155,11 +185,11 @@ fn residual_out_is_gemv_then_add_bit_for_bit() {
     let mut r = rng();
     for dt in DTYPES {
         let mut total = 0usize;
-        for (k, n) in SHAPES {
+        for (k, n) in shapes() {
             let w = gpu.upload(dt, &random_bits(dt, n * k, 1.0, r.gen())).unwrap();
             // add_rmsnorm needs a weight and an output; only its residual is compared.
             let gamma = gpu.upload(dt, &random_bits(dt, n, 1.0, r.gen())).unwrap();
-            for m in 1..=8 {
+            for m in ms() {
                 let x = gpu
                     .upload(dt, &random_bits(dt, m * k, 1.0 / (k as f32).sqrt(), r.gen()))
                     .unwrap();
@@ -171,7 +201,7 @@ fn residual_out_is_gemv_then_add_bit_for_bit() {
                     eps: 1e-5,
                     dtype: dt,
                 };
-                for bn in GEMV_BN {
+                for bn in layouts() {
                     let spec = gemv(dt, bn);
                     let what = format!("residual_out {spec} M={m} N={n} K={k}");
                     let mut tmp = gpu.alloc(dt, m * n).unwrap();
