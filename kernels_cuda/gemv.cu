@@ -104,51 +104,6 @@ __device__ __forceinline__ void norm_inv(const u16* __restrict__ x, int K, float
 // The 16-bit value a rounded store and reload of f gives (add_rmsnorm_v's output, read back).
 __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); }
 
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    return (u32)from_f32(lo) | ((u32)from_f32(hi) << 16);
-}
-
-// NORM_IN's normalized rows, M × K 16-bit values in dynamic shared memory (the host sizes it).
-__device__ __forceinline__ uint4* norm_rows() {
-    extern __shared__ uint4 fdpp_norm_rows[];
-    return fdpp_norm_rows;
-}
-
-// Writes rmsnorm(x) ⊙ γ of the block's M rows to norm_rows(), rounded as rms_scale rounds, once
-// per block: the main loop then reads them as the plain kernel reads x. Normalizing in the loop
-// instead costs ~40 more ALU/conversion operations per 16-byte chunk of x per row group, which
-// made the 1-row-per-block layout compute-bound (measured on the H100: 53 µs against 36.6 for
-// the plain QKV gemv). Every thread of the block must call it (one barrier).
-template <int M>
-__device__ __forceinline__ void stage_norm(const u16* __restrict__ x, const u16* __restrict__ gamma, int K,
-                                           const float (&inv)[M]) {
-    const int K8 = K >> 3;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    const uint4* gv = reinterpret_cast<const uint4*>(gamma);
-    uint4* xs = norm_rows();
-#pragma unroll 4
-    for (int i = threadIdx.x; i < M * K8; i += WARPS * 32) {
-        const int m = i / K8, c = i - m * K8;
-        const uint4 xq = __ldg(xv + i), gq = __ldg(gv + c);
-        float f[8], g[8];
-        unpack2(xq.x, f[0], f[1]);
-        unpack2(xq.y, f[2], f[3]);
-        unpack2(xq.z, f[4], f[5]);
-        unpack2(xq.w, f[6], f[7]);
-        unpack2(gq.x, g[0], g[1]);
-        unpack2(gq.y, g[2], g[3]);
-        unpack2(gq.z, g[4], g[5]);
-        unpack2(gq.w, g[6], g[7]);
-        float v = 0.f;
-#pragma unroll
-        for (int mm = 0; mm < M; ++mm) v = mm == m ? inv[mm] : v;  // inv stays in registers
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = f[e] * v * g[e];  // rms_scale's order
-        xs[i] = make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-    }
-    __syncthreads();
-}
-
 // Vector path: K % 8 == 0 and 16-byte aligned rows.
 // KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
 // their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
@@ -187,13 +142,13 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     // NORM_IN: the residual was written by an earlier kernel, so its norm is taken after the
     // wait, while the weight loads above are in flight. Each block re-reads the M rows (from
     // L2, then L1): K·M·2 bytes against the block's ROWS·K·2 of weights per warp.
-    if (MODE == NORM_IN) {
-        float inv[M];
-        norm_inv<M>(x, K, eps, inv);
-        stage_norm<M>(x, gamma, K, inv);
-    }
+    float inv[M];
+    if (MODE == NORM_IN) norm_inv<M>(x, K, eps, inv);
+    const uint4* gv = reinterpret_cast<const uint4*>(gamma);
     // RESIDUAL_OUT: the residual elements this lane adds to, requested now (after the wait:
-    // an earlier kernel wrote them) so that the epilogue does not wait a memory round trip.
+    // an earlier kernel wrote them) so that the epilogue does not wait a memory round trip
+    // (measured on the H100: O 18.0 µs with the load in the epilogue, 15.7 µs with it here,
+    // the plain gemv's time).
     u16 res[ROWS][M];
     if (MODE == RESIDUAL_OUT && lane == 0 && active && (KSPLIT == 1 || ks == 0))
 #pragma unroll
@@ -206,14 +161,29 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + 32 * u;
             if (c < c_end) {
+                float gf[8];
+                if (MODE == NORM_IN) {
+                    const uint4 gq = __ldg(gv + c);
+                    unpack2(gq.x, gf[0], gf[1]);
+                    unpack2(gq.y, gf[2], gf[3]);
+                    unpack2(gq.z, gf[4], gf[5]);
+                    unpack2(gq.w, gf[6], gf[7]);
+                }
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const uint4 xq = MODE == NORM_IN ? norm_rows()[m * K8 + c] : __ldg(xv + (size_t)m * K8 + c);
+                    const uint4 xq = __ldg(xv + (size_t)m * K8 + c);
                     float xf[8];
                     unpack2(xq.x, xf[0], xf[1]);
                     unpack2(xq.y, xf[2], xf[3]);
                     unpack2(xq.z, xf[4], xf[5]);
                     unpack2(xq.w, xf[6], xf[7]);
+                    if (MODE == NORM_IN)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) xf[e] = round16(xf[e] * inv[m] * gf[e]);  // rms_scale's order
+                    // Normalizing here, per chunk and row group, beat staging the normalized rows
+                    // in shared memory once per block (H100, QKV at M = 1: 53.3 µs against 63.3
+                    // with the 1-row-per-block layout, 39.4 against 40.1 with 16 rows per block):
+                    // the staging pass and its barrier delay every block's first FMA.
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) {
                         float wf[8];

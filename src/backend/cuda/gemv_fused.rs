@@ -4,10 +4,8 @@
 //! FFN2 is their GEMV's epilogue, so a Llama layer loses both add_rmsnorm launches and, with them,
 //! the kernel boundaries at which the next GEMV could not yet stream its weights.
 //!
-//! Only `GemmImpl::Gemv` at M ≤ 8 and K % 8 == 0 (16-byte rows) has these kernels (and, for
-//! gemm_norm_in, M·K·2 bytes of normalized rows must fit a block's shared memory: 64 KiB at
-//! M = 8, K = 4096); every other case returns `Unsupported` so that the caller takes the unfused
-//! ops.
+//! Only `GemmImpl::Gemv` at M ≤ 8 and K % 8 == 0 (16-byte rows) has these kernels; every other
+//! case returns `Unsupported` so that the caller takes the unfused ops.
 
 use cudarc::driver::LaunchConfig;
 
@@ -76,21 +74,15 @@ fn check_dtypes(op: &str, spec: &GemmSpec, bufs: &[(&str, &CudaBuffer)]) -> Resu
     }
 }
 
-/// The gemv grid for `spec` (same rows per block as the plain kernel), with `smem` bytes of
-/// dynamic shared memory.
-fn config(spec: &GemmSpec, d: &GemmDims, smem: u32) -> LaunchConfig {
+/// The gemv grid for `spec` (same rows per block as the plain kernel).
+fn config(spec: &GemmSpec, d: &GemmDims) -> LaunchConfig {
     let (rows, ksplit) = sources::gemv_layout(spec.block_n.unwrap_or(8));
     let rows_per_block = (rows * GEMV_WARPS / ksplit) as usize;
     LaunchConfig {
         grid_dim: (d.n.div_ceil(rows_per_block) as u32, 1, 1),
         block_dim: (GEMV_WARPS * 32, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: 0,
     }
-}
-
-/// Dynamic shared memory of a NORM_IN block: its M normalized rows of K 16-bit values.
-fn norm_smem_bytes(d: &GemmDims) -> usize {
-    2 * d.m * d.k
 }
 
 fn source(spec: &GemmSpec) -> Result<sources::KernelSource> {
@@ -131,27 +123,13 @@ pub fn norm_in(
         &[("residual", residual), ("gamma", gamma), ("w", w), ("y", y)],
     )?;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
-    let smem = norm_smem_bytes(&d);
-    if smem > b.max_smem_per_block() as usize {
-        return Err(FdppError::Unsupported {
-            spec: spec.uri(),
-            what: format!(
-                "{OP} at {} ({} KiB of normalized rows in shared memory, the device allows {} KiB)",
-                d.label(),
-                smem >> 10,
-                b.max_smem_per_block() >> 10
-            ),
-        });
-    }
-    let smem = smem as u32;
-    let f = b.function_of(&spec.uri(), NORM_M[d.m - 1], smem, || source(spec))?;
+    let f = b.function_of(&spec.uri(), NORM_M[d.m - 1], 0, || source(spec))?;
     let (rp, gp, wp, yp) = (b.ptr(residual), b.ptr(gamma), b.ptr(w), b.ptr(y));
     let mut l = Launch::chained(b, &f);
     l.arg(&rp).arg(&gp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&norm.eps);
     // SAFETY: residual covers [M, K], gamma [K], w [N, K], y [M, N] (checked above), all 16-byte
-    // aligned (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec and
-    // smem holds the M normalized rows (the function's limit was raised to it).
-    unsafe { l.launch(config(spec, &d, smem)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    // aligned (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
+    unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
     b.check_launch(&format!("{OP} {spec} at {}", d.label()))
 }
 
@@ -176,7 +154,7 @@ pub fn residual_out(
     l.arg(&xp).arg(&wp).arg(&rp).arg(&n).arg(&k);
     // SAFETY: x covers [M, K], w [N, K], residual [M, N] (checked above), 16-byte aligned; each
     // residual element is read and written by one thread.
-    unsafe { l.launch(config(spec, &d, 0)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
     b.check_launch(&format!("{OP} {spec} at {}", d.label()))
 }
 
