@@ -136,6 +136,47 @@ pub trait Backend {
         y: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Whether [`gemm_norm_in`](Self::gemm_norm_in) and
+    /// [`gemm_residual_out`](Self::gemm_residual_out) have kernels here (for the gemv
+    /// implementation at small M; other cases still return `Unsupported`, and the caller then
+    /// takes add_rmsnorm and a plain gemm).
+    fn fused_gemv_ops(&self) -> bool {
+        false
+    }
+
+    /// y = (rmsnorm(residual) ⊙ gamma) · Wᵀ over `dims.m` rows of `residual` [M, K] (the norm
+    /// with `norm.eps` over hidden = K, exactly as [`add_rmsnorm`](Self::add_rmsnorm) without a
+    /// delta computes it, rounded to the 16-bit type before the product). The residual is only
+    /// read. FlashDecoding++-style fusion: the norm runs inside the GEMV that consumes it.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_norm_in(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        norm: &RmsNormParams,
+        residual: &Self::Buffer,
+        gamma: &Self::Buffer,
+        w: &Self::Buffer,
+        y: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (spec, dims, norm, residual, gamma, w, y);
+        Err(op_unsupported(self.info(), "gemm_norm_in"))
+    }
+
+    /// residual[m, n] = round(residual[m, n] + round((x · Wᵀ)[m, n])) in place: bit for bit
+    /// [`gemm`](Self::gemm) into a temporary followed by add_rmsnorm's residual add.
+    fn gemm_residual_out(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        residual: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (spec, dims, x, w, residual);
+        Err(op_unsupported(self.info(), "gemm_residual_out"))
+    }
+
     /// One decode step of attention over the paged cache (split-KV, `p.scheme`): q and out
     /// `[batch][num_heads][head_dim]`. See [`crate::ops::attention`] for the layouts.
     ///

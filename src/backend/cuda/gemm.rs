@@ -17,11 +17,11 @@ const GEMV_M: [&str; 8] = [
 ];
 
 /// The 16-byte vector paths need every row of x and W to start on a 16-byte boundary.
-fn vec_ok(d: &GemmDims) -> bool {
+pub(crate) fn vec_ok(d: &GemmDims) -> bool {
     d.k.is_multiple_of(8)
 }
 
-fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
+pub(crate) fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
     i32::try_from(v).map_err(|_| FdppError::Unsupported {
         spec: spec.uri(),
         what: format!("{what} = {v} (over i32)"),

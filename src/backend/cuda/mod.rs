@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod gemm;
+pub mod gemv_fused;
 pub mod graph;
 pub mod jit;
 pub mod launch;
@@ -265,6 +266,34 @@ impl Backend for CudaBackend {
             }
         });
         gemm::run(self, spec, dims, x, w, y)
+    }
+
+    fn fused_gemv_ops(&self) -> bool {
+        true
+    }
+
+    fn gemm_norm_in(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        norm: &RmsNormParams,
+        residual: &CudaBuffer,
+        gamma: &CudaBuffer,
+        w: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        gemv_fused::norm_in(self, spec, dims, norm, residual, gamma, w, y)
+    }
+
+    fn gemm_residual_out(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        residual: &mut CudaBuffer,
+    ) -> Result<()> {
+        gemv_fused::residual_out(self, spec, dims, x, w, residual)
     }
 
     fn attention_decode(

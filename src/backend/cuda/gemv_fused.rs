@@ -1,0 +1,192 @@
+//! The gemv vector path with the layer's small ops fused in (kernels_cuda/gemv.cu, modes NORM_IN
+//! and RESIDUAL_OUT). FlashDecoding++ fuses what surrounds a decode GEMM into it: here the RMSNorm
+//! that feeds QKV and FFN1 is taken inside their GEMV, and the residual add that follows O and
+//! FFN2 is their GEMV's epilogue, so a Llama layer loses both add_rmsnorm launches and, with them,
+//! the kernel boundaries at which the next GEMV could not yet stream its weights.
+//!
+//! Only `GemmImpl::Gemv` at M ≤ 8 and K % 8 == 0 (16-byte rows) has these kernels; every other
+//! case returns `Unsupported` so that the caller takes the unfused ops.
+
+use cudarc::driver::LaunchConfig;
+
+use super::gemm::{i32_of, vec_ok};
+use super::launch::Launch;
+use super::sources::{self, GEMV_WARPS};
+use super::{drv, CudaBackend, CudaBuffer};
+use crate::backend::DeviceBuffer;
+use crate::error::{FdppError, Result};
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::ops::layer::RmsNormParams;
+
+/// Rows of x one fused launch takes (the kernels hold M rows of accumulators in registers).
+pub const MAX_M: usize = 8;
+
+const NORM_M: [&str; MAX_M] = [
+    "gemv_norm_m1",
+    "gemv_norm_m2",
+    "gemv_norm_m3",
+    "gemv_norm_m4",
+    "gemv_norm_m5",
+    "gemv_norm_m6",
+    "gemv_norm_m7",
+    "gemv_norm_m8",
+];
+
+const RES_M: [&str; MAX_M] = [
+    "gemv_res_m1",
+    "gemv_res_m2",
+    "gemv_res_m3",
+    "gemv_res_m4",
+    "gemv_res_m5",
+    "gemv_res_m6",
+    "gemv_res_m7",
+    "gemv_res_m8",
+];
+
+/// Whether `spec` at `d` has a fused kernel; `Unsupported` names the op, the spec and the reason.
+pub fn check_supported(op: &str, spec: &GemmSpec, d: &GemmDims) -> Result<()> {
+    let why = if spec.imp != GemmImpl::Gemv {
+        Some(format!("{op} (only the gemv implementation fuses it)"))
+    } else if d.m > MAX_M {
+        Some(format!(
+            "{op} at M = {} (the fused gemv takes at most {MAX_M} rows)",
+            d.m
+        ))
+    } else if !vec_ok(d) {
+        Some(format!("{op} at K = {} (the fused gemv needs K % 8 == 0)", d.k))
+    } else {
+        None
+    };
+    match why {
+        Some(what) => Err(FdppError::Unsupported { spec: spec.uri(), what }),
+        None => Ok(()),
+    }
+}
+
+fn check_dtypes(op: &str, spec: &GemmSpec, bufs: &[(&str, &CudaBuffer)]) -> Result<()> {
+    match bufs.iter().find(|(_, b)| b.dtype() != spec.dtype) {
+        Some((name, b)) => Err(FdppError::InvalidArgument(format!(
+            "{op} {spec}: {name} is {}, the kernel runs in {}",
+            b.dtype(),
+            spec.dtype
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The gemv grid for `spec` (same rows per block as the plain kernel).
+fn config(spec: &GemmSpec, d: &GemmDims) -> LaunchConfig {
+    let (rows, ksplit) = sources::gemv_layout(spec.block_n.unwrap_or(8));
+    let rows_per_block = (rows * GEMV_WARPS / ksplit) as usize;
+    LaunchConfig {
+        grid_dim: (d.n.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn source(spec: &GemmSpec) -> Result<sources::KernelSource> {
+    sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))
+}
+
+/// y = (rmsnorm(residual) ⊙ γ) · Wᵀ, bit for bit add_rmsnorm (no delta) followed by gemv.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_in(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    norm: &RmsNormParams,
+    residual: &CudaBuffer,
+    gamma: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
+    const OP: &str = "gemm_norm_in";
+    check_supported(OP, spec, &d)?;
+    if norm.rows != d.m || norm.hidden != d.k || norm.dtype != spec.dtype {
+        return Err(FdppError::Shape {
+            what: format!(
+                "{OP} {spec} at {}: the norm's rows × hidden ({})",
+                d.label(),
+                norm.dtype
+            ),
+            expected: format!("{} × {} ({})", d.m, d.k, spec.dtype),
+            found: format!("{} × {}", norm.rows, norm.hidden),
+        });
+    }
+    // The norm's output is never stored: its length check is the residual's own.
+    norm.validate(residual.len(), None, gamma.len(), residual.len())?;
+    d.check_lens(spec, residual.len(), w.len(), y.len())?;
+    check_dtypes(
+        OP,
+        spec,
+        &[("residual", residual), ("gamma", gamma), ("w", w), ("y", y)],
+    )?;
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let f = b.function_of(&spec.uri(), NORM_M[d.m - 1], 0, || source(spec))?;
+    let (rp, gp, wp, yp) = (b.ptr(residual), b.ptr(gamma), b.ptr(w), b.ptr(y));
+    let mut l = Launch::chained(b, &f);
+    l.arg(&rp).arg(&gp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&norm.eps);
+    // SAFETY: residual covers [M, K], gamma [K], w [N, K], y [M, N] (checked above), all 16-byte
+    // aligned (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
+    unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+}
+
+/// residual = round(residual + round(x · Wᵀ)), bit for bit gemv into a temporary followed by
+/// add_rmsnorm's residual add.
+pub fn residual_out(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    residual: &mut CudaBuffer,
+) -> Result<()> {
+    const OP: &str = "gemm_residual_out";
+    check_supported(OP, spec, &d)?;
+    d.check_lens(spec, x.len(), w.len(), residual.len())?;
+    check_dtypes(OP, spec, &[("x", x), ("w", w), ("residual", residual)])?;
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let f = b.function_of(&spec.uri(), RES_M[d.m - 1], 0, || source(spec))?;
+    let (xp, wp, rp) = (b.ptr(x), b.ptr(w), b.ptr(residual));
+    let mut l = Launch::chained(b, &f);
+    l.arg(&xp).arg(&wp).arg(&rp).arg(&n).arg(&k);
+    // SAFETY: x covers [M, K], w [N, K], residual [M, N] (checked above), 16-byte aligned; each
+    // residual element is read and written by one thread.
+    unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    #[test]
+    fn only_gemv_at_small_m_and_aligned_k_is_fused() {
+        let gemv = GemmSpec::new(GemmImpl::Gemv, DType::F16).with_block_n(1);
+        let ok = |spec: &GemmSpec, m, n, k| check_supported("op", spec, &GemmDims::new(m, n, k).expect("dims"));
+        for m in 1..=MAX_M {
+            assert!(ok(&gemv, m, 4096, 4096).is_ok(), "M = {m}");
+        }
+        assert!(ok(&gemv, 1, 7, 24).is_ok());
+        for (m, k) in [(9, 4096), (1, 4100), (8, 4097)] {
+            let e = ok(&gemv, m, 4096, k).expect_err("unsupported");
+            assert!(matches!(e, FdppError::Unsupported { .. }), "{e}");
+        }
+        for imp in [GemmImpl::FlatGemm, GemmImpl::Gemm] {
+            let e = ok(&GemmSpec::new(imp, DType::F16), 1, 4096, 4096).expect_err("not gemv");
+            assert!(e.to_string().contains("only the gemv"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_fused_entry_points_are_in_the_gemv_source() {
+        let spec = GemmSpec::new(GemmImpl::Gemv, DType::Bf16).with_block_n(4);
+        let src = sources::gemm_source(&spec).expect("gemv source");
+        for name in NORM_M.iter().chain(RES_M.iter()) {
+            assert!(src.text.contains(&name[..name.len() - 1]), "{name}");
+        }
+    }
+}

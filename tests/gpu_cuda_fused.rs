@@ -1,0 +1,430 @@
+//! The fused gemv ops (kernels_cuda/gemv.cu, modes NORM_IN and RESIDUAL_OUT) against the unfused
+//! ops they replace on the same backend, on fresh random inputs with poisoned outputs:
+//! - gemm_norm_in vs add_rmsnorm (no delta) then gemm: within 2e-3 relative (the fused kernel
+//!   reproduces add_rmsnorm's reduction order, so it is expected bit for bit; the fraction of
+//!   identical elements is printed);
+//! - gemm_residual_out vs gemm into a temporary then add_rmsnorm's residual add: bit for bit;
+//! - cases without a fused kernel decline with `Unsupported`.
+//!
+//! `fused_timings_llama2_7b_m1` prints the µs of the fused and unfused ops (not asserted).
+//! Run on a GPU machine with `cargo test --release --test gpu_cuda_fused -- --ignored --test-threads 1`.
+
+use fdpp::backend::cpu::CpuBackend;
+use fdpp::backend::cuda::CudaBackend;
+use fdpp::backend::Backend;
+use fdpp::bench::Stats;
+use fdpp::dtype::{random_bits, DType};
+use fdpp::error::FdppError;
+use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use fdpp::ops::layer::RmsNormParams;
+use rand::{Rng, SeedableRng};
+
+const DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
+/// Every gemv layout (rows per block): K split over 4 or 2 warps, and 1..4 whole rows per warp.
+const GEMV_BN: [u32; 5] = [1, 2, 4, 8, 16];
+/// (K, N): Llama2-7B's QKV, O and FFN2, then K = 8·odd with odd N (partial last blocks, rows
+/// past 8·1024 for add_rmsnorm's second pass, a K shorter than one warp's first loads).
+const SHAPES: [(usize, usize); 6] = [
+    (4096, 12288),
+    (4096, 4096),
+    (11008, 4096),
+    (8 * 1377, 33),
+    (8 * 131, 1001),
+    (8 * 3, 7),
+];
+/// NaN in both 16-bit types (quiet, all mantissa bits set).
+const POISON: u16 = 0x7fff;
+
+/// `FDPP_FUSED_QUICK=1` (for the compute-sanitizer runs, which slow kernels many times over):
+/// the small shapes, M = 1, 3, 8, and the K-split and 4-rows-per-warp layouts only.
+fn quick() -> bool {
+    std::env::var_os("FDPP_FUSED_QUICK").is_some()
+}
+
+fn shapes() -> Vec<(usize, usize)> {
+    SHAPES
+        .iter()
+        .copied()
+        .filter(|&(k, n)| !quick() || n * k < 1 << 20)
+        .collect()
+}
+
+fn ms() -> Vec<usize> {
+    if quick() {
+        vec![1, 3, 8]
+    } else {
+        (1..=8).collect()
+    }
+}
+
+fn layouts() -> Vec<u32> {
+    if quick() {
+        vec![1, 16]
+    } else {
+        GEMV_BN.to_vec()
+    }
+}
+
+fn rng() -> rand::rngs::SmallRng {
+    rand::rngs::SmallRng::seed_from_u64(rand::random())
+}
+
+fn gemv(dt: DType, bn: u32) -> GemmSpec {
+    GemmSpec::new(GemmImpl::Gemv, dt).with_block_n(bn)
+}
+
+/// Rows of a residual stream with different magnitudes: row m uniform in ±(1 + 3m).
+fn residual_rows(dt: DType, m: usize, k: usize, seed: u64) -> Vec<u16> {
+    (0..m)
+        .flat_map(|r| random_bits(dt, k, 1.0 + 3.0 * r as f32, seed.wrapping_add(r as u64)))
+        .collect()
+}
+
+/// Bit-identical count and max relative error (|g − w| / max(|w|, 1e-3)) of got against want;
+/// a NaN in got (an unwritten, poisoned element) fails at once.
+fn compare(dt: DType, got: &[u16], want: &[u16], what: &str) -> (usize, f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut same = 0;
+    let mut max_rel = 0f64;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let (gf, wf) = (dt.to_f32(g) as f64, dt.to_f32(w) as f64);
+        assert!(!gf.is_nan(), "{what}: element {i} is NaN (want {wf})");
+        if g == w {
+            same += 1;
+        }
+        max_rel = max_rel.max((gf - wf).abs() / wf.abs().max(1e-3));
+    }
+    (same, max_rel)
+}
+
+#[test]
+fn fused_ops_decline_on_the_cpu() {
+    let cpu = CpuBackend::new();
+    assert!(!cpu.fused_gemv_ops());
+    let dt = DType::F16;
+    let d = GemmDims::new(1, 8, 8).unwrap();
+    let norm = RmsNormParams {
+        rows: 1,
+        hidden: 8,
+        eps: 1e-5,
+        dtype: dt,
+    };
+    let (x, g, w) = (
+        cpu.upload(dt, &[0x3c00; 8]).unwrap(),
+        cpu.upload(dt, &[0x3c00; 8]).unwrap(),
+        cpu.upload(dt, &[0x3c00; 64]).unwrap(),
+    );
+    let mut y = cpu.alloc(dt, 8).unwrap();
+    let e = cpu.gemm_norm_in(&gemv(dt, 1), d, &norm, &x, &g, &w, &mut y);
+    assert!(matches!(e, Err(FdppError::Unsupported { .. })), "{e:?}");
+    let e = cpu.gemm_residual_out(&gemv(dt, 1), d, &x, &w, &mut y);
+    assert!(matches!(e, Err(FdppError::Unsupported { .. })), "{e:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_in_matches_add_rmsnorm_then_gemv() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    assert!(gpu.fused_gemv_ops());
+    let mut r = rng();
+    for dt in DTYPES {
+        let (mut total, mut same, mut worst) = (0usize, 0usize, 0f64);
+        for (k, n) in shapes() {
+            let w = gpu
+                .upload(dt, &random_bits(dt, n * k, 1.0 / (k as f32).sqrt(), r.gen()))
+                .unwrap();
+            let gamma = gpu.upload(dt, &random_bits(dt, k, 1.5, r.gen())).unwrap();
+            for m in ms() {
+                let res_bits = residual_rows(dt, m, k, r.gen());
+                let res = gpu.upload(dt, &res_bits).unwrap();
+                let norm = RmsNormParams {
+                    rows: m,
+                    hidden: k,
+                    eps: 1e-5,
+                    dtype: dt,
+                };
+                let d = GemmDims::new(m, n, k).unwrap();
+                // The unfused reference: add_rmsnorm with no delta (on a copy), then gemm.
+                let mut res_copy = gpu.upload(dt, &res_bits).unwrap();
+                let mut xn = gpu.alloc(dt, m * k).unwrap();
+                gpu.add_rmsnorm(&norm, &mut res_copy, None, &gamma, &mut xn).unwrap();
+                for bn in layouts() {
+                    let spec = gemv(dt, bn);
+                    let what = format!("norm_in {spec} M={m} N={n} K={k}");
+                    let mut want = gpu.alloc(dt, m * n).unwrap();
+                    gpu.fill(&mut want, POISON).unwrap();
+                    gpu.gemm(&spec, d, &xn, &w, &mut want).unwrap();
+                    let mut got = gpu.alloc(dt, m * n).unwrap();
+                    gpu.fill(&mut got, POISON).unwrap();
+                    gpu.gemm_norm_in(&spec, d, &norm, &res, &gamma, &w, &mut got)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let (s, rel) = compare(dt, &gpu.download(&got).unwrap(), &gpu.download(&want).unwrap(), &what);
+                    assert!(rel <= 2e-3, "{what}: max relative error {rel:.3e}");
+                    total += m * n;
+                    same += s;
+                    worst = worst.max(rel);
+                }
+                assert_eq!(
+                    gpu.download(&res).unwrap(),
+                    res_bits,
+                    "norm_in wrote its residual (M={m} K={k})"
+                );
+            }
+        }
+        println!(
+            "norm_in {dt}: {same} of {total} elements bit-identical ({:.4}%), max relative error {worst:.3e}",
+            100.0 * same as f64 / total as f64
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn residual_out_is_gemv_then_add_bit_for_bit() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        let mut total = 0usize;
+        for (k, n) in shapes() {
+            let w = gpu.upload(dt, &random_bits(dt, n * k, 1.0, r.gen())).unwrap();
+            // add_rmsnorm needs a weight and an output; only its residual is compared.
+            let gamma = gpu.upload(dt, &random_bits(dt, n, 1.0, r.gen())).unwrap();
+            for m in ms() {
+                let x = gpu
+                    .upload(dt, &random_bits(dt, m * k, 1.0 / (k as f32).sqrt(), r.gen()))
+                    .unwrap();
+                let res_bits = residual_rows(dt, m, n, r.gen());
+                let d = GemmDims::new(m, n, k).unwrap();
+                let norm = RmsNormParams {
+                    rows: m,
+                    hidden: n,
+                    eps: 1e-5,
+                    dtype: dt,
+                };
+                for bn in layouts() {
+                    let spec = gemv(dt, bn);
+                    let what = format!("residual_out {spec} M={m} N={n} K={k}");
+                    let mut tmp = gpu.alloc(dt, m * n).unwrap();
+                    gpu.fill(&mut tmp, POISON).unwrap();
+                    gpu.gemm(&spec, d, &x, &w, &mut tmp).unwrap();
+                    let mut want = gpu.upload(dt, &res_bits).unwrap();
+                    let mut normed = gpu.alloc(dt, m * n).unwrap();
+                    gpu.add_rmsnorm(&norm, &mut want, Some(&tmp), &gamma, &mut normed)
+                        .unwrap();
+                    let want = gpu.download(&want).unwrap();
+                    // The same add on the host, from the downloaded product.
+                    let host: Vec<u16> = res_bits
+                        .iter()
+                        .zip(gpu.download(&tmp).unwrap())
+                        .map(|(&a, b)| dt.from_f32(dt.to_f32(a) + dt.to_f32(b)))
+                        .collect();
+                    assert_eq!(want, host, "{what}: add_rmsnorm's add vs the host's");
+                    let mut got = gpu.upload(dt, &res_bits).unwrap();
+                    gpu.gemm_residual_out(&spec, d, &x, &w, &mut got)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let got = gpu.download(&got).unwrap();
+                    let (same, _) = compare(dt, &got, &want, &what);
+                    assert_eq!(same, m * n, "{what}: {} of {} differ", m * n - same, m * n);
+                    total += m * n;
+                }
+            }
+        }
+        println!("residual_out {dt}: {total} of {total} elements bit-identical");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cases_without_a_fused_kernel_decline() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let dt = DType::F16;
+    let (m_max, n, k_max) = (9, 64, 4104);
+    let x = gpu.upload(dt, &random_bits(dt, m_max * k_max, 1.0, 1)).unwrap();
+    let w = gpu.upload(dt, &random_bits(dt, n * k_max, 1.0, 2)).unwrap();
+    let gamma = gpu.upload(dt, &random_bits(dt, k_max, 1.0, 3)).unwrap();
+    let mut y = gpu.alloc(dt, m_max * n).unwrap();
+    let cases = [
+        (gemv(dt, 1), 9, 4096, "M = 9"),
+        (gemv(dt, 8), 1, 4100, "K % 8 != 0"),
+        (gemv(dt, 8), 2, 4097, "K % 8 != 0"),
+        (
+            GemmSpec::new(GemmImpl::FlatGemm, dt).with_block_n(64),
+            1,
+            4096,
+            "flat_gemm",
+        ),
+        (GemmSpec::new(GemmImpl::Gemm, dt), 1, 4096, "cuBLAS"),
+    ];
+    for (spec, m, k, why) in cases {
+        let d = GemmDims::new(m, n, k).unwrap();
+        let norm = RmsNormParams {
+            rows: m,
+            hidden: k,
+            eps: 1e-5,
+            dtype: dt,
+        };
+        let e = gpu.gemm_norm_in(&spec, d, &norm, &x, &gamma, &w, &mut y);
+        assert!(matches!(e, Err(FdppError::Unsupported { .. })), "norm_in {why}: {e:?}");
+        let e = gpu.gemm_residual_out(&spec, d, &x, &w, &mut y);
+        assert!(
+            matches!(e, Err(FdppError::Unsupported { .. })),
+            "residual_out {why}: {e:?}"
+        );
+    }
+    // A norm that does not match the GEMM's rows and K is a shape error, not a launch.
+    let d = GemmDims::new(2, n, 4096).unwrap();
+    let norm = RmsNormParams {
+        rows: 1,
+        hidden: 4096,
+        eps: 1e-5,
+        dtype: dt,
+    };
+    let e = gpu.gemm_norm_in(&gemv(dt, 8), d, &norm, &x, &gamma, &w, &mut y);
+    assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
+    // Buffers too short for the dims: a shape error.
+    let short = gpu.alloc(dt, 10).unwrap();
+    let e = gpu.gemm_residual_out(&gemv(dt, 8), d, &short, &w, &mut y);
+    assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
+    gpu.synchronize().unwrap();
+}
+
+/// Median µs of `f` over `reps` back-to-back runs (PDL-chained as in a decode step).
+fn time_us(gpu: &CudaBackend, reps: usize, f: &mut dyn FnMut(usize) -> fdpp::error::Result<()>) -> f64 {
+    let ms = gpu.time_each(reps, f).unwrap();
+    Stats::from_ms(&ms).unwrap().median_us
+}
+
+/// Llama2-7B at M = 1 (f16): each fused op against the ops it replaces, and the two kernel
+/// pairs of a layer that fusion changes (O → FFN1 and FFN2 → next QKV). Weights are cycled over
+/// copies (≥ 150 MB) so no run finds its weights in L2. Printed, not asserted.
+#[test]
+#[ignore = "needs a CUDA GPU; prints timings"]
+fn fused_timings_llama2_7b_m1() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let dt = DType::F16;
+    let reps = 200;
+    let hidden = 4096;
+    let mut r = rng();
+    let upload_copies = |r: &mut rand::rngs::SmallRng, n: usize, k: usize| {
+        let copies = (150usize << 20).div_ceil(2 * n * k).clamp(2, 8);
+        (0..copies)
+            .map(|_| {
+                gpu.upload(dt, &random_bits(dt, n * k, 1.0 / (k as f32).sqrt(), r.gen()))
+                    .unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    let shapes = [
+        ("qkv", 4096, 12288),
+        ("o", 4096, 4096),
+        ("ffn1", 4096, 22016),
+        ("ffn2", 11008, 4096),
+    ];
+    let ws: Vec<_> = shapes.iter().map(|&(_, k, n)| upload_copies(&mut r, n, k)).collect();
+    let gamma = gpu.upload(dt, &random_bits(dt, hidden, 1.5, r.gen())).unwrap();
+    let res = gpu.upload(dt, &residual_rows(dt, 1, hidden, r.gen())).unwrap();
+    let mut res_w = gpu.upload(dt, &residual_rows(dt, 1, hidden, r.gen())).unwrap();
+    let x_big = gpu.upload(dt, &random_bits(dt, 11008, 0.01, r.gen())).unwrap();
+    let mut xn = gpu.alloc(dt, hidden).unwrap();
+    let mut y = gpu.alloc(dt, 22016).unwrap();
+    let mut y2 = gpu.alloc(dt, 22016).unwrap();
+    let norm = RmsNormParams {
+        rows: 1,
+        hidden,
+        eps: 1e-5,
+        dtype: dt,
+    };
+    let mut scratch = gpu.upload(dt, &residual_rows(dt, 1, hidden, r.gen())).unwrap();
+    gpu.add_rmsnorm(&norm, &mut scratch, None, &gamma, &mut xn).unwrap();
+    // The producers' inputs (attention output, SiLU·mul output).
+    let x_attn = gpu.upload(dt, &random_bits(dt, hidden, 0.5, r.gen())).unwrap();
+    let x_for = |k: usize| if k == hidden { &x_attn } else { &x_big };
+
+    // Per shape: plain gemv of every layout, the fused op of every layout; the best plain
+    // layout is the one the profile would pick, and the chains below use it.
+    let mut best = vec![];
+    for (si, &(name, k, n)) in shapes.iter().enumerate() {
+        let d = GemmDims::new(1, n, k).unwrap();
+        let w = &ws[si];
+        let c = w.len();
+        let x = if name == "o" || name == "ffn2" { x_for(k) } else { &xn };
+        let mut line = format!("{name:5} [K={k}, N={n}] M=1:");
+        let mut best_bn = (f64::INFINITY, 0);
+        for bn in GEMV_BN {
+            let spec = gemv(dt, bn);
+            let plain = time_us(&gpu, reps, &mut |i| gpu.gemm(&spec, d, x, &w[i % c], &mut y));
+            let fused = if name == "qkv" || name == "ffn1" {
+                time_us(&gpu, reps, &mut |i| {
+                    gpu.gemm_norm_in(&spec, d, &norm, &res, &gamma, &w[i % c], &mut y)
+                })
+            } else {
+                time_us(&gpu, reps, &mut |i| {
+                    gpu.gemm_residual_out(&spec, d, x, &w[i % c], &mut res_w)
+                })
+            };
+            line += &format!(" bn{bn} gemv {plain:.2} fused {fused:.2} |");
+            if plain < best_bn.0 {
+                best_bn = (plain, bn);
+            }
+        }
+        println!("{line}");
+        best.push(best_bn.1);
+    }
+    let spec = |si: usize| gemv(dt, best[si]);
+    let dims = |si: usize| GemmDims::new(1, shapes[si].2, shapes[si].1).unwrap();
+
+    // Single ops with the best layout.
+    for (si, consumer) in [(0usize, true), (2, true), (1, false), (3, false)] {
+        let (name, w, c) = (shapes[si].0, &ws[si], ws[si].len());
+        let (s, d) = (spec(si), dims(si));
+        let x = x_for(shapes[si].1);
+        let (unfused, fused) = if consumer {
+            let u = time_us(&gpu, reps, &mut |i| {
+                gpu.add_rmsnorm(&norm, &mut res_w, None, &gamma, &mut xn)?;
+                gpu.gemm(&s, d, &xn, &w[i % c], &mut y)
+            });
+            let f = time_us(&gpu, reps, &mut |i| {
+                gpu.gemm_norm_in(&s, d, &norm, &res, &gamma, &w[i % c], &mut y)
+            });
+            (u, f)
+        } else {
+            let u = time_us(&gpu, reps, &mut |i| {
+                gpu.gemm(&s, d, x, &w[i % c], &mut y2)?;
+                gpu.add_rmsnorm(&norm, &mut res_w, Some(&y2), &gamma, &mut xn)
+            });
+            let f = time_us(&gpu, reps, &mut |i| {
+                gpu.gemm_residual_out(&s, d, x, &w[i % c], &mut res_w)
+            });
+            (u, f)
+        };
+        let what = if consumer {
+            "add_rmsnorm + gemv  vs  gemv_norm_in"
+        } else {
+            "gemv + add_rmsnorm(delta)  vs  gemv_res (no norm)"
+        };
+        println!("{name:5} bn{}: {what}: {unfused:.2} µs vs {fused:.2} µs", best[si]);
+    }
+
+    // The layer's pairs: O → FFN1 and FFN2 → QKV, unfused (gemv, add_rmsnorm with the delta,
+    // gemv) against fused (gemv_res, gemv_norm_in).
+    for (prod, cons) in [(1usize, 2usize), (3, 0)] {
+        let (wp, cp, wc, cc) = (&ws[prod], ws[prod].len(), &ws[cons], ws[cons].len());
+        let (sp, dp, sc, dc) = (spec(prod), dims(prod), spec(cons), dims(cons));
+        let xp = x_for(shapes[prod].1);
+        let unfused = time_us(&gpu, reps, &mut |i| {
+            gpu.gemm(&sp, dp, xp, &wp[i % cp], &mut y2)?;
+            gpu.add_rmsnorm(&norm, &mut res_w, Some(&y2), &gamma, &mut xn)?;
+            gpu.gemm(&sc, dc, &xn, &wc[i % cc], &mut y)
+        });
+        let fused = time_us(&gpu, reps, &mut |i| {
+            gpu.gemm_residual_out(&sp, dp, xp, &wp[i % cp], &mut res_w)?;
+            gpu.gemm_norm_in(&sc, dc, &norm, &res_w, &gamma, &wc[i % cc], &mut y)
+        });
+        println!(
+            "pair {} -> {}: unfused (gemv, add_rmsnorm, gemv) {unfused:.2} µs, fused (gemv_res, gemv_norm_in) {fused:.2} µs, saved {:.2} µs",
+            shapes[prod].0,
+            shapes[cons].0,
+            unfused - fused
+        );
+    }
+}
