@@ -37,69 +37,12 @@ __device__ __forceinline__ void load_w(uint4 (&wv)[UNROLL][ROWS], const uint4* c
 // ops as overheads of the GEMV it feeds or follows; fusing them removes a kernel boundary at
 // which the next GEMV could not yet stream its weights):
 // - PLAIN: y = x · Wᵀ.
-// - NORM_IN: x is the residual stream; the product reads rmsnorm(x) ⊙ γ instead of x, computed
-//   exactly as add_rmsnorm_v (layer.cu) does without a delta, so the result is bit for bit
-//   add_rmsnorm + gemv.
+// - RMS_IN: x is the residual stream and W was scaled by the norm's γ at load (W' = W·diag(γ)), so
+//   rmsnorm(x)·γ · Wᵀ = inv · (x · W'ᵀ) with inv = 1/rms(x): the loop is the plain one plus the
+//   sum of squares of the x chunks it already unpacks, and inv scales the result at the end. Not
+//   bit for bit add_rmsnorm + gemv (x·inv is never rounded to 16 bits; W' is rounded once).
 // - RESIDUAL_OUT: y is the residual stream: y = round(y + round(x · Wᵀ)), add_rmsnorm_v's add.
-constexpr int PLAIN = 0, NORM_IN = 1, RESIDUAL_OUT = 2;
-
-// Weight-independent loads in flight per lane in norm_inv (one per (row, virtual warp) pair).
-constexpr int NORM_INFLIGHT = 4;
-
-// 1 / rms of each of the M rows of x (K elements each), bit for bit add_rmsnorm_v's `inv`.
-// add_rmsnorm_v runs one block of B = clamp(32·⌈K/8/32⌉, 32, 1024) threads per row (layer_plan.rs
-// `rmsnorm` with 32-lane waves): thread t sums the squares of its vectors t, t + B, … in order with
-// fmaf, warps reduce with the xor butterfly of warp_sum, and every warp sums the B/32 warp
-// partials again with warp_sum. Here lane l of a warp plays thread 32·v + l of every virtual warp
-// v it is given, so each partial is formed in the same order and the shuffles are the same
-// butterflies: the sum, and so inv, are identical (IEEE division and sqrt, as there).
-// Every thread of the block must call it (one barrier); x must be readable (after pdl_wait).
-template <int M>
-__device__ __forceinline__ void norm_inv(const u16* __restrict__ x, int K, float eps, float (&inv)[M]) {
-    __shared__ float part[M][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int K8 = K >> 3;
-    const int B = min(1024, max(32, (K8 + 31) & ~31));
-    const int VW = B >> 5, pairs = M * VW;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    // Pairs (row, virtual warp) are dealt to the warps round robin; NORM_INFLIGHT at a time so
-    // that their first loads are all in flight together (one L2 round trip for M = 1, K = 4096).
-    for (int p0 = warp; p0 < pairs; p0 += WARPS * NORM_INFLIGHT) {
-        uint4 q[NORM_INFLIGHT];
-#pragma unroll
-        for (int u = 0; u < NORM_INFLIGHT; ++u) {
-            const int p = p0 + WARPS * u, m = p / VW, t = 32 * (p - m * VW) + lane;
-            q[u] = (p < pairs && t < K8) ? __ldg(xv + (size_t)m * K8 + t) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < NORM_INFLIGHT; ++u) {
-            const int p = p0 + WARPS * u, m = p / VW, t = 32 * (p - m * VW) + lane;
-            // A zero vector past the row adds fmaf(0, 0, +0) = +0: the same as no vector.
-            float f[8], ss = 0.f;
-            unpack2(q[u].x, f[0], f[1]);
-            unpack2(q[u].y, f[2], f[3]);
-            unpack2(q[u].z, f[4], f[5]);
-            unpack2(q[u].w, f[6], f[7]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-            // Rows wider than 8 · 1024: the thread's further vectors, in add_rmsnorm_v's order.
-            for (int c = t + B; p < pairs && c < K8; c += B) {
-                const uint4 r = __ldg(xv + (size_t)m * K8 + c);
-                unpack2(r.x, f[0], f[1]);
-                unpack2(r.y, f[2], f[3]);
-                unpack2(r.z, f[4], f[5]);
-                unpack2(r.w, f[6], f[7]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-            }
-            ss = warp_sum(ss);  // p is the same in the whole warp: all lanes take part
-            if (lane == 0 && p < pairs) part[m][p - m * VW] = ss;
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int m = 0; m < M; ++m) inv[m] = 1.f / sqrtf(warp_sum(lane < VW ? part[m][lane] : 0.f) / (float)K + eps);
-}
+constexpr int PLAIN = 0, RMS_IN = 1, RESIDUAL_OUT = 2;
 
 // The 16-bit value a rounded store and reload of f gives (add_rmsnorm_v's output, read back).
 __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); }
@@ -108,12 +51,12 @@ __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); 
 // KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
 // their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
 // leaves ~16 warps per SM, too few loads in flight to cover HBM latency; splitting K restores it.
-// gamma and eps are read in NORM_IN mode only.
+// eps is read in RMS_IN mode only.
 template <int M, int MODE>
 __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* __restrict__ w,
-                                         u16* __restrict__ y, int N, int K, const u16* __restrict__ gamma,
-                                         float eps) {
+                                         u16* __restrict__ y, int N, int K, float eps) {
     __shared__ float red[WARPS][ROWS][M];
+    __shared__ float red_sq[WARPS][M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = warp % KSPLIT;
     const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * ROWS;
@@ -131,6 +74,9 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    float sq[M];  // RMS_IN: Σx² of each row of x over this lane's chunks
+#pragma unroll
+    for (int m = 0; m < M; ++m) sq[m] = 0.f;
 
     const int first = c_begin + lane;
     uint4 wv[UNROLL][ROWS];
@@ -139,12 +85,6 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     if (active) load_w(wv, wr, first, c_end);
     pdl_wait();
     pdl_trigger();
-    // NORM_IN: the residual was written by an earlier kernel, so its norm is taken after the
-    // wait, while the weight loads above are in flight. Each block re-reads the M rows (from
-    // L2, then L1): K·M·2 bytes against the block's ROWS·K·2 of weights per warp.
-    float inv[M];
-    if (MODE == NORM_IN) norm_inv<M>(x, K, eps, inv);
-    const uint4* gv = reinterpret_cast<const uint4*>(gamma);
     // RESIDUAL_OUT: the residual elements this lane adds to, requested now (after the wait:
     // an earlier kernel wrote them) so that the epilogue does not wait a memory round trip
     // (measured on the H100: O 18.0 µs with the load in the epilogue, 15.7 µs with it here,
@@ -161,14 +101,6 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + 32 * u;
             if (c < c_end) {
-                float gf[8];
-                if (MODE == NORM_IN) {
-                    const uint4 gq = __ldg(gv + c);
-                    unpack2(gq.x, gf[0], gf[1]);
-                    unpack2(gq.y, gf[2], gf[3]);
-                    unpack2(gq.z, gf[4], gf[5]);
-                    unpack2(gq.w, gf[6], gf[7]);
-                }
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     const uint4 xq = __ldg(xv + (size_t)m * K8 + c);
@@ -177,13 +109,9 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
                     unpack2(xq.y, xf[2], xf[3]);
                     unpack2(xq.z, xf[4], xf[5]);
                     unpack2(xq.w, xf[6], xf[7]);
-                    if (MODE == NORM_IN)
+                    if (MODE == RMS_IN)
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) xf[e] = round16(xf[e] * inv[m] * gf[e]);  // rms_scale's order
-                    // Normalizing here, per chunk and row group, beat staging the normalized rows
-                    // in shared memory once per block (H100, QKV at M = 1: 53.3 µs against 63.3
-                    // with the 1-row-per-block layout, 39.4 against 40.1 with 16 rows per block):
-                    // the staging pass and its barrier delay every block's first FMA.
+                        for (int e = 0; e < 8; ++e) sq[m] = fmaf(xf[e], xf[e], sq[m]);
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) {
                         float wf[8];
@@ -204,12 +132,19 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+    if (MODE == RMS_IN)
+#pragma unroll
+        for (int m = 0; m < M; ++m) sq[m] = warp_sum(sq[m]);
     if (KSPLIT > 1) {
-        if (lane == 0)
+        if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
 #pragma unroll
                 for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+            if (MODE == RMS_IN)
+#pragma unroll
+                for (int m = 0; m < M; ++m) red_sq[warp][m] = sq[m];
+        }
         __syncthreads();
         if (ks != 0) return;
 #pragma unroll
@@ -217,7 +152,19 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
             for (int m = 0; m < M; ++m)
                 for (int s2 = 1; s2 < KSPLIT; ++s2) acc[r][m] += red[warp + s2][r][m];
+        if (MODE == RMS_IN)
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+                for (int s2 = 1; s2 < KSPLIT; ++s2) sq[m] += red_sq[warp + s2][m];
     }
+    // The KSPLIT warps of a row group covered all K chunks between them: sq is Σx² over the row.
+    if (MODE == RMS_IN)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float inv = 1.f / sqrtf(sq[m] / (float)K + eps);  // add_rmsnorm_v's formula
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r][m] *= inv;
+        }
     if (lane == 0 && active)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
@@ -237,17 +184,17 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_m##MM(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y,     \
                    int N, int K) {                                                                \
-        gemv_vec<MM, PLAIN>(x, w, y, N, K, nullptr, 0.f);                                         \
+        gemv_vec<MM, PLAIN>(x, w, y, N, K, 0.f);                                                  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
-        gemv_norm_m##MM(const u16* __restrict__ residual, const u16* __restrict__ gamma,          \
-                        const u16* __restrict__ w, u16* __restrict__ y, int N, int K, float eps) {  \
-        gemv_vec<MM, NORM_IN>(residual, w, y, N, K, gamma, eps);                                  \
+        gemv_rms_m##MM(const u16* __restrict__ residual, const u16* __restrict__ w,               \
+                       u16* __restrict__ y, int N, int K, float eps) {                            \
+        gemv_vec<MM, RMS_IN>(residual, w, y, N, K, eps);                                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_res_m##MM(const u16* __restrict__ x, const u16* __restrict__ w,                      \
                        u16* __restrict__ residual, int N, int K) {                                \
-        gemv_vec<MM, RESIDUAL_OUT>(x, w, residual, N, K, nullptr, 0.f);                           \
+        gemv_vec<MM, RESIDUAL_OUT>(x, w, residual, N, K, 0.f);                                    \
     }
 FDPP_GEMV_ENTRY(1)
 FDPP_GEMV_ENTRY(2)

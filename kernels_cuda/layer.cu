@@ -351,3 +351,13 @@ extern "C" __global__ void __launch_bounds__(256)
         }
     }
 }
+
+// ---- scale_cols: w[n, k] *= scale[k], once at load ------------------------------------------------
+// Folds an RMSNorm's γ into the weights of the GEMM that reads the norm (gemv.cu, RMS_IN). One
+// element per step of a grid-stride loop: it runs once per weight matrix, not per token.
+extern "C" __global__ void __launch_bounds__(256)
+    scale_cols(u16* __restrict__ w, const u16* __restrict__ scale, unsigned long long len, int cols) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < len;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        w[i] = from_f32(to_f32(w[i]) * to_f32(scale[i % (unsigned long long)cols]));
+}

@@ -10,6 +10,11 @@
 //! the vocabulary; the 32 greedy tokens must be HF's. Then all prompts at once through
 //! `generate` (batched decode, prefill in chunks of 16 tokens): the same tokens.
 //!
+//! On CUDA the fixtures run twice: without a profile (every GEMM on the vendor library, the
+//! layers unfused) and with a made-up profile that puts every shape on gemv below M = 9 (four
+//! gemv layouts between them), which is what sends decode steps down the fused layer path (the
+//! norms' γ in the weights, the residual adds in the GEMV epilogues; engine/forward.rs).
+//!
 //! FDPP_HF_FIXTURES=DIR points the tests at other fixtures.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +26,10 @@ use fdpp::engine::build::{build, memory_plan, EngineOptions, WeightSource};
 use fdpp::engine::sampler::{argmax, SamplingParams};
 use fdpp::kv::BlockTable;
 use fdpp::model::llama::ModelSpec;
+use fdpp::model::shapes::{LinearKind, ModelShapes};
 use fdpp::model::tokenizer::Tokenizer;
+use fdpp::ops::gemm::{GemmImpl, GemmSpec};
+use fdpp::profile::{BestAtM, BestConfig, Profile, ShapeProfile};
 use serde::Deserialize;
 
 /// fp16 weights and activations against HF in fp32 (the bound).
@@ -102,7 +110,48 @@ struct Outcome {
     failures: Vec<String>,
 }
 
-fn check_fixture<B: Backend>(b: &B, dir: &Path) -> Outcome {
+/// A profile, not measured, that picks gemv for every shape at M = 1..8 (the flat GEMM never,
+/// the vendor GEMM from M = 9), each shape with another gemv layout.
+fn gemv_profile<B: Backend>(b: &B, spec: &ModelSpec, opts: &EngineOptions) -> Profile {
+    let mut p = Profile::without_gemm(b, &spec.cfg, opts.dtype);
+    for s in ModelShapes::of(&spec.cfg).linears {
+        let bn = match s.kind {
+            LinearKind::Qkv => 1,
+            LinearKind::O => 2,
+            LinearKind::Ffn1 => 4,
+            LinearKind::Ffn2 => 16,
+        };
+        let g = GemmSpec::new(GemmImpl::Gemv, opts.dtype).with_block_n(bn);
+        let m_grid: Vec<usize> = (1..=8).collect();
+        let best = m_grid
+            .iter()
+            .map(|&m| BestAtM {
+                m,
+                gemv: Some(BestConfig {
+                    uri: g.uri(),
+                    block_n: Some(bn),
+                    stages: None,
+                    median_us: 1.0,
+                }),
+                flat_gemm: None,
+                gemm: None,
+            })
+            .collect();
+        p.shapes.push(ShapeProfile {
+            kind: s.kind,
+            k: s.k,
+            n: s.n,
+            m_grid,
+            candidates: Vec::new(),
+            best,
+            m1: None,
+            m2: Some(9),
+        });
+    }
+    p
+}
+
+fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
     let name = dir
         .file_name()
         .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
@@ -135,7 +184,9 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path) -> Outcome {
     let prompt_tokens: usize = exp.prompts.iter().map(|p| p.ids.len()).sum();
     let plan = memory_plan(b, &spec, &opts, &seq_tokens, prompt_tokens).expect("memory plan");
     let source = WeightSource::Dir(dir.to_path_buf());
-    let mut e = build(b, &spec, &source, None, &opts, plan).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let profile = gemv.then(|| gemv_profile(b, &spec, &opts));
+    let name = if gemv { format!("{name} [gemv profile]") } else { name };
+    let mut e = build(b, &spec, &source, profile, &opts, plan).unwrap_or_else(|e| panic!("{name}: {e}"));
 
     // Batch 1, step by step: every step's logits against HF's, fed the engine's own argmax.
     for (i, p) in exp.prompts.iter().enumerate() {
@@ -217,10 +268,10 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path) -> Outcome {
     out
 }
 
-fn check_all<B: Backend>(b: &B) {
+fn check_all<B: Backend>(b: &B, gemv: bool) {
     let mut failures = Vec::new();
     for dir in fixture_dirs() {
-        let o = check_fixture(b, &dir);
+        let o = check_fixture(b, &dir, gemv);
         for l in &o.lines {
             eprintln!("{l}");
         }
@@ -237,14 +288,15 @@ fn check_all<B: Backend>(b: &B) {
 // missing fixtures directory fails the test with HOW_TO_MAKE.
 #[test]
 fn cpu_engine_matches_hf_transformers() {
-    check_all(&CpuBackend::new());
+    check_all(&CpuBackend::new(), false);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_engine_matches_hf_transformers() {
     let b = fdpp::backend::cuda::CudaBackend::open(0).expect("CUDA device 0");
-    check_all(&b);
+    check_all(&b, false);
+    check_all(&b, true);
 }
 
 #[test]

@@ -38,11 +38,12 @@ pub enum LayerKernel {
     ScatterKvV2,
     ScatterKvV1,
     FillRandom,
+    ScaleCols,
 }
 
 impl LayerKernel {
     /// In declaration order: `ALL[k.index()] == k`.
-    pub const ALL: [LayerKernel; 14] = [
+    pub const ALL: [LayerKernel; 15] = [
         LayerKernel::AddRmsNormV,
         LayerKernel::AddRmsNormS,
         LayerKernel::QkvRope,
@@ -57,6 +58,7 @@ impl LayerKernel {
         LayerKernel::ScatterKvV2,
         LayerKernel::ScatterKvV1,
         LayerKernel::FillRandom,
+        LayerKernel::ScaleCols,
     ];
 
     pub fn index(self) -> usize {
@@ -79,6 +81,7 @@ impl LayerKernel {
             LayerKernel::ScatterKvV2 => "scatter_kv_v2",
             LayerKernel::ScatterKvV1 => "scatter_kv_v1",
             LayerKernel::FillRandom => "fill_random",
+            LayerKernel::ScaleCols => "scale_cols",
         }
     }
 }
@@ -242,6 +245,15 @@ pub fn fill_random(len: usize) -> LayerLaunch {
     LayerLaunch {
         kernel: LayerKernel::FillRandom,
         grid: (stream_blocks((len as u64).div_ceil(8)), 1, 1),
+        block: STREAM_THREADS,
+    }
+}
+
+/// scale_cols: grid-stride over the elements.
+pub fn scale_cols(len: usize) -> LayerLaunch {
+    LayerLaunch {
+        kernel: LayerKernel::ScaleCols,
+        grid: (stream_blocks(len as u64), 1, 1),
         block: STREAM_THREADS,
     }
 }

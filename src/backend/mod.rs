@@ -136,7 +136,7 @@ pub trait Backend {
         y: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// Whether [`gemm_norm_in`](Self::gemm_norm_in) and
+    /// Whether [`gemm_rms_in`](Self::gemm_rms_in) and
     /// [`gemm_residual_out`](Self::gemm_residual_out) have kernels here (for the gemv
     /// implementation at small M; other cases still return `Unsupported`, and the caller then
     /// takes add_rmsnorm and a plain gemm).
@@ -144,23 +144,30 @@ pub trait Backend {
         false
     }
 
-    /// y = (rmsnorm(residual) ⊙ gamma) · Wᵀ over `dims.m` rows of `residual` [M, K] (the norm
-    /// with `norm.eps` over hidden = K, exactly as [`add_rmsnorm`](Self::add_rmsnorm) without a
-    /// delta computes it, rounded to the 16-bit type before the product). The residual is only
-    /// read. FlashDecoding++-style fusion: the norm runs inside the GEMV that consumes it.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_norm_in(
+    /// y = rmsnorm(residual) · Wᵀ over `dims.m` rows of `residual` [M, K] (eps as in
+    /// [`add_rmsnorm`](Self::add_rmsnorm), hidden = K), with the norm's γ already folded into W
+    /// by [`scale_cols`](Self::scale_cols): the product runs on the raw residual and each output
+    /// is scaled by 1/rms of its row. The residual is only read. FlashDecoding++-style fusion:
+    /// the norm runs inside the GEMV that consumes it.
+    fn gemm_rms_in(
         &self,
         spec: &GemmSpec,
         dims: GemmDims,
-        norm: &RmsNormParams,
+        eps: f32,
         residual: &Self::Buffer,
-        gamma: &Self::Buffer,
         w: &Self::Buffer,
         y: &mut Self::Buffer,
     ) -> Result<()> {
-        let _ = (spec, dims, norm, residual, gamma, w, y);
-        Err(op_unsupported(self.info(), "gemm_norm_in"))
+        let _ = (spec, dims, eps, residual, w, y);
+        Err(op_unsupported(self.info(), "gemm_rms_in"))
+    }
+
+    /// w[n, k] = round(w[n, k] · scale[k]) in place, for w [rows, cols] and scale [cols]: folds
+    /// an RMSNorm's γ into the weights of the GEMM that consumes the norm (for
+    /// [`gemm_rms_in`](Self::gemm_rms_in)).
+    fn scale_cols(&self, w: &mut Self::Buffer, scale: &Self::Buffer, rows: usize, cols: usize) -> Result<()> {
+        let _ = (w, scale, rows, cols);
+        Err(op_unsupported(self.info(), "scale_cols"))
     }
 
     /// residual[m, n] = round(residual[m, n] + round((x · Wᵀ)[m, n])) in place: bit for bit
@@ -392,6 +399,31 @@ pub trait Backend {
     /// all runs back to back between events and synchronize once (after one untimed lead-in call
     /// `f(reps)`); the CPU times with the clock.
     fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>>;
+}
+
+/// The checks every backend's [`Backend::scale_cols`] makes: w holds rows × cols elements, scale
+/// cols, both of one dtype.
+pub fn check_scale_cols(
+    w: (usize, crate::dtype::DType),
+    scale: (usize, crate::dtype::DType),
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    let want = rows.checked_mul(cols).filter(|_| cols > 0);
+    if want != Some(w.0) || scale.0 != cols {
+        return Err(FdppError::Shape {
+            what: "scale_cols (w [rows, cols], scale [cols])".into(),
+            expected: format!("w {rows} × {cols}, scale {cols}"),
+            found: format!("w {} elements, scale {}", w.0, scale.0),
+        });
+    }
+    if w.1 != scale.1 {
+        return Err(FdppError::InvalidArgument(format!(
+            "scale_cols: w is {} and scale {}; both must be one dtype",
+            w.1, scale.1
+        )));
+    }
+    Ok(())
 }
 
 fn op_unsupported(info: &DeviceInfo, op: &str) -> FdppError {

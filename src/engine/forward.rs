@@ -10,6 +10,13 @@
 //! from the profile at this step's M (FlashDecoding++ §4); attention uses the profile's softmax
 //! scheme (§3). On CUDA a decode step launches layer 0 and replays layers 1.. from a graph keyed
 //! by layer 0's launches (backend/cuda/graph.rs).
+//!
+//! Fused decode layers: where the backend has fused gemv kernels ([`Backend::fused_gemv_ops`]),
+//! the norms' γ are folded into W_qkv and W_ffn1 at load (and the norm weights become ones, so
+//! the unfused path computes the same product). A step whose four GEMMs all run on gemv then
+//! drops both add_rmsnorm launches of every layer: QKV and FFN1 read the raw residual and scale
+//! by its 1/rms (`gemm_rms_in`), O and FFN2 add their output to the residual in their epilogue
+//! (`gemm_residual_out`). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused launches.
 
 use std::cell::RefCell;
 
@@ -48,6 +55,8 @@ pub struct Llama<'b, B: Backend> {
     pub op_times: OpTimes,
     /// Softmax-input histograms, gathered while this is Some (see [`ScoreStats`]).
     pub score_stats: RefCell<Option<ScoreStats>>,
+    /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
+    pub folded: bool,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -102,6 +111,11 @@ impl<'b, B: Backend> Llama<'b, B> {
         scheme.validate()?;
         let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
         let inv_freq = rope::inv_freq(cfg.head_dim, cfg.rope_theta, extras.rope_scaling.as_ref());
+        let mut weights = weights;
+        let folded = b.fused_gemv_ops() && std::env::var("FDPP_FUSED_GEMV").map_or(true, |v| v != "0");
+        if folded {
+            fold_norms(b, &cfg, dtype, &mut weights)?;
+        }
         Ok(Llama {
             b,
             cfg,
@@ -113,6 +127,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             scheme,
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
+            folded,
         })
     }
 
@@ -188,6 +203,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             flat
         };
         let gemms = self.linears.step(t, wanted_rows.len().max(1));
+        let fused = self.folded && self.fusable(&gemms, t);
         let mut stats = AttnStats::default();
 
         self.op_times.start(
@@ -266,6 +282,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             tokens: t,
             residual: g.residual,
             stats_params: &stats_params,
+            fused,
         };
         let n = self.weights.layers.len();
         stats.rows += n * t * cfg.num_heads;
@@ -288,7 +305,8 @@ impl<'b, B: Backend> Llama<'b, B> {
             Some(sig) => b.graph_run(sig, &mut rest)?,
             None => rest()?,
         }
-        let prev_ffn2 = layer_slots.last().map(|s| s.ffn2);
+        // A fused step's FFN2 already added its output to the residual.
+        let prev_ffn2 = layer_slots.last().filter(|_| !fused).map(|s| s.ffn2);
         self.add_rmsnorm(
             &norm,
             acts,
@@ -362,7 +380,8 @@ impl<'b, B: Backend> Llama<'b, B> {
     }
 
     /// One layer's launches (see the module comment for the order). `prev_ffn2`: the slot of
-    /// the previous layer's FFN2 output, added to the residual by this layer's first norm.
+    /// the previous layer's FFN2 output, added to the residual by this layer's first norm (not
+    /// read in a fused step, whose FFN2 added it already).
     fn layer(
         &self,
         a: &LayerArgs,
@@ -376,9 +395,13 @@ impl<'b, B: Backend> Llama<'b, B> {
         let (h, t, dt) = (cfg.hidden_size, a.tokens, self.dtype);
         let (w, s) = (&self.weights.layers[l], acts.plan.layers[l]);
         let (norm, rope, gemms) = (a.norm, a.rope, a.gemms);
-        self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
-        self.op_times.lap(b, "add_rmsnorm")?;
-        self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+        if a.fused {
+            self.gemm_rms_in(&gemms.qkv, t, self.qkv_n(), h, acts, a.residual, &w.qkv, s.qkv)?;
+        } else {
+            self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+            self.op_times.lap(b, "add_rmsnorm")?;
+            self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+        }
         self.op_times.lap(b, "gemm qkv")?;
         let cache = &mut kv.layers[l];
         {
@@ -413,12 +436,18 @@ impl<'b, B: Backend> Llama<'b, B> {
             self.op_times.lap(b, "score_hist")?;
         }
         let qd = cfg.num_heads * cfg.head_dim;
-        self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
-        self.op_times.lap(b, "gemm o")?;
-        self.add_rmsnorm(norm, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
-        self.op_times.lap(b, "add_rmsnorm")?;
         let inter = cfg.intermediate_size;
-        self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+        if a.fused {
+            self.gemm_residual_out(&gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
+            self.op_times.lap(b, "gemm o")?;
+            self.gemm_rms_in(&gemms.ffn1, t, 2 * inter, h, acts, a.residual, &w.ffn1, s.ffn1)?;
+        } else {
+            self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+            self.op_times.lap(b, "gemm o")?;
+            self.add_rmsnorm(norm, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
+            self.op_times.lap(b, "add_rmsnorm")?;
+            self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+        }
         self.op_times.lap(b, "gemm ffn1")?;
         {
             let [gate_up, out] = acts.many([s.ffn1, s.act])?;
@@ -433,9 +462,61 @@ impl<'b, B: Backend> Llama<'b, B> {
             )?;
         }
         self.op_times.lap(b, "silu_mul")?;
-        self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+        if a.fused {
+            self.gemm_residual_out(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
+        } else {
+            self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+        }
         self.op_times.lap(b, "gemm ffn2")?;
         Ok(())
+    }
+
+    /// Whether a step of `t` tokens with these GEMMs runs the fused layer: all four on gemv,
+    /// at most the fused kernels' M, every K a whole number of 16-byte chunks.
+    fn fusable(&self, gemms: &StepGemms, t: usize) -> bool {
+        let c = &self.cfg;
+        let ks = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size];
+        t <= FUSED_MAX_M
+            && [&gemms.qkv, &gemms.o, &gemms.ffn1, &gemms.ffn2]
+                .iter()
+                .all(|s| s.imp == GemmImpl::Gemv)
+            && ks.iter().all(|k| k.is_multiple_of(8))
+    }
+
+    /// y = rmsnorm(residual) · Wᵀ with W holding the norm's γ (a fused step).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_rms_in(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        residual: usize,
+        w: &B::Buffer,
+        y: usize,
+    ) -> Result<()> {
+        let dims = GemmDims::new(m, n, k)?;
+        let [r, y] = acts.many([residual, y])?;
+        self.b.gemm_rms_in(spec, dims, self.cfg.rms_norm_eps as f32, r, w, y)
+    }
+
+    /// residual += x · Wᵀ (a fused step).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_residual_out(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+        residual: usize,
+    ) -> Result<()> {
+        let dims = GemmDims::new(m, n, k)?;
+        let [x, r] = acts.many([x, residual])?;
+        self.b.gemm_residual_out(spec, dims, x, w, r)
     }
 
     fn qkv_n(&self) -> usize {
@@ -510,6 +591,28 @@ struct LayerArgs<'x> {
     tokens: usize,
     residual: usize,
     stats_params: &'x Option<(PrefillParams, ScoreStatsParams)>,
+    /// Run the fused layer (see the module comment).
+    fused: bool,
+}
+
+/// The most rows the fused gemv kernels take (backend/cuda/gemv_fused.rs).
+const FUSED_MAX_M: usize = 8;
+
+/// Folds each layer's two norm weights into the GEMM that reads the norm (W_qkv by attn_norm,
+/// W_ffn1 by ffn_norm: W' = W·diag(γ)) and sets those norm weights to ones, so the unfused path
+/// (add_rmsnorm, then the GEMM) computes rmsnorm(x)·γ·Wᵀ as before and the fused one can skip
+/// the norm. The final norm is left as it is (the LM head may be the tied embedding).
+fn fold_norms<B: Backend>(b: &B, cfg: &ModelConfig, dt: DType, w: &mut LlamaWeights<B::Buffer>) -> Result<()> {
+    let h = cfg.hidden_size;
+    let qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
+    let ones = vec![dt.from_f32(1.0); h];
+    for l in w.layers.iter_mut() {
+        b.scale_cols(&mut l.qkv, &l.attn_norm, qkv_n, h)?;
+        b.scale_cols(&mut l.ffn1, &l.ffn_norm, 2 * cfg.intermediate_size, h)?;
+        l.attn_norm = b.upload(dt, &ones)?;
+        l.ffn_norm = b.upload(dt, &ones)?;
+    }
+    Ok(())
 }
 
 fn run_gemm<B: Backend>(

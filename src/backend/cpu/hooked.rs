@@ -131,6 +131,10 @@ impl Backend for HookedCpu {
         self.layer_op("fill_random")?;
         self.inner.fill_random(buf, seed, scale)
     }
+    fn scale_cols(&self, w: &mut CpuBuffer, scale: &CpuBuffer, rows: usize, cols: usize) -> Result<()> {
+        self.layer_op("scale_cols")?;
+        self.inner.scale_cols(w, scale, rows, cols)
+    }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()
     }

@@ -279,5 +279,18 @@ pub fn fill_random(buf: &mut CpuBuffer, seed: u64, scale: f32) -> Result<()> {
     Ok(())
 }
 
+/// w[n, k] = round(w[n, k] · scale[k]) (see [`crate::backend::Backend::scale_cols`]).
+pub fn scale_cols(w: &mut CpuBuffer, scale: &CpuBuffer, rows: usize, cols: usize) -> Result<()> {
+    crate::backend::check_scale_cols((w.data.len(), w.dtype), (scale.data.len(), scale.dtype), rows, cols)?;
+    let dt = w.dtype;
+    let s: Vec<f32> = scale.data.iter().map(|&b| dt.to_f32(b)).collect();
+    w.data.par_chunks_mut(cols).for_each(|row| {
+        for (x, &g) in row.iter_mut().zip(&s) {
+            *x = dt.from_f32(dt.to_f32(*x) * g);
+        }
+    });
+    Ok(())
+}
+
 /// Elements per task of [`fill_random`].
 const FILL_CHUNK: usize = 1 << 16;

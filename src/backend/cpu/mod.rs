@@ -260,6 +260,10 @@ impl Backend for CpuBackend {
         layer::fill_random(buf, seed, scale)
     }
 
+    fn scale_cols(&self, w: &mut CpuBuffer, scale: &CpuBuffer, rows: usize, cols: usize) -> Result<()> {
+        layer::scale_cols(w, scale, rows, cols)
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

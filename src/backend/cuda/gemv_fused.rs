@@ -1,8 +1,9 @@
-//! The gemv vector path with the layer's small ops fused in (kernels_cuda/gemv.cu, modes NORM_IN
+//! The gemv vector path with the layer's small ops fused in (kernels_cuda/gemv.cu, modes RMS_IN
 //! and RESIDUAL_OUT). FlashDecoding++ fuses what surrounds a decode GEMM into it: here the RMSNorm
-//! that feeds QKV and FFN1 is taken inside their GEMV, and the residual add that follows O and
-//! FFN2 is their GEMV's epilogue, so a Llama layer loses both add_rmsnorm launches and, with them,
-//! the kernel boundaries at which the next GEMV could not yet stream its weights.
+//! that feeds QKV and FFN1 is taken inside their GEMV (its γ folded into the weights at load, its
+//! 1/rms applied to the product), and the residual add that follows O and FFN2 is their GEMV's
+//! epilogue, so a Llama layer loses both add_rmsnorm launches and, with them, the kernel
+//! boundaries at which the next GEMV could not yet stream its weights.
 //!
 //! Only `GemmImpl::Gemv` at M ≤ 8 and K % 8 == 0 (16-byte rows) has these kernels; every other
 //! case returns `Unsupported` so that the caller takes the unfused ops.
@@ -16,20 +17,19 @@ use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
 use crate::error::{FdppError, Result};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use crate::ops::layer::RmsNormParams;
 
 /// Rows of x one fused launch takes (the kernels hold M rows of accumulators in registers).
 pub const MAX_M: usize = 8;
 
-const NORM_M: [&str; MAX_M] = [
-    "gemv_norm_m1",
-    "gemv_norm_m2",
-    "gemv_norm_m3",
-    "gemv_norm_m4",
-    "gemv_norm_m5",
-    "gemv_norm_m6",
-    "gemv_norm_m7",
-    "gemv_norm_m8",
+const RMS_M: [&str; MAX_M] = [
+    "gemv_rms_m1",
+    "gemv_rms_m2",
+    "gemv_rms_m3",
+    "gemv_rms_m4",
+    "gemv_rms_m5",
+    "gemv_rms_m6",
+    "gemv_rms_m7",
+    "gemv_rms_m8",
 ];
 
 const RES_M: [&str; MAX_M] = [
@@ -89,46 +89,33 @@ fn source(spec: &GemmSpec) -> Result<sources::KernelSource> {
     sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))
 }
 
-/// y = (rmsnorm(residual) ⊙ γ) · Wᵀ, bit for bit add_rmsnorm (no delta) followed by gemv.
-#[allow(clippy::too_many_arguments)]
-pub fn norm_in(
+/// y = rmsnorm(residual) · W'ᵀ, where W' already holds the norm's γ (`Backend::scale_cols` at
+/// load): the GEMV runs on the raw residual rows and scales each output by 1/rms of its row.
+pub fn rms_in(
     b: &CudaBackend,
     spec: &GemmSpec,
     d: GemmDims,
-    norm: &RmsNormParams,
+    eps: f32,
     residual: &CudaBuffer,
-    gamma: &CudaBuffer,
     w: &CudaBuffer,
     y: &mut CudaBuffer,
 ) -> Result<()> {
-    const OP: &str = "gemm_norm_in";
+    const OP: &str = "gemm_rms_in";
     check_supported(OP, spec, &d)?;
-    if norm.rows != d.m || norm.hidden != d.k || norm.dtype != spec.dtype {
-        return Err(FdppError::Shape {
-            what: format!(
-                "{OP} {spec} at {}: the norm's rows × hidden ({})",
-                d.label(),
-                norm.dtype
-            ),
-            expected: format!("{} × {} ({})", d.m, d.k, spec.dtype),
-            found: format!("{} × {}", norm.rows, norm.hidden),
-        });
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(FdppError::InvalidArgument(format!(
+            "{OP} {spec}: eps = {eps} (must be finite and > 0)"
+        )));
     }
-    // The norm's output is never stored: its length check is the residual's own.
-    norm.validate(residual.len(), None, gamma.len(), residual.len())?;
     d.check_lens(spec, residual.len(), w.len(), y.len())?;
-    check_dtypes(
-        OP,
-        spec,
-        &[("residual", residual), ("gamma", gamma), ("w", w), ("y", y)],
-    )?;
+    check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
-    let f = b.function_of(&spec.uri(), NORM_M[d.m - 1], 0, || source(spec))?;
-    let (rp, gp, wp, yp) = (b.ptr(residual), b.ptr(gamma), b.ptr(w), b.ptr(y));
+    let f = b.function_of(&spec.uri(), RMS_M[d.m - 1], 0, || source(spec))?;
+    let (rp, wp, yp) = (b.ptr(residual), b.ptr(w), b.ptr(y));
     let mut l = Launch::chained(b, &f);
-    l.arg(&rp).arg(&gp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&norm.eps);
-    // SAFETY: residual covers [M, K], gamma [K], w [N, K], y [M, N] (checked above), all 16-byte
-    // aligned (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
+    l.arg(&rp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&eps);
+    // SAFETY: residual covers [M, K], w [N, K], y [M, N] (checked above), all 16-byte aligned
+    // (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
     unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
     b.check_launch(&format!("{OP} {spec} at {}", d.label()))
 }
@@ -185,7 +172,7 @@ mod tests {
     fn the_fused_entry_points_are_in_the_gemv_source() {
         let spec = GemmSpec::new(GemmImpl::Gemv, DType::Bf16).with_block_n(4);
         let src = sources::gemm_source(&spec).expect("gemv source");
-        for name in NORM_M.iter().chain(RES_M.iter()) {
+        for name in RMS_M.iter().chain(RES_M.iter()) {
             assert!(src.text.contains(&name[..name.len() - 1]), "{name}");
         }
     }

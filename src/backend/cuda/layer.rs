@@ -326,6 +326,21 @@ pub fn fill_random(b: &CudaBackend, buf: &mut CudaBuffer, seed: u64, scale: f32)
     b.check_launch("fill_random")
 }
 
+/// w[n, k] = round(w[n, k] · scale[k]) (see [`crate::backend::Backend::scale_cols`]).
+pub fn scale_cols(b: &CudaBackend, w: &mut CudaBuffer, scale: &CudaBuffer, rows: usize, cols: usize) -> Result<()> {
+    crate::backend::check_scale_cols((w.len(), w.dtype()), (scale.len(), scale.dtype()), rows, cols)?;
+    let c = i32_dim(cols, "cols", "scale_cols")?;
+    let len = w.len() as u64;
+    let l = plan::scale_cols(w.len());
+    let f = kernel(b, &mut b.layer.borrow_mut(), w.dtype(), l.kernel)?;
+    let (wp, sp) = (b.ptr(w), b.ptr(scale));
+    let mut a = Launch::plain(b, &f);
+    a.arg(&wp).arg(&sp).arg(&len).arg(&c);
+    // SAFETY: w holds len = rows · cols elements and scale cols (checked above).
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch scale_cols"))?;
+    b.check_launch("scale_cols")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -272,17 +272,16 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn gemm_norm_in(
+    fn gemm_rms_in(
         &self,
         spec: &GemmSpec,
         dims: GemmDims,
-        norm: &RmsNormParams,
+        eps: f32,
         residual: &CudaBuffer,
-        gamma: &CudaBuffer,
         w: &CudaBuffer,
         y: &mut CudaBuffer,
     ) -> Result<()> {
-        gemv_fused::norm_in(self, spec, dims, norm, residual, gamma, w, y)
+        gemv_fused::rms_in(self, spec, dims, eps, residual, w, y)
     }
 
     fn gemm_residual_out(
@@ -436,6 +435,10 @@ impl Backend for CudaBackend {
 
     fn fill_random(&self, buf: &mut CudaBuffer, seed: u64, scale: f32) -> Result<()> {
         layer::fill_random(self, buf, seed, scale)
+    }
+
+    fn scale_cols(&self, w: &mut CudaBuffer, scale: &CudaBuffer, rows: usize, cols: usize) -> Result<()> {
+        layer::scale_cols(self, w, scale, rows, cols)
     }
 
     fn argmax_rows(&self, logits: &CudaBuffer, rows: usize, width: usize) -> Result<Vec<u32>> {
