@@ -343,61 +343,6 @@ struct Where {
     int b, kvh, split, h0, len, t0, t1;
 };
 
-// Keys of a split the async latency kernel stages in shared memory when it may read before the
-// wait (K and V rows: 4·D bytes per key, 64 KiB in all); a longer split reads the rest from
-// global memory after the wait.
-constexpr int STAGE_KEYS = 65536 / (4 * D);
-
-// cp.async the K and V rows of tokens [from, to) of one (sequence, kv head), except token `skip`,
-// into stage: token t's K row at stage[2(t − t0)·LPT ..], its V row right after. Each thread keeps
-// one (K or V, 16-byte column) and steps through the tokens, the page and slot advanced by
-// addition (no division per token).
-template <int NT>
-__device__ __forceinline__ void stage_kv(uint4* stage, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                         const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
-                                         int from, int to, int skip) {
-    static_assert(NT % (2 * LPT) == 0, "each thread keeps one column of K or V");
-    constexpr int STEP = NT / (2 * LPT);  // tokens between a thread's copies
-    const int col = threadIdx.x % (2 * LPT), is_v = col / LPT, li = col % LPT;
-    const u16* base = (is_v ? vp : kp) + (size_t)kvh * D + li * 8;
-    const size_t row_elems = (size_t)G * D;
-    int t = from + threadIdx.x / (2 * LPT);
-    if (t >= to) return;
-    int idx = t / page_size, slot = t - idx * page_size;
-    for (; t < to; t += STEP) {
-        if (t != skip)
-            cp_async16(smem_addr(stage + (size_t)(t - t0) * 2 * LPT + col),
-                       base + ((size_t)pages[idx] * page_size + slot) * row_elems, 16);
-        slot += STEP;
-        while (slot >= page_size) {
-            slot -= page_size;
-            ++idx;
-        }
-    }
-}
-
-// accumulate() over n keys staged by stage_kv (same rounds, same order of tokens per group).
-template <bool ASYNC, int NT, int U>
-__device__ __forceinline__ void accumulate_staged(Part& p, const float (&qr)[HG][8], const uint4* stage, int n,
-                                                  float phi2, float b2) {
-    using S = Shape<NT, U>;
-    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
-    for (int base0 = 0; base0 < n; base0 += S::ROUND) {
-        const int base = base0 + gid * U;
-        bool ok[U];
-        uint4 kr[U], vr[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            ok[u] = base + u < n;
-            if (ok[u]) {
-                kr[u] = stage[(size_t)(base + u) * 2 * LPT + li];
-                vr[u] = stage[(size_t)(base + u) * 2 * LPT + LPT + li];
-            }
-        }
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
-    }
-}
-
 // Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
 // chunks of one split are adjacent, so they run together and share the K/V rows in L2);
 // grid.y = batch · kv heads.
@@ -546,40 +491,23 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
                                              int splits, float scale2, float phi2, float a2, float b2,
                                              float* __restrict__ ws, unsigned* __restrict__ recomputed,
-                                             u16* __restrict__ out, int early) {
+                                             u16* __restrict__ out) {
     using S = Shape<NT, U>;
-    __shared__ Smem<S::NW> sm;
-    extern __shared__ uint4 stage[];  // with `early`: STAGE_KEYS tokens' K and V rows (attention.rs)
-    // The tables and lengths are uploads, complete before any kernel of the chain starts, so the
-    // split's keys are known before the wait. With `early` the caller promises that the kernel
-    // ahead wrote no K/V row but each sequence's last (the engine's qkv_rope_append): the other
-    // rows of the split are copied into shared memory while that kernel finishes (PDL), and only
-    // the newest token's after the wait. Without it every row is read after the wait, as before.
-    const int group = H / G;
-    const Where w = where(lens, G, group, splits);
-    const int* pages = table + (size_t)w.b * max_pages;
-    const int n_st = early ? min(w.t1 - w.t0, STAGE_KEYS) : 0;
-    const int fresh = w.len - 1;
-    stage_kv<NT>(stage, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t0, w.t0 + n_st, fresh);
     pdl_wait();
     pdl_trigger();
-    if (fresh >= w.t0 && fresh < w.t0 + n_st)
-        stage_kv<NT>(stage, kp, vp, pages, page_size, G, w.kvh, w.t0, fresh, fresh + 1, -1);
-    cp_async_commit();
+    __shared__ Smem<S::NW> sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
     const int rows = gridDim.y * group;
     const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
+    const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, phi2);
-    if (n_st > 0) {
-        cp_async_wait<0>();
-        __syncthreads();
-        accumulate_staged<true, NT, U>(p, qr, stage, n_st, phi2, b2);
-    }
-    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0 + n_st, w.t1, phi2, b2);
+    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     float a[S::EPT];
     block_merge<true, NT, U>(sm, p, a);
 
@@ -687,9 +615,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
-        unsigned* __restrict__ recomputed, u16* __restrict__ out, int early) {                                \
+        unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
         decode_async<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2, b2, \
-                            ws, recomputed, out, early);                                                      \
+                            ws, recomputed, out);                                                             \
     }
 
 FDPP_DECODE_ENTRIES(t128u4, 128, 4)
@@ -841,13 +769,12 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
     }
 }
 
-// The async kernel of the bandwidth path (workspace: async_ws()). `early` is the latency path's
-// argument, unused here: this path reads every K/V row after the wait.
+// The async kernel of the bandwidth path (workspace: async_ws()).
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                   const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                   int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
-                  unsigned* __restrict__ recomputed, u16* __restrict__ out, int /*early*/) {
+                  unsigned* __restrict__ recomputed, u16* __restrict__ out) {
     pdl_wait();
     pdl_trigger();
     __shared__ Smem sm;

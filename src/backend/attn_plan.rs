@@ -106,11 +106,6 @@ impl DecodePlan {
 /// bandwidth path's loop wins; 128 lies between, unmeasured (reports/NOTES-decode-s4.md).
 pub const LATENCY_MAX_SPLIT_KEYS: usize = 128;
 
-/// Dynamic shared memory of the async latency kernel when it reads K/V before the wait
-/// (`DecodeParams::early_reads`): the K and V rows of STAGE_KEYS = 65536 / (4·D) keys
-/// (attn_decode.cu), 128 keys at D = 128, a whole split of the latency path.
-pub const DECODE_STAGE_BYTES: u32 = 65536;
-
 /// Which CUDA decode kernel a launch uses (kernels_cuda/attn_decode.cu; both take the same
 /// arguments, grid and workspaces).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,7 +234,6 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables: tables(&l, lens),
             num_splits: splits,
-            early_reads: false,
         }
     }
 

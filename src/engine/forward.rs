@@ -57,8 +57,6 @@ pub struct Llama<'b, B: Backend> {
     pub score_stats: RefCell<Option<ScoreStats>>,
     /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
     pub folded: bool,
-    /// Decode attention may read the older K/V rows before it waits on the rotation's kernel.
-    early_attn: bool,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -114,7 +112,7 @@ impl<'b, B: Backend> Llama<'b, B> {
         let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
         let inv_freq = rope::inv_freq(cfg.head_dim, cfg.rope_theta, extras.rope_scaling.as_ref());
         let mut weights = weights;
-        let folded = b.fused_gemv_ops() && env_on("FDPP_FUSED_GEMV");
+        let folded = b.fused_gemv_ops() && std::env::var("FDPP_FUSED_GEMV").map_or(true, |v| v != "0");
         if folded {
             fold_norms(b, &cfg, dtype, &mut weights)?;
         }
@@ -130,7 +128,6 @@ impl<'b, B: Backend> Llama<'b, B> {
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
-            early_attn: env_on("FDPP_ATTN_EARLY"),
         })
     }
 
@@ -259,9 +256,6 @@ impl<'b, B: Backend> Llama<'b, B> {
                     scheme: self.scheme,
                     tables: flat,
                     num_splits: None,
-                    // The launch ahead is qkv_rope_append, which writes each sequence's newest
-                    // K/V row and no other (FDPP_ATTN_EARLY=0: read everything after the wait).
-                    early_reads: self.early_attn,
                 },
             ),
         };
@@ -599,11 +593,6 @@ struct LayerArgs<'x> {
     stats_params: &'x Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
-}
-
-/// A switch for A/B runs: on unless the variable is "0".
-fn env_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v != "0")
 }
 
 /// The most rows the fused gemv kernels take (backend/cuda/gemv_fused.rs).

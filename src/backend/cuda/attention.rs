@@ -226,16 +226,7 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            // The latency path stages a split's K/V rows in shared memory when it may read them
-            // before the wait (DecodeParams::early_reads).
-            let early = path == DecodePath::Latency && p.early_reads;
-            let smem = if early { attn_plan::DECODE_STAGE_BYTES } else { 0 };
-            let f = b.function_of(&uri, async_entry, smem, src)?;
-            let early32 = early as i32;
-            let cfg = LaunchConfig {
-                shared_mem_bytes: smem,
-                ..cfg
-            };
+            let f = b.function_of(&uri, async_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
@@ -244,15 +235,8 @@ pub fn decode(
                 .arg(&g32)
                 .arg(&s32)
                 .arg(&scale2);
-            l.arg(&phi2)
-                .arg(&a2)
-                .arg(&b2)
-                .arg(&ws)
-                .arg(&counter)
-                .arg(&op)
-                .arg(&early32);
-            // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters;
-            // with `early` the dynamic shared memory holds STAGE_KEYS keys' K and V rows.
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&ws).arg(&counter).arg(&op);
+            // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;
             per_call_count(b, &sc, counting)?
