@@ -65,6 +65,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
+// SiLU (x·σ(x)) as silu_mul (layer.cu) and the gemv's GLU epilogue (gemv.cu) compute it.
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -16,6 +16,11 @@
 #define FDPP_KSPLIT 1
 #endif
 
+// 1: no RMS_GLU entries in this build (the tuned layouts, where ROWS may differ from 2).
+#ifndef FDPP_GLU_OFF
+#define FDPP_GLU_OFF 1
+#endif
+
 constexpr int ROWS = FDPP_ROWS;
 constexpr int WARPS = 4;
 constexpr int KSPLIT = FDPP_KSPLIT;  // warps sharing one group of rows, each on a slice of K
@@ -42,7 +47,11 @@ __device__ __forceinline__ void load_w(uint4 (&wv)[UNROLL][ROWS], const uint4* c
 //   sum of squares of the x chunks it already unpacks, and inv scales the result at the end. Not
 //   bit for bit add_rmsnorm + gemv (x·inv is never rounded to 16 bits; W' is rounded once).
 // - RESIDUAL_OUT: y is the residual stream: y = round(y + round(x · Wᵀ)), add_rmsnorm_v's add.
-constexpr int PLAIN = 0, RMS_IN = 1, RESIDUAL_OUT = 2;
+// - RMS_GLU: RMS_IN over the fused gate/up weights [2N, K] with silu_mul as the epilogue: each
+//   row group (ROWS = 2) takes gate row n and up row N + n and writes
+//   y[m, n] = silu(round(g)) · round(u) into y [M, N], what silu_mul computes from RMS_IN's output.
+constexpr int PLAIN = 0, RMS_IN = 1, RESIDUAL_OUT = 2, RMS_GLU = 3;
+static_assert(ROWS == 2 || FDPP_GLU_OFF, "the GLU entries need 2 rows per warp (gemv_fused.rs builds them so)");
 
 // The 16-bit value a rounded store and reload of f gives (add_rmsnorm_v's output, read back).
 __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); }
@@ -59,14 +68,18 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     __shared__ float red_sq[WARPS][M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = warp % KSPLIT;
-    const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * ROWS;
+    constexpr bool GLU = MODE == RMS_GLU, RMS = MODE == RMS_IN || GLU;
+    // The row group's first row of W and of y; RMS_GLU: its gate/up pair n, rows n and N + n of W.
+    const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * (GLU ? 1 : ROWS);
     const bool active = row0 < N;  // no early return: the K-split reduction below has a barrier
     const int K8 = K >> 3;
     const int per = (K8 + KSPLIT - 1) / KSPLIT;
     const int c_begin = ks * per, c_end = min(K8, c_begin + per);
     const uint4* wr[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, N - 1) * K);
+    for (int r = 0; r < ROWS; ++r)
+        wr[r] = reinterpret_cast<const uint4*>(w + (GLU ? (size_t)min(row0, N - 1) + (size_t)r * N
+                                                        : (size_t)min(row0 + r, N - 1)) * K);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
 
     float acc[ROWS][M];
@@ -109,7 +122,7 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
                     unpack2(xq.y, xf[2], xf[3]);
                     unpack2(xq.z, xf[4], xf[5]);
                     unpack2(xq.w, xf[6], xf[7]);
-                    if (MODE == RMS_IN)
+                    if (RMS)
 #pragma unroll
                         for (int e = 0; e < 8; ++e) sq[m] = fmaf(xf[e], xf[e], sq[m]);
 #pragma unroll
@@ -132,7 +145,7 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-    if (MODE == RMS_IN)
+    if (RMS)
 #pragma unroll
         for (int m = 0; m < M; ++m) sq[m] = warp_sum(sq[m]);
     if (KSPLIT > 1) {
@@ -141,7 +154,7 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
             for (int r = 0; r < ROWS; ++r)
 #pragma unroll
                 for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
-            if (MODE == RMS_IN)
+            if (RMS)
 #pragma unroll
                 for (int m = 0; m < M; ++m) red_sq[warp][m] = sq[m];
         }
@@ -152,19 +165,26 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
             for (int m = 0; m < M; ++m)
                 for (int s2 = 1; s2 < KSPLIT; ++s2) acc[r][m] += red[warp + s2][r][m];
-        if (MODE == RMS_IN)
+        if (RMS)
 #pragma unroll
             for (int m = 0; m < M; ++m)
                 for (int s2 = 1; s2 < KSPLIT; ++s2) sq[m] += red_sq[warp + s2][m];
     }
     // The KSPLIT warps of a row group covered all K chunks between them: sq is Σx² over the row.
-    if (MODE == RMS_IN)
+    if (RMS)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             const float inv = 1.f / sqrtf(sq[m] / (float)K + eps);  // add_rmsnorm_v's formula
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r][m] *= inv;
         }
+    if (GLU) {
+        if (lane == 0 && active)
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+                y[(size_t)m * N + row0] = from_f32(silu(round16(acc[0][m])) * round16(acc[ROWS - 1][m]));
+        return;
+    }
     if (lane == 0 && active)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
@@ -204,6 +224,24 @@ FDPP_GEMV_ENTRY(5)
 FDPP_GEMV_ENTRY(6)
 FDPP_GEMV_ENTRY(7)
 FDPP_GEMV_ENTRY(8)
+
+#if !FDPP_GLU_OFF
+// y[M, N] = silu(gate) · up of rmsnorm(residual) · W'ᵀ, W' = [gate; up] [2N, K] with γ folded in.
+#define FDPP_GEMV_GLU_ENTRY(MM)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
+        gemv_rms_glu_m##MM(const u16* __restrict__ residual, const u16* __restrict__ w,           \
+                           u16* __restrict__ y, int N, int K, float eps) {                        \
+        gemv_vec<MM, RMS_GLU>(residual, w, y, N, K, eps);                                         \
+    }
+FDPP_GEMV_GLU_ENTRY(1)
+FDPP_GEMV_GLU_ENTRY(2)
+FDPP_GEMV_GLU_ENTRY(3)
+FDPP_GEMV_GLU_ENTRY(4)
+FDPP_GEMV_GLU_ENTRY(5)
+FDPP_GEMV_GLU_ENTRY(6)
+FDPP_GEMV_GLU_ENTRY(7)
+FDPP_GEMV_GLU_ENTRY(8)
+#endif
 
 // Scalar path for any K (K = 4097: rows are not 16-byte aligned) and any M ≤ 8: correct, not fast.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)

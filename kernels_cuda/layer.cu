@@ -225,8 +225,6 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // ---- silu_mul: grid-stride over the output ------------------------------------------------------
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
-
 // inter % 8 == 0: 8 outputs per step, gate and up read as 16-byte vectors.
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_v(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {

@@ -4,6 +4,7 @@
 //! - gemm_rms_in with W·diag(γ) vs add_rmsnorm(γ) (no delta) then gemm with W: max |Δ| over
 //!   max |reference| ≤ 2e-3 in f16 and 1.6e-2 in bf16 (8× its coarser rounding): the fused path
 //!   never rounds the normalized x and rounds W·γ once, so it is close, not bit for bit;
+//! - gemm_rms_glu vs gemm_rms_in into [M, 2N] then silu_mul: bit for bit (the same roundings);
 //! - gemm_residual_out vs gemm into a temporary then add_rmsnorm's residual add: bit for bit;
 //! - cases without a fused kernel decline with `Unsupported`.
 //!
@@ -17,7 +18,7 @@ use fdpp::bench::Stats;
 use fdpp::dtype::{random_bits, DType};
 use fdpp::error::FdppError;
 use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use fdpp::ops::layer::RmsNormParams;
+use fdpp::ops::layer::{RmsNormParams, SiluMulParams};
 use rand::{Rng, SeedableRng};
 
 const DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
@@ -221,6 +222,62 @@ fn rms_in_with_folded_gamma_matches_add_rmsnorm_then_gemv() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        let mut total = 0usize;
+        // (K, N) of SHAPES with N as the intermediate width: W has 2N rows (gate, then up).
+        for (k, inter) in shapes() {
+            let w = gpu
+                .upload(dt, &random_bits(dt, 2 * inter * k, 1.0 / (k as f32).sqrt(), r.gen()))
+                .unwrap();
+            for m in ms() {
+                let res = gpu.upload(dt, &residual_rows(dt, m, k, r.gen())).unwrap();
+                for bn in layouts() {
+                    let spec = gemv(dt, bn);
+                    let what = format!("rms_glu {spec} M={m} N={inter} K={k}");
+                    let mut gate_up = gpu.alloc(dt, m * 2 * inter).unwrap();
+                    gpu.fill(&mut gate_up, POISON).unwrap();
+                    gpu.gemm_rms_in(
+                        &spec,
+                        GemmDims::new(m, 2 * inter, k).unwrap(),
+                        1e-5,
+                        &res,
+                        &w,
+                        &mut gate_up,
+                    )
+                    .unwrap();
+                    let mut want = gpu.alloc(dt, m * inter).unwrap();
+                    gpu.fill(&mut want, POISON).unwrap();
+                    let sp = SiluMulParams {
+                        rows: m,
+                        inter,
+                        dtype: dt,
+                    };
+                    gpu.silu_mul(&sp, &gate_up, &mut want).unwrap();
+                    let mut got = gpu.alloc(dt, m * inter).unwrap();
+                    gpu.fill(&mut got, POISON).unwrap();
+                    gpu.gemm_rms_glu(&spec, GemmDims::new(m, inter, k).unwrap(), 1e-5, &res, &w, &mut got)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let (same, rel) = compare(dt, &gpu.download(&got).unwrap(), &gpu.download(&want).unwrap(), &what);
+                    assert_eq!(
+                        same,
+                        m * inter,
+                        "{what}: {} of {} differ (max rel {rel:.3e})",
+                        m * inter - same,
+                        m * inter
+                    );
+                    total += m * inter;
+                }
+            }
+        }
+        println!("rms_glu {dt}: {total} of {total} elements bit-identical");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn residual_out_is_gemv_then_add_bit_for_bit() {
     let gpu = CudaBackend::open(0).expect("CUDA device 0");
     let mut r = rng();
@@ -299,6 +356,9 @@ fn cases_without_a_fused_kernel_decline() {
         let d = GemmDims::new(m, n, k).unwrap();
         let e = gpu.gemm_rms_in(&spec, d, 1e-5, &x, &w, &mut y);
         assert!(matches!(e, Err(FdppError::Unsupported { .. })), "rms_in {why}: {e:?}");
+        let half = GemmDims::new(m, n / 2, k).unwrap();
+        let e = gpu.gemm_rms_glu(&spec, half, 1e-5, &x, &w, &mut y);
+        assert!(matches!(e, Err(FdppError::Unsupported { .. })), "rms_glu {why}: {e:?}");
         let e = gpu.gemm_residual_out(&spec, d, &x, &w, &mut y);
         assert!(
             matches!(e, Err(FdppError::Unsupported { .. })),
@@ -316,6 +376,13 @@ fn cases_without_a_fused_kernel_decline() {
     let e = gpu.gemm_residual_out(&gemv(dt, 8), d, &short, &w, &mut y);
     assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
     let e = gpu.gemm_rms_in(&gemv(dt, 8), d, 1e-5, &short, &w, &mut y);
+    assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
+    // W must hold 2N rows and y N columns per row.
+    let d = GemmDims::new(2, n / 2, 4096).unwrap();
+    let e = gpu.gemm_rms_glu(&gemv(dt, 8), d, 1e-5, &x, &short, &mut y);
+    assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
+    let mut y_short = gpu.alloc(dt, n - 1).unwrap();
+    let e = gpu.gemm_rms_glu(&gemv(dt, 8), d, 1e-5, &x, &w, &mut y_short);
     assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
     gpu.synchronize().unwrap();
 }
@@ -435,6 +502,28 @@ fn fused_timings_llama2_7b_m1() {
             "gemv + add_rmsnorm(delta)  vs  gemv_res (no norm)"
         };
         println!("{name:5} bn{}: {what}: {unfused:.2} µs vs {fused:.2} µs", best[si]);
+    }
+
+    // FFN1 with silu_mul as its epilogue against the two launches, at the fused kernels' M = 1.
+    {
+        let (w, c) = (&ws[2], ws[2].len());
+        let inter = shapes[2].2 / 2;
+        let (s, d) = (spec(2), dims(2));
+        let half = GemmDims::new(1, inter, hidden).unwrap();
+        let sp = SiluMulParams {
+            rows: 1,
+            inter,
+            dtype: dt,
+        };
+        let mut act = gpu.alloc(dt, inter).unwrap();
+        let unfused = time_us(&gpu, reps, &mut |i| {
+            gpu.gemm_rms_in(&s, d, norm.eps, &res, &w[i % c], &mut y)?;
+            gpu.silu_mul(&sp, &y, &mut act)
+        });
+        let fused = time_us(&gpu, reps, &mut |i| {
+            gpu.gemm_rms_glu(&s, half, norm.eps, &res, &w[i % c], &mut act)
+        });
+        println!("ffn1: gemv_rms + silu_mul {unfused:.2} µs vs gemv_rms_glu {fused:.2} µs");
     }
 
     // The layer's pairs: O → FFN1 and FFN2 → QKV, unfused (gemv, add_rmsnorm with the delta,

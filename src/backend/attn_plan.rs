@@ -234,6 +234,7 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables: tables(&l, lens),
             num_splits: splits,
+            early_reads: false,
         }
     }
 

@@ -162,6 +162,23 @@ pub trait Backend {
         Err(op_unsupported(self.info(), "gemm_rms_in"))
     }
 
+    /// y [M, N] = silu(g) · u with [g | u] = rmsnorm(residual) · Wᵀ, W [2N, K] the gate rows
+    /// then the up rows with the norm's γ folded in (`dims.n` = N, the output width): what
+    /// [`gemm_rms_in`](Self::gemm_rms_in) into [M, 2N] followed by
+    /// [`silu_mul`](Self::silu_mul) computes, in one launch.
+    fn gemm_rms_glu(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        eps: f32,
+        residual: &Self::Buffer,
+        w: &Self::Buffer,
+        y: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (spec, dims, eps, residual, w, y);
+        Err(op_unsupported(self.info(), "gemm_rms_glu"))
+    }
+
     /// w[n, k] = round(w[n, k] · scale[k]) in place, for w [rows, cols] and scale [cols]: folds
     /// an RMSNorm's γ into the weights of the GEMM that consumes the norm (for
     /// [`gemm_rms_in`](Self::gemm_rms_in)).

@@ -16,7 +16,9 @@
 //! the unfused path computes the same product). A step whose four GEMMs all run on gemv then
 //! drops both add_rmsnorm launches of every layer: QKV and FFN1 read the raw residual and scale
 //! by its 1/rms (`gemm_rms_in`), O and FFN2 add their output to the residual in their epilogue
-//! (`gemm_residual_out`). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused launches.
+//! (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself (`gemm_rms_glu`, no silu_mul
+//! launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused launches; `FDPP_FUSED_GLU=0`
+//! keeps silu_mul apart.
 
 use std::cell::RefCell;
 
@@ -57,6 +59,10 @@ pub struct Llama<'b, B: Backend> {
     pub score_stats: RefCell<Option<ScoreStats>>,
     /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
     pub folded: bool,
+    /// Decode attention may read the older K/V rows before it waits on the rotation's kernel.
+    early_attn: bool,
+    /// A fused step runs FFN1 and silu_mul as one launch (`gemm_rms_glu`).
+    fused_glu: bool,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -112,7 +118,7 @@ impl<'b, B: Backend> Llama<'b, B> {
         let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
         let inv_freq = rope::inv_freq(cfg.head_dim, cfg.rope_theta, extras.rope_scaling.as_ref());
         let mut weights = weights;
-        let folded = b.fused_gemv_ops() && std::env::var("FDPP_FUSED_GEMV").map_or(true, |v| v != "0");
+        let folded = b.fused_gemv_ops() && env_on("FDPP_FUSED_GEMV");
         if folded {
             fold_norms(b, &cfg, dtype, &mut weights)?;
         }
@@ -128,6 +134,8 @@ impl<'b, B: Backend> Llama<'b, B> {
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
+            early_attn: env_on("FDPP_ATTN_EARLY"),
+            fused_glu: env_on("FDPP_FUSED_GLU"),
         })
     }
 
@@ -256,6 +264,9 @@ impl<'b, B: Backend> Llama<'b, B> {
                     scheme: self.scheme,
                     tables: flat,
                     num_splits: None,
+                    // The launch ahead is qkv_rope_append, which writes each sequence's newest
+                    // K/V row and no other (FDPP_ATTN_EARLY=0: read everything after the wait).
+                    early_reads: self.early_attn,
                 },
             ),
         };
@@ -440,7 +451,14 @@ impl<'b, B: Backend> Llama<'b, B> {
         if a.fused {
             self.gemm_residual_out(&gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
             self.op_times.lap(b, "gemm o")?;
-            self.gemm_rms_in(&gemms.ffn1, t, 2 * inter, h, acts, a.residual, &w.ffn1, s.ffn1)?;
+            if self.fused_glu {
+                // FFN1 and silu_mul in one launch: the gate/up output never leaves the GEMV.
+                let dims = GemmDims::new(t, inter, h)?;
+                let [r, out] = acts.many([a.residual, s.act])?;
+                b.gemm_rms_glu(&gemms.ffn1, dims, self.cfg.rms_norm_eps as f32, r, &w.ffn1, out)?;
+            } else {
+                self.gemm_rms_in(&gemms.ffn1, t, 2 * inter, h, acts, a.residual, &w.ffn1, s.ffn1)?;
+            }
         } else {
             self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
             self.op_times.lap(b, "gemm o")?;
@@ -449,7 +467,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
         }
         self.op_times.lap(b, "gemm ffn1")?;
-        {
+        if !(a.fused && self.fused_glu) {
             let [gate_up, out] = acts.many([s.ffn1, s.act])?;
             b.silu_mul(
                 &SiluMulParams {
@@ -460,8 +478,8 @@ impl<'b, B: Backend> Llama<'b, B> {
                 gate_up,
                 out,
             )?;
+            self.op_times.lap(b, "silu_mul")?;
         }
-        self.op_times.lap(b, "silu_mul")?;
         if a.fused {
             self.gemm_residual_out(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
@@ -593,6 +611,11 @@ struct LayerArgs<'x> {
     stats_params: &'x Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
+}
+
+/// A switch for A/B runs: on unless the variable is "0".
+fn env_on(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
 }
 
 /// The most rows the fused gemv kernels take (backend/cuda/gemv_fused.rs).

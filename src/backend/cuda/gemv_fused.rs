@@ -32,6 +32,17 @@ const RMS_M: [&str; MAX_M] = [
     "gemv_rms_m8",
 ];
 
+const GLU_M: [&str; MAX_M] = [
+    "gemv_rms_glu_m1",
+    "gemv_rms_glu_m2",
+    "gemv_rms_glu_m3",
+    "gemv_rms_glu_m4",
+    "gemv_rms_glu_m5",
+    "gemv_rms_glu_m6",
+    "gemv_rms_glu_m7",
+    "gemv_rms_glu_m8",
+];
+
 const RES_M: [&str; MAX_M] = [
     "gemv_res_m1",
     "gemv_res_m2",
@@ -102,11 +113,7 @@ pub fn rms_in(
 ) -> Result<()> {
     const OP: &str = "gemm_rms_in";
     check_supported(OP, spec, &d)?;
-    if !(eps.is_finite() && eps > 0.0) {
-        return Err(FdppError::InvalidArgument(format!(
-            "{OP} {spec}: eps = {eps} (must be finite and > 0)"
-        )));
-    }
+    check_eps(OP, spec, eps)?;
     d.check_lens(spec, residual.len(), w.len(), y.len())?;
     check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
@@ -118,6 +125,61 @@ pub fn rms_in(
     // (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
     unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
     b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+}
+
+/// y [M, N] = silu(g) · u, where [g | u] = rmsnorm(residual) · W'ᵀ and W' [2N, K] holds the gate
+/// rows then the up rows, with the norm's γ folded in: `gemm_rms_in` and silu_mul in one launch.
+/// The layout is the GLU entries' own (sources::GEMV_GLU_LAYOUT), whatever `spec`'s block_n.
+pub fn rms_glu(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    eps: f32,
+    residual: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
+    const OP: &str = "gemm_rms_glu";
+    check_supported(OP, spec, &d)?;
+    check_eps(OP, spec, eps)?;
+    // W holds 2N rows: checked as a GEMM of width 2N; y holds only N columns per row.
+    let wide = GemmDims::new(d.m, 2 * d.n, d.k)?;
+    wide.check_lens(spec, residual.len(), w.len(), 2 * d.m * d.n)?;
+    if y.len() < d.m * d.n {
+        return Err(FdppError::Shape {
+            what: format!("{OP} {spec} at {}: y", d.label()),
+            expected: format!("at least {} elements", d.m * d.n),
+            found: y.len().to_string(),
+        });
+    }
+    check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let src = sources::gemv_glu_source(spec.dtype);
+    let f = b.function_of(&src.uri.clone(), GLU_M[d.m - 1], 0, || Ok(src))?;
+    let (rp, wp, yp) = (b.ptr(residual), b.ptr(w), b.ptr(y));
+    let mut l = Launch::chained(b, &f);
+    l.arg(&rp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&eps);
+    let (_, ksplit) = sources::GEMV_GLU_LAYOUT;
+    let pairs_per_block = (GEMV_WARPS / ksplit) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (d.n.div_ceil(pairs_per_block) as u32, 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: residual covers [M, K], w [2N, K], y [M, N] (checked above), 16-byte aligned rows
+    // (K % 8 == 0); one row group per gate/up pair.
+    unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+}
+
+fn check_eps(op: &str, spec: &GemmSpec, eps: f32) -> Result<()> {
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        Err(FdppError::InvalidArgument(format!(
+            "{op} {spec}: eps = {eps} (must be finite and > 0)"
+        )))
+    }
 }
 
 /// residual = round(residual + round(x · Wᵀ)), bit for bit gemv into a temporary followed by
@@ -172,8 +234,14 @@ mod tests {
     fn the_fused_entry_points_are_in_the_gemv_source() {
         let spec = GemmSpec::new(GemmImpl::Gemv, DType::Bf16).with_block_n(4);
         let src = sources::gemm_source(&spec).expect("gemv source");
-        for name in RMS_M.iter().chain(RES_M.iter()) {
+        for name in RMS_M.iter().chain(RES_M.iter()).chain(GLU_M.iter()) {
             assert!(src.text.contains(&name[..name.len() - 1]), "{name}");
         }
+        // The GLU entries are compiled only in their own build, with two rows per warp.
+        let glu = sources::gemv_glu_source(DType::F16);
+        for (k, v) in [("FDPP_GLU_OFF", "0"), ("FDPP_ROWS", "2"), ("FDPP_KSPLIT", "4")] {
+            assert!(glu.defines.iter().any(|(a, b)| a == k && b == v), "{k}={v}");
+        }
+        assert!(!src.defines.iter().any(|(a, _)| a == "FDPP_GLU_OFF"));
     }
 }

@@ -284,6 +284,18 @@ impl Backend for CudaBackend {
         gemv_fused::rms_in(self, spec, dims, eps, residual, w, y)
     }
 
+    fn gemm_rms_glu(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        eps: f32,
+        residual: &CudaBuffer,
+        w: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        gemv_fused::rms_glu(self, spec, dims, eps, residual, w, y)
+    }
+
     fn gemm_residual_out(
         &self,
         spec: &GemmSpec,

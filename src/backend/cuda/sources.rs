@@ -56,6 +56,27 @@ fn expand(file: &str) -> String {
         .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
 }
 
+/// Rows per warp and K-split of the gemv GLU entries (gemv.cu, RMS_GLU): a gate row and its up
+/// row per warp group, K over 4 warps, the same 16-byte loads in flight per lane as the 1-row
+/// layouts (UNROLL = FDPP_INFLIGHT / ROWS).
+pub const GEMV_GLU_LAYOUT: (u32, u32) = (2, 4);
+
+/// The gemv source built for the fused GLU entries (`gemv_rms_glu_m*`) in `dt`.
+pub fn gemv_glu_source(dt: DType) -> KernelSource {
+    let (rows, ksplit) = GEMV_GLU_LAYOUT;
+    KernelSource {
+        uri: format!("gemv_glu_{dt}"),
+        text: expand(GEMV),
+        defines: vec![
+            dtype_define(dt),
+            ("FDPP_ROWS".into(), rows.to_string()),
+            ("FDPP_KSPLIT".into(), ksplit.to_string()),
+            ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
+            ("FDPP_GLU_OFF".into(), "0".into()),
+        ],
+    }
+}
+
 /// The source to compile for a GEMM spec, or None for ImplC (a library, nothing to compile).
 pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
     match spec.imp {
@@ -131,6 +152,7 @@ pub fn all_sources() -> Vec<KernelSource> {
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
         .collect();
+    v.extend(dtypes.iter().map(|&dt| gemv_glu_source(dt)));
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
     v.extend(dtypes.iter().map(|&dt| sample_source(dt)));
     for dt in dtypes {

@@ -653,6 +653,7 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables: FlatBlockTables::new(&layout, &ts).unwrap(),
             num_splits: splits,
+            early_reads: false,
         }
     }
 
