@@ -162,82 +162,40 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
     }
 }
 
-// A lane's walk over tokens [t0, t1) of one (sequence, kv head): per round each token group
-// takes U consecutive tokens, and the page ids of its next round are requested while this
-// round's K/V rows are in flight (one dependent round trip per round instead of two).
-template <int NT, int U>
-struct Walk {
-    const u16* kb;     // this lane's 16-byte column of the K rows (slot 0 of page 0)
-    const u16* vb;     // and of the V rows
-    const int* pages;  // the sequence's page ids
-    int page_size, t1;
-    size_t row_elems;  // elements between consecutive slots
-    int base0;         // first token of the block's current round
-    int pg[U];         // page ids of the lane's tokens of the current round
-    int slot0;         // slot of its first token
-    uint4 kr[U], vr[U];
-    bool ok[U];
-};
-
-// The walk positioned at its first round (page ids requested, no K/V yet).
-template <int NT, int U>
-__device__ __forceinline__ Walk<NT, U> walk_at(const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                               const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
-                                               int t1) {
-    Walk<NT, U> w;
-    const int li = threadIdx.x % LPT;
-    w.kb = kp + (size_t)kvh * D + li * 8;
-    w.vb = vp + (size_t)kvh * D + li * 8;
-    w.pages = pages;
-    w.page_size = page_size;
-    w.t1 = t1;
-    w.row_elems = (size_t)G * D;
-    w.base0 = t0;
-    w.slot0 = fetch_pages<U>(w.pg, pages, page_size, t0 + (int)(threadIdx.x / LPT) * U, t1);
-    return w;
-}
-
-// Request the current round's K/V rows, except token `skip`'s (-1: none).
-template <int NT, int U>
-__device__ __forceinline__ void load_round(Walk<NT, U>& w, int skip) {
-    const int base = w.base0 + (int)(threadIdx.x / LPT) * U;
-    int slot = w.slot0;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        w.ok[u] = base + u < w.t1;
-        if (w.ok[u] && base + u != skip) {
-            const size_t at = ((size_t)w.pg[u] * w.page_size + slot) * w.row_elems;
-            w.kr[u] = ld_stream16(w.kb + at);
-            w.vr[u] = ld_stream16(w.vb + at);
-        }
-        if (++slot == w.page_size) slot = 0;
-    }
-}
-
-// Accumulate the walk's tokens into `p`; the first round's rows were requested (load_round).
-template <bool ASYNC, int NT, int U>
-__device__ __forceinline__ void accumulate_walk(Part& p, const float (&qr)[HG][8], Walk<NT, U>& w, float phi2,
-                                                float b2) {
-    using S = Shape<NT, U>;
-    // The trip count is the same for every group: the shuffles in consume need whole warps.
-    for (bool first = true; w.base0 < w.t1; first = false) {
-        if (!first) load_round(w, -1);
-        const int next = w.base0 + S::ROUND;
-        if (next < w.t1)
-            w.slot0 = fetch_pages<U>(w.pg, w.pages, w.page_size, next + (int)(threadIdx.x / LPT) * U, w.t1);
-        consume<ASYNC, U>(p, qr, w.kr, w.vr, w.ok, phi2, b2);
-        w.base0 = next;
-    }
-}
-
-// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group.
+// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group: per round
+// each group takes U consecutive tokens, and the page ids of its next round are requested while
+// this round's K/V rows are in flight (one dependent round trip per round instead of two).
 template <bool ASYNC, int NT, int U>
 __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                            const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
                                            int G, int kvh, int t0, int t1, float phi2, float b2) {
-    Walk<NT, U> w = walk_at<NT, U>(kp, vp, pages, page_size, G, kvh, t0, t1);
-    load_round(w, -1);
-    accumulate_walk<ASYNC>(p, qr, w, phi2, b2);
+    using S = Shape<NT, U>;
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    const size_t row_elems = (size_t)G * D;
+    const u16* kb = kp + (size_t)kvh * D + li * 8;
+    const u16* vb = vp + (size_t)kvh * D + li * 8;
+    int pg[U];
+    int slot0 = fetch_pages<U>(pg, pages, page_size, t0 + gid * U, t1);
+    // The trip count is the same for every group: the shuffles in consume need whole warps.
+    for (int base0 = t0; base0 < t1; base0 += S::ROUND) {
+        const int base = base0 + gid * U;
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) ok[u] = base + u < t1;
+        uint4 kr[U], vr[U];
+        int slot = slot0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ok[u]) {
+                const size_t at = ((size_t)pg[u] * page_size + slot) * row_elems;
+                kr[u] = ld_stream16(kb + at);
+                vr[u] = ld_stream16(vb + at);
+            }
+            if (++slot == page_size) slot = 0;
+        }
+        if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
+        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+    }
 }
 
 // Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
@@ -533,48 +491,23 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
                                              int splits, float scale2, float phi2, float a2, float b2,
                                              float* __restrict__ ws, unsigned* __restrict__ recomputed,
-                                             u16* __restrict__ out, int early) {
+                                             u16* __restrict__ out) {
     using S = Shape<NT, U>;
-    __shared__ Smem<S::NW> sm;
-    // The tables and lengths are uploads, complete before any kernel of the chain starts: the
-    // split and its first round's page ids are known before the wait. With `early` the caller
-    // promises that the kernel ahead wrote no K/V row but each sequence's newest (the engine's
-    // qkv_rope_append), so the first round's other rows are requested before the wait too, while
-    // that kernel finishes (PDL), and the newest token's after it.
-    const int group = H / G;
-    const Where w = where(lens, G, group, splits);
-    const int* pages = table + (size_t)w.b * max_pages;
-    Walk<NT, U> walk = walk_at<NT, U>(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1);
-    const int fresh = w.len - 1;
-    if (early) load_round(walk, fresh);
     pdl_wait();
     pdl_trigger();
-    if (!early) {
-        load_round(walk, -1);
-    } else {
-        // The newest token, if this lane's first round holds it.
-        const int u = fresh - (w.t0 + (int)(threadIdx.x / LPT) * U);
-        if (u >= 0 && u < U && fresh < w.t1) {
-            Walk<NT, U> one = walk;
-            one.t1 = fresh + 1;
-            load_round(one, -1);
-#pragma unroll
-            for (int j = 0; j < U; ++j)
-                if (j == u) {
-                    walk.kr[j] = one.kr[j];
-                    walk.vr[j] = one.vr[j];
-                }
-        }
-    }
+    __shared__ Smem<S::NW> sm;
+    const int group = H / G;
+    const Where w = where(lens, G, group, splits);
     const int rows = gridDim.y * group;
     const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
+    const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, phi2);
-    accumulate_walk<true>(p, qr, walk, phi2, b2);
+    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     float a[S::EPT];
     block_merge<true, NT, U>(sm, p, a);
 
@@ -682,9 +615,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
-        unsigned* __restrict__ recomputed, u16* __restrict__ out, int early) {                                \
+        unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
         decode_async<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2, b2, \
-                            ws, recomputed, out, early);                                                      \
+                            ws, recomputed, out);                                                             \
     }
 
 FDPP_DECODE_ENTRIES(t128u4, 128, 4)
@@ -836,13 +769,12 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
     }
 }
 
-// The async kernel of the bandwidth path (workspace: async_ws()). `early` is the latency path's
-// argument, unused here: this path reads every K/V row after the wait.
+// The async kernel of the bandwidth path (workspace: async_ws()).
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                   const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
                   int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
-                  unsigned* __restrict__ recomputed, u16* __restrict__ out, int /*early*/) {
+                  unsigned* __restrict__ recomputed, u16* __restrict__ out) {
     pdl_wait();
     pdl_trigger();
     __shared__ Smem sm;

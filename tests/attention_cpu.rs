@@ -76,7 +76,6 @@ fn decode_setup(
         scheme: SoftmaxScheme::Sync,
         tables,
         num_splits: None,
-        early_reads: false,
     };
     (b, p, kv)
 }

@@ -239,8 +239,10 @@ fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
                     let what = format!("rms_glu {spec} M={m} N={inter} K={k}");
                     let mut gate_up = gpu.alloc(dt, m * 2 * inter).unwrap();
                     gpu.fill(&mut gate_up, POISON).unwrap();
+                    // The reference splits K over 4 warps as the GLU entries do (bn1): every dot
+                    // product is then summed in the same order.
                     gpu.gemm_rms_in(
-                        &spec,
+                        &gemv(dt, 1),
                         GemmDims::new(m, 2 * inter, k).unwrap(),
                         1e-5,
                         &res,

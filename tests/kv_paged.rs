@@ -96,7 +96,6 @@ fn prefill_then_decode_steps_share_one_pool() {
             },
             tables: FlatBlockTables::new(&layout, &tables).expect("tables"),
             num_splits: Some(2),
-            early_reads: false,
         };
         let reference = decode_ref(&p, &layout, &q, &kv.k.data, &kv.v.data);
         let mut out: CpuBuffer = b.alloc(DT, 2 * hd).expect("out");

@@ -234,7 +234,6 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables: tables(&l, lens),
             num_splits: splits,
-            early_reads: false,
         }
     }
 

@@ -430,7 +430,6 @@ impl<B: Backend> AttnInputs<B> {
                         scheme,
                         tables: self.tables.clone(),
                         num_splits: given,
-                        early_reads: false,
                     }),
                     splits: Some(splits),
                 }
@@ -556,7 +555,6 @@ fn decode_samples(
                 scheme: SoftmaxScheme::Sync,
                 tables: FlatBlockTables::new(layout, &[tables.table(s)])?,
                 num_splits: None,
-                early_reads: false,
             };
             let qs = &q[s * hd..(s + 1) * hd];
             p.validate(layout, qs.len(), hd, (pools.0.len(), pools.1.len()))?;
@@ -593,7 +591,6 @@ fn prefill_samples(case: &AttnBenchCase, q: &[u16], new_kv: (&[u16], &[u16])) ->
                 scheme: SoftmaxScheme::Sync,
                 tables: FlatBlockTables::new(&one_page, &[table])?,
                 num_splits: None,
-                early_reads: false,
             };
             let row = s * n + t;
             let qs = &q[row * hd..(row + 1) * hd];

@@ -389,10 +389,6 @@ fn decode_params(c: &AttnCase, inp: &Inputs, scheme: SoftmaxScheme) -> DecodePar
         scheme,
         tables: inp.tables.clone(),
         num_splits: None,
-        // The cache is uploaded, so reading it before the wait is safe here; about half of the
-        // cases (by the parity of their total kv_len) take that path of the kernels, the rest
-        // read after the wait, so both are checked.
-        early_reads: c.kv_lens.iter().sum::<usize>() % 2 == 1,
     }
 }
 

@@ -59,8 +59,6 @@ pub struct Llama<'b, B: Backend> {
     pub score_stats: RefCell<Option<ScoreStats>>,
     /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
     pub folded: bool,
-    /// Decode attention may read the older K/V rows before it waits on the rotation's kernel.
-    early_attn: bool,
     /// A fused step runs FFN1 and silu_mul as one launch (`gemm_rms_glu`).
     fused_glu: bool,
 }
@@ -134,7 +132,6 @@ impl<'b, B: Backend> Llama<'b, B> {
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
-            early_attn: env_on("FDPP_ATTN_EARLY"),
             fused_glu: env_on("FDPP_FUSED_GLU"),
         })
     }
@@ -264,9 +261,6 @@ impl<'b, B: Backend> Llama<'b, B> {
                     scheme: self.scheme,
                     tables: flat,
                     num_splits: None,
-                    // The launch ahead is qkv_rope_append, which writes each sequence's newest
-                    // K/V row and no other (FDPP_ATTN_EARLY=0: read everything after the wait).
-                    early_reads: self.early_attn,
                 },
             ),
         };

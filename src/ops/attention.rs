@@ -230,11 +230,6 @@ pub struct DecodeParams {
     pub tables: FlatBlockTables,
     /// Split-KV count; None: [`num_splits`] from the batch, the longest sequence and the device.
     pub num_splits: Option<usize>,
-    /// The caller's promise that the launch ahead of this one in the stream wrote no K/V row of
-    /// the cache but each sequence's last (the engine's decode step: qkv_rope_append). A GPU
-    /// kernel may then read the older rows before it waits on that launch (PDL), so that its
-    /// loads overlap the launch ahead. false: every row is read after the wait.
-    pub early_reads: bool,
 }
 
 impl DecodeParams {
@@ -472,7 +467,6 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables,
             num_splits: None,
-            early_reads: false,
         };
         assert_eq!(d.flops(), 4.0 * 8.0 * 64.0 * 512.0);
         // K and V: 512 tokens · 2 kv heads · 64 · 2 bytes each; q and out: 8 · 64 · 2 bytes each.

@@ -226,9 +226,6 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            // The latency path requests its first round of K/V rows before the wait when the
-            // caller allows it (DecodeParams::early_reads).
-            let early32 = (path == DecodePath::Latency && p.early_reads) as i32;
             let f = b.function_of(&uri, async_entry, 0, src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
@@ -238,13 +235,7 @@ pub fn decode(
                 .arg(&g32)
                 .arg(&s32)
                 .arg(&scale2);
-            l.arg(&phi2)
-                .arg(&a2)
-                .arg(&b2)
-                .arg(&ws)
-                .arg(&counter)
-                .arg(&op)
-                .arg(&early32);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&ws).arg(&counter).arg(&op);
             // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;

@@ -653,7 +653,6 @@ mod tests {
             scheme: SoftmaxScheme::Sync,
             tables: FlatBlockTables::new(&layout, &ts).unwrap(),
             num_splits: splits,
-            early_reads: false,
         }
     }
 
