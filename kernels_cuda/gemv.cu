@@ -121,25 +121,6 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     // The weights are never written during generation: the first loads go out before pdl_wait(),
     // while the previous kernel of the step may still be finishing (launch.rs).
     if (active) load_w(wv, wr, first, c_end);
-    // RMS_ROPE: what the epilogue reads besides the product (bias, inverse frequency, positions,
-    // slot rows: weights and uploads, complete before the kernel ahead started) is read, and the
-    // angles' sines computed, before the wait by the lanes that write, so that the epilogue has
-    // no memory round trip left (a load there lengthened every block's tail).
-    float rsn[M], rcs[M], rb[2] = {0.f, 0.f};
-    int rslot[M];
-    if (ROPE && lane == 0 && active && ks == 0) {
-        const int half = ro.D >> 1, head = row0 / half, i = row0 - head * half;
-        if (ro.bias) {
-            rb[0] = to_f32(ro.bias[head * ro.D + i]);
-            rb[1] = to_f32(ro.bias[head * ro.D + i + half]);
-        }
-        const float f = head < ro.H + ro.G ? ro.freq[i] : 0.f;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            rslot[m] = ro.slots[m];
-            sincosf(__fmul_rn((float)ro.pos[m], f), &rsn[m], &rcs[m]);
-        }
-    }
     pdl_wait();
     pdl_trigger();
     // RESIDUAL_OUT: the residual elements this lane adds to, requested now (after the wait:
@@ -227,18 +208,25 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
             const int half = ro.D >> 1, head = row0 / half, i = row0 - head * half;
             const int r0 = head * ro.D + i;
             const bool rotated = head < ro.H + ro.G;
+            float b0 = 0.f, b1 = 0.f;
+            if (ro.bias) {
+                b0 = to_f32(ro.bias[r0]);
+                b1 = to_f32(ro.bias[r0 + half]);
+            }
+            const float f = rotated ? ro.freq[i] : 0.f;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 // qkv_rope's arithmetic on the rounded product, in its order (explicit _rn).
                 float x1 = round16(acc[0][m]), x2 = round16(acc[ROWS - 1][m]);
                 if (ro.bias) {
-                    x1 += rb[0];
-                    x2 += rb[1];
+                    x1 += b0;
+                    x2 += b1;
                 }
                 u16* dst;
-                const size_t slot_row = (size_t)rslot[m] * (size_t)(ro.G * ro.D);
+                const size_t slot_row = (size_t)ro.slots[m] * (size_t)(ro.G * ro.D);
                 if (rotated) {
-                    const float sn = rsn[m], cs = rcs[m];
+                    float sn, cs;
+                    sincosf(__fmul_rn((float)ro.pos[m], f), &sn, &cs);
                     const float o1 = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
                     const float o2 = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
                     x1 = o1;

@@ -501,52 +501,36 @@ fn cases_without_a_fused_kernel_decline() {
     gpu.synchronize().unwrap();
 }
 
-/// A decode step's rotation and append for `geom` at M sequences of one page each (positions 0):
-/// the rope and append parameters and a zeroed pool of M pages.
-fn one_page_step(
-    gpu: &CudaBackend,
-    dt: DType,
-    geom: AttnGeometry,
-    m: usize,
-) -> (RopeParams, KvAppendParams, PagedKv<fdpp::backend::cuda::CudaBuffer>) {
-    let (g, d) = (geom.num_kv_heads, geom.head_dim);
-    let layout = PagedKvLayout::new(16, m.max(1), g, d, dt).unwrap();
-    let tables: Vec<BlockTable> = (0..m)
-        .map(|i| BlockTable {
-            pages: vec![i as u32],
+/// gemm_rms_rope_append at M tokens and hidden K for a 2-head geometry (H = G = 1, D = 64):
+/// for the cases that must decline before anything is read.
+fn rope_call(gpu: &CudaBackend, spec: &GemmSpec, m: usize, k: usize) -> fdpp::error::Result<()> {
+    let dt = spec.dtype;
+    let geom = AttnGeometry::new(1, 1, 64).unwrap();
+    let layout = PagedKvLayout::new(16, 1, 1, 64, dt).unwrap();
+    let tables: Vec<BlockTable> = (0..m.min(16))
+        .map(|_| BlockTable {
+            pages: vec![0],
             seq_len: 1,
         })
         .collect();
     let append = KvAppendParams {
         tables: FlatBlockTables::new(&layout, &tables).unwrap(),
-        new_lens: vec![1; m],
+        new_lens: vec![1; tables.len()],
     };
     let rope = RopeParams {
         geom,
         dtype: dt,
         positions: vec![0; m],
-        inv_freq: vec![1.0; d / 2],
-    };
-    let kv = PagedKv {
-        layout,
-        k: gpu.alloc(dt, layout.pool_elems()).unwrap(),
-        v: gpu.alloc(dt, layout.pool_elems()).unwrap(),
-    };
-    (rope, append, kv)
-}
-
-/// gemm_rms_rope_append at M tokens and hidden K for a 2-head geometry (H = G = 1, D = 64):
-/// for the cases that must decline before anything is read.
-fn rope_call(gpu: &CudaBackend, spec: &GemmSpec, m: usize, k: usize) -> fdpp::error::Result<()> {
-    let dt = spec.dtype;
-    let (rope, append, mut kv) = one_page_step(gpu, dt, AttnGeometry::new(1, 1, 64).unwrap(), m.min(16));
-    let rope = RopeParams {
-        positions: vec![0; m],
-        ..rope
+        inv_freq: vec![1.0; 32],
     };
     let x = gpu.upload(dt, &random_bits(dt, m * k, 1.0, 5)).unwrap();
     let w = gpu.upload(dt, &random_bits(dt, 192 * k, 1.0, 6)).unwrap();
     let mut q = gpu.alloc(dt, m * 64).unwrap();
+    let mut kv = PagedKv {
+        layout,
+        k: gpu.alloc(dt, layout.pool_elems()).unwrap(),
+        v: gpu.alloc(dt, layout.pool_elems()).unwrap(),
+    };
     let d = GemmDims::new(m, 192, k).unwrap();
     gpu.gemm_rms_rope_append(spec, d, 1e-5, &x, &w, &rope, &append, None, &mut q, &mut kv)
 }
@@ -688,24 +672,6 @@ fn fused_timings_llama2_7b_m1() {
             gpu.gemm_rms_glu(&s, half, norm.eps, &res, &w[i % c], &mut act)
         });
         println!("ffn1: gemv_rms + silu_mul {unfused:.2} µs vs gemv_rms_glu {fused:.2} µs");
-    }
-
-    // QKV with the rotation and KV append as its epilogue against the two launches (M = 1).
-    {
-        let (w, c) = (&ws[0], ws[0].len());
-        let (s, d) = (spec(0), dims(0));
-        let geom = AttnGeometry::new(32, 32, 128).unwrap();
-        let (rope, append, mut kv) = one_page_step(&gpu, dt, geom, 1);
-        let mut q = gpu.alloc(dt, hidden).unwrap();
-        let (mut k, mut v) = (gpu.alloc(dt, hidden).unwrap(), gpu.alloc(dt, hidden).unwrap());
-        let unfused = time_us(&gpu, reps, &mut |i| {
-            gpu.gemm_rms_in(&s, d, norm.eps, &res, &w[i % c], &mut y)?;
-            gpu.qkv_rope_append(&rope, &append, &y, None, &mut q, &mut k, &mut v, &mut kv)
-        });
-        let fused = time_us(&gpu, reps, &mut |i| {
-            gpu.gemm_rms_rope_append(&s, d, norm.eps, &res, &w[i % c], &rope, &append, None, &mut q, &mut kv)
-        });
-        println!("qkv: gemv_rms + qkv_rope_append {unfused:.2} µs vs gemv_rms_rope {fused:.2} µs");
     }
 
     // The layer's pairs: O → FFN1 and FFN2 → QKV, unfused (gemv, add_rmsnorm with the delta,
