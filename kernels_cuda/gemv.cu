@@ -16,10 +16,9 @@
 #define FDPP_KSPLIT 1
 #endif
 
-// 1: no pair entries (RMS_GLU, RMS_ROPE) in this build (the tuned layouts, where ROWS may
-// differ from 2).
-#ifndef FDPP_PAIR_OFF
-#define FDPP_PAIR_OFF 1
+// 1: no RMS_GLU entries in this build (the tuned layouts, where ROWS may differ from 2).
+#ifndef FDPP_GLU_OFF
+#define FDPP_GLU_OFF 1
 #endif
 
 constexpr int ROWS = FDPP_ROWS;
@@ -51,24 +50,8 @@ __device__ __forceinline__ void load_w(uint4 (&wv)[UNROLL][ROWS], const uint4* c
 // - RMS_GLU: RMS_IN over the fused gate/up weights [2N, K] with silu_mul as the epilogue: each
 //   row group (ROWS = 2) takes gate row n and up row N + n and writes
 //   y[m, n] = silu(round(g)) · round(u) into y [M, N], what silu_mul computes from RMS_IN's output.
-// - RMS_ROPE: RMS_IN over W_qkv [(H + 2G)·D, K] with qkv_rope_append (layer.cu) as the epilogue:
-//   each row group takes rows i and i + D/2 of one head (the rotation's pair), adds the bias,
-//   rotates q and k heads by token m's position and writes q [M, H·D], and k and v into their
-//   pools at the token's slot row, as qkv_rope does from RMS_IN's rounded output.
-constexpr int PLAIN = 0, RMS_IN = 1, RESIDUAL_OUT = 2, RMS_GLU = 3, RMS_ROPE = 4;
-static_assert(ROWS == 2 || FDPP_PAIR_OFF, "the pair entries need 2 rows per warp (gemv_fused.rs builds them so)");
-
-// What RMS_ROPE's epilogue reads and where it writes (unused by the other modes).
-struct RopeOut {
-    const u16* bias;   // [(H + 2G)·D] or null
-    u16* q;            // [M, H·D]
-    u16* kpool;        // [slots, G·D]
-    u16* vpool;        // [slots, G·D]
-    const int* pos;    // [M] positions
-    const float* freq; // [D/2] inverse frequencies
-    const int* slots;  // [M] pool rows
-    int H, G, D;
-};
+constexpr int PLAIN = 0, RMS_IN = 1, RESIDUAL_OUT = 2, RMS_GLU = 3;
+static_assert(ROWS == 2 || FDPP_GLU_OFF, "the GLU entries need 2 rows per warp (gemv_fused.rs builds them so)");
 
 // The 16-bit value a rounded store and reload of f gives (add_rmsnorm_v's output, read back).
 __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); }
@@ -77,34 +60,26 @@ __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); 
 // KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
 // their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
 // leaves ~16 warps per SM, too few loads in flight to cover HBM latency; splitting K restores it.
-// eps is read by the RMS modes, ro by RMS_ROPE only.
+// eps is read in RMS_IN mode only.
 template <int M, int MODE>
 __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* __restrict__ w,
-                                         u16* __restrict__ y, int N, int K, float eps, const RopeOut& ro) {
+                                         u16* __restrict__ y, int N, int K, float eps) {
     __shared__ float red[WARPS][ROWS][M];
     __shared__ float red_sq[WARPS][M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = warp % KSPLIT;
-    constexpr bool GLU = MODE == RMS_GLU, ROPE = MODE == RMS_ROPE, PAIR = GLU || ROPE;
-    constexpr bool RMS = MODE == RMS_IN || PAIR;
-    // The row group's first row of W and of y; the pair modes: its pair n (RMS_GLU: rows n and
-    // N + n of W; RMS_ROPE: rows i and i + D/2 of head n / (D/2), i = n % (D/2)).
-    const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * (PAIR ? 1 : ROWS);
+    constexpr bool GLU = MODE == RMS_GLU, RMS = MODE == RMS_IN || GLU;
+    // The row group's first row of W and of y; RMS_GLU: its gate/up pair n, rows n and N + n of W.
+    const int row0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * (GLU ? 1 : ROWS);
     const bool active = row0 < N;  // no early return: the K-split reduction below has a barrier
     const int K8 = K >> 3;
     const int per = (K8 + KSPLIT - 1) / KSPLIT;
     const int c_begin = ks * per, c_end = min(K8, c_begin + per);
     const uint4* wr[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        size_t wrow = (size_t)min(row0 + r, N - 1);
-        if (GLU) wrow = (size_t)min(row0, N - 1) + (size_t)r * N;
-        if (ROPE) {
-            const int pr = min(row0, N - 1), half = ro.D >> 1, head = pr / half;
-            wrow = (size_t)head * ro.D + (pr - head * half) + (size_t)r * half;
-        }
-        wr[r] = reinterpret_cast<const uint4*>(w + wrow * K);
-    }
+    for (int r = 0; r < ROWS; ++r)
+        wr[r] = reinterpret_cast<const uint4*>(w + (GLU ? (size_t)min(row0, N - 1) + (size_t)r * N
+                                                        : (size_t)min(row0 + r, N - 1)) * K);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
 
     float acc[ROWS][M];
@@ -203,45 +178,6 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r][m] *= inv;
         }
-    if (ROPE) {
-        if (lane == 0 && active) {
-            const int half = ro.D >> 1, head = row0 / half, i = row0 - head * half;
-            const int r0 = head * ro.D + i;
-            const bool rotated = head < ro.H + ro.G;
-            float b0 = 0.f, b1 = 0.f;
-            if (ro.bias) {
-                b0 = to_f32(ro.bias[r0]);
-                b1 = to_f32(ro.bias[r0 + half]);
-            }
-            const float f = rotated ? ro.freq[i] : 0.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                // qkv_rope's arithmetic on the rounded product, in its order (explicit _rn).
-                float x1 = round16(acc[0][m]), x2 = round16(acc[ROWS - 1][m]);
-                if (ro.bias) {
-                    x1 += b0;
-                    x2 += b1;
-                }
-                u16* dst;
-                const size_t slot_row = (size_t)ro.slots[m] * (size_t)(ro.G * ro.D);
-                if (rotated) {
-                    float sn, cs;
-                    sincosf(__fmul_rn((float)ro.pos[m], f), &sn, &cs);
-                    const float o1 = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
-                    const float o2 = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
-                    x1 = o1;
-                    x2 = o2;
-                    dst = head < ro.H ? ro.q + (size_t)m * ro.H * ro.D + r0
-                                      : ro.kpool + slot_row + (r0 - ro.H * ro.D);
-                } else {
-                    dst = ro.vpool + slot_row + (r0 - (ro.H + ro.G) * ro.D);
-                }
-                dst[0] = from_f32(x1);
-                dst[half] = from_f32(x2);
-            }
-        }
-        return;
-    }
     if (GLU) {
         if (lane == 0 && active)
 #pragma unroll
@@ -268,17 +204,17 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_m##MM(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y,     \
                    int N, int K) {                                                                \
-        gemv_vec<MM, PLAIN>(x, w, y, N, K, 0.f, RopeOut{});                                        \
+        gemv_vec<MM, PLAIN>(x, w, y, N, K, 0.f);                                                  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_rms_m##MM(const u16* __restrict__ residual, const u16* __restrict__ w,               \
                        u16* __restrict__ y, int N, int K, float eps) {                            \
-        gemv_vec<MM, RMS_IN>(residual, w, y, N, K, eps, RopeOut{});                                \
+        gemv_vec<MM, RMS_IN>(residual, w, y, N, K, eps);                                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_res_m##MM(const u16* __restrict__ x, const u16* __restrict__ w,                      \
                        u16* __restrict__ residual, int N, int K) {                                \
-        gemv_vec<MM, RESIDUAL_OUT>(x, w, residual, N, K, 0.f, RopeOut{});                          \
+        gemv_vec<MM, RESIDUAL_OUT>(x, w, residual, N, K, 0.f);                                    \
     }
 FDPP_GEMV_ENTRY(1)
 FDPP_GEMV_ENTRY(2)
@@ -289,13 +225,13 @@ FDPP_GEMV_ENTRY(6)
 FDPP_GEMV_ENTRY(7)
 FDPP_GEMV_ENTRY(8)
 
-#if !FDPP_PAIR_OFF
+#if !FDPP_GLU_OFF
 // y[M, N] = silu(gate) · up of rmsnorm(residual) · W'ᵀ, W' = [gate; up] [2N, K] with γ folded in.
 #define FDPP_GEMV_GLU_ENTRY(MM)                                                                   \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
         gemv_rms_glu_m##MM(const u16* __restrict__ residual, const u16* __restrict__ w,           \
                            u16* __restrict__ y, int N, int K, float eps) {                        \
-        gemv_vec<MM, RMS_GLU>(residual, w, y, N, K, eps, RopeOut{});                               \
+        gemv_vec<MM, RMS_GLU>(residual, w, y, N, K, eps);                                         \
     }
 FDPP_GEMV_GLU_ENTRY(1)
 FDPP_GEMV_GLU_ENTRY(2)
@@ -305,26 +241,6 @@ FDPP_GEMV_GLU_ENTRY(5)
 FDPP_GEMV_GLU_ENTRY(6)
 FDPP_GEMV_GLU_ENTRY(7)
 FDPP_GEMV_GLU_ENTRY(8)
-
-// q, and k and v at their slot rows, of rmsnorm(residual) · W'ᵀ (W' = W_qkv with γ folded in),
-// rotated and biased as qkv_rope_append does; N = (H + 2G)·D / 2 rotation pairs.
-#define FDPP_GEMV_ROPE_ENTRY(MM)                                                                  \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_rms_rope_m##MM(                 \
-        const u16* __restrict__ residual, const u16* __restrict__ w, int N, int K, float eps,     \
-        const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ kpool,               \
-        u16* __restrict__ vpool, const int* __restrict__ pos, const float* __restrict__ freq,     \
-        const int* __restrict__ slots, int H, int G, int D) {                                     \
-        const RopeOut ro{bias, q, kpool, vpool, pos, freq, slots, H, G, D};                       \
-        gemv_vec<MM, RMS_ROPE>(residual, w, nullptr, N, K, eps, ro);                              \
-    }
-FDPP_GEMV_ROPE_ENTRY(1)
-FDPP_GEMV_ROPE_ENTRY(2)
-FDPP_GEMV_ROPE_ENTRY(3)
-FDPP_GEMV_ROPE_ENTRY(4)
-FDPP_GEMV_ROPE_ENTRY(5)
-FDPP_GEMV_ROPE_ENTRY(6)
-FDPP_GEMV_ROPE_ENTRY(7)
-FDPP_GEMV_ROPE_ENTRY(8)
 #endif
 
 // Scalar path for any K (K = 4097: rows are not 16-byte aligned) and any M ≤ 8: correct, not fast.

@@ -5,8 +5,6 @@
 //!   max |reference| ≤ 2e-3 in f16 and 1.6e-2 in bf16 (8× its coarser rounding): the fused path
 //!   never rounds the normalized x and rounds W·γ once, so it is close, not bit for bit;
 //! - gemm_rms_glu vs gemm_rms_in into [M, 2N] then silu_mul: bit for bit (the same roundings);
-//! - gemm_rms_rope_append vs gemm_rms_in into qkv then qkv_rope_append: q and both pools bit for
-//!   bit (GQA and MHA, with and without bias, 1..8 tokens at scattered pages and long positions);
 //! - gemm_residual_out vs gemm into a temporary then add_rmsnorm's residual add: bit for bit;
 //! - cases without a fused kernel decline with `Unsupported`.
 //!
@@ -19,11 +17,8 @@ use fdpp::backend::Backend;
 use fdpp::bench::Stats;
 use fdpp::dtype::{random_bits, DType};
 use fdpp::error::FdppError;
-use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
-use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use fdpp::ops::layer::{KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
-use rand::seq::SliceRandom;
+use fdpp::ops::layer::{RmsNormParams, SiluMulParams};
 use rand::{Rng, SeedableRng};
 
 const DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
@@ -285,111 +280,6 @@ fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn rms_rope_append_is_rms_in_then_qkv_rope_append_bit_for_bit() {
-    let gpu = CudaBackend::open(0).expect("CUDA device 0");
-    let mut r = rng();
-    for dt in DTYPES {
-        let mut cases = 0;
-        for (h, g, d, hidden, with_bias) in [
-            (8, 2, 128, 1048, true),
-            (4, 4, 64, 256, false),
-            (32, 8, 128, 4096, true),
-        ] {
-            let geom = AttnGeometry::new(h, g, d).unwrap();
-            let n = (h + 2 * g) * d;
-            let w = gpu
-                .upload(dt, &random_bits(dt, n * hidden, 1.0 / (hidden as f32).sqrt(), r.gen()))
-                .unwrap();
-            let bias = gpu.upload(dt, &random_bits(dt, n, 0.5, r.gen())).unwrap();
-            let layout = PagedKvLayout::new(16, 64, g, d, dt).unwrap();
-            let pool_k = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
-            let pool_v = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
-            let inv_freq: Vec<f32> = (0..d / 2).map(|i| 10_000f32.powf(-2.0 * i as f32 / d as f32)).collect();
-            for m in ms() {
-                // m sequences, one new token each, at ragged lengths over shuffled pages.
-                let mut pages: Vec<u32> = (0..64).collect();
-                pages.shuffle(&mut r);
-                let seq_lens: Vec<usize> = (0..m).map(|_| r.gen_range(1..=96)).collect();
-                let mut at = 0;
-                let tables: Vec<BlockTable> = seq_lens
-                    .iter()
-                    .map(|&len| {
-                        let np = layout.pages_for(len);
-                        at += np;
-                        BlockTable {
-                            pages: pages[at - np..at].to_vec(),
-                            seq_len: len,
-                        }
-                    })
-                    .collect();
-                let append = KvAppendParams {
-                    tables: FlatBlockTables::new(&layout, &tables).unwrap(),
-                    new_lens: vec![1; m],
-                };
-                // Long positions (the slow sincos path) as well as the table's own.
-                let rope = RopeParams {
-                    geom,
-                    dtype: dt,
-                    positions: seq_lens
-                        .iter()
-                        .map(|&l| (l as i32 - 1) + r.gen_range(0..5000))
-                        .collect(),
-                    inv_freq: inv_freq.clone(),
-                };
-                let res = gpu.upload(dt, &residual_rows(dt, m, hidden, r.gen())).unwrap();
-                let dims = GemmDims::new(m, n, hidden).unwrap();
-                let b = with_bias.then_some(&bias);
-                let mut runs = Vec::new();
-                for fused in [false, true] {
-                    let mut q = gpu.alloc(dt, m * h * d).unwrap();
-                    gpu.fill(&mut q, POISON).unwrap();
-                    let mut kv = PagedKv {
-                        layout,
-                        k: gpu.upload(dt, &pool_k).unwrap(),
-                        v: gpu.upload(dt, &pool_v).unwrap(),
-                    };
-                    if fused {
-                        gpu.gemm_rms_rope_append(
-                            &gemv(dt, 1),
-                            dims,
-                            1e-5,
-                            &res,
-                            &w,
-                            &rope,
-                            &append,
-                            b,
-                            &mut q,
-                            &mut kv,
-                        )
-                        .unwrap_or_else(|e| panic!("{dt} {} M={m}: {e}", geom.label()));
-                    } else {
-                        // The reference GEMV splits K over 4 warps as the pair entries do (bn1).
-                        let mut qkv = gpu.alloc(dt, m * n).unwrap();
-                        gpu.gemm_rms_in(&gemv(dt, 1), dims, 1e-5, &res, &w, &mut qkv).unwrap();
-                        let (mut k, mut v) = (gpu.alloc(dt, m * g * d).unwrap(), gpu.alloc(dt, m * g * d).unwrap());
-                        gpu.qkv_rope_append(&rope, &append, &qkv, b, &mut q, &mut k, &mut v, &mut kv)
-                            .unwrap();
-                    }
-                    runs.push([&q, &kv.k, &kv.v].map(|x| gpu.download(x).unwrap()));
-                }
-                let what = format!("{dt} {} bias {with_bias} M={m}", geom.label());
-                let (q_same, _) = compare(dt, &runs[1][0], &runs[0][0], &what);
-                assert_eq!(q_same, m * h * d, "{what}: q");
-                assert!(runs[0][1] == runs[1][1], "{what}: K pool differs");
-                assert!(runs[0][2] == runs[1][2], "{what}: V pool differs");
-                assert!(
-                    runs[1][1] != pool_k && runs[1][2] != pool_v,
-                    "{what}: the pools were written"
-                );
-                cases += 1;
-            }
-        }
-        println!("rms_rope_append {dt}: {cases} cases, q and pools bit-identical");
-    }
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
 fn residual_out_is_gemv_then_add_bit_for_bit() {
     let gpu = CudaBackend::open(0).expect("CUDA device 0");
     let mut r = rng();
@@ -471,8 +361,6 @@ fn cases_without_a_fused_kernel_decline() {
         let half = GemmDims::new(m, n / 2, k).unwrap();
         let e = gpu.gemm_rms_glu(&spec, half, 1e-5, &x, &w, &mut y);
         assert!(matches!(e, Err(FdppError::Unsupported { .. })), "rms_glu {why}: {e:?}");
-        let e = rope_call(&gpu, &spec, m, k);
-        assert!(matches!(e, Err(FdppError::Unsupported { .. })), "rms_rope {why}: {e:?}");
         let e = gpu.gemm_residual_out(&spec, d, &x, &w, &mut y);
         assert!(
             matches!(e, Err(FdppError::Unsupported { .. })),
@@ -499,40 +387,6 @@ fn cases_without_a_fused_kernel_decline() {
     let e = gpu.gemm_rms_glu(&gemv(dt, 8), d, 1e-5, &x, &w, &mut y_short);
     assert!(matches!(e, Err(FdppError::Shape { .. })), "{e:?}");
     gpu.synchronize().unwrap();
-}
-
-/// gemm_rms_rope_append at M tokens and hidden K for a 2-head geometry (H = G = 1, D = 64):
-/// for the cases that must decline before anything is read.
-fn rope_call(gpu: &CudaBackend, spec: &GemmSpec, m: usize, k: usize) -> fdpp::error::Result<()> {
-    let dt = spec.dtype;
-    let geom = AttnGeometry::new(1, 1, 64).unwrap();
-    let layout = PagedKvLayout::new(16, 1, 1, 64, dt).unwrap();
-    let tables: Vec<BlockTable> = (0..m.min(16))
-        .map(|_| BlockTable {
-            pages: vec![0],
-            seq_len: 1,
-        })
-        .collect();
-    let append = KvAppendParams {
-        tables: FlatBlockTables::new(&layout, &tables).unwrap(),
-        new_lens: vec![1; tables.len()],
-    };
-    let rope = RopeParams {
-        geom,
-        dtype: dt,
-        positions: vec![0; m],
-        inv_freq: vec![1.0; 32],
-    };
-    let x = gpu.upload(dt, &random_bits(dt, m * k, 1.0, 5)).unwrap();
-    let w = gpu.upload(dt, &random_bits(dt, 192 * k, 1.0, 6)).unwrap();
-    let mut q = gpu.alloc(dt, m * 64).unwrap();
-    let mut kv = PagedKv {
-        layout,
-        k: gpu.alloc(dt, layout.pool_elems()).unwrap(),
-        v: gpu.alloc(dt, layout.pool_elems()).unwrap(),
-    };
-    let d = GemmDims::new(m, 192, k).unwrap();
-    gpu.gemm_rms_rope_append(spec, d, 1e-5, &x, &w, &rope, &append, None, &mut q, &mut kv)
 }
 
 /// Median µs of `f` over `reps` back-to-back runs (PDL-chained as in a decode step).

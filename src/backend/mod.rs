@@ -179,29 +179,6 @@ pub trait Backend {
         Err(op_unsupported(self.info(), "gemm_rms_glu"))
     }
 
-    /// A decode step's QKV GEMM with its rotation and KV append as the epilogue: q [M, H·D], and
-    /// each token's k and v at its slot row of `kv`, from rmsnorm(residual) · Wᵀ with W = W_qkv
-    /// holding the norm's γ (`dims` = [M, (H + 2G)·D, K]); what
-    /// [`gemm_rms_in`](Self::gemm_rms_in) into a qkv buffer followed by
-    /// [`qkv_rope_append`](Self::qkv_rope_append) computes, in one launch.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_rms_rope_append(
-        &self,
-        spec: &GemmSpec,
-        dims: GemmDims,
-        eps: f32,
-        residual: &Self::Buffer,
-        w: &Self::Buffer,
-        rope: &RopeParams,
-        append: &KvAppendParams,
-        bias: Option<&Self::Buffer>,
-        q: &mut Self::Buffer,
-        kv: &mut PagedKv<Self::Buffer>,
-    ) -> Result<()> {
-        let _ = (spec, dims, eps, residual, w, rope, append, bias, q, kv);
-        Err(op_unsupported(self.info(), "gemm_rms_rope_append"))
-    }
-
     /// w[n, k] = round(w[n, k] · scale[k]) in place, for w [rows, cols] and scale [cols]: folds
     /// an RMSNorm's γ into the weights of the GEMM that consumes the norm (for
     /// [`gemm_rms_in`](Self::gemm_rms_in)).

@@ -17,9 +17,8 @@
 //! drops both add_rmsnorm launches of every layer: QKV and FFN1 read the raw residual and scale
 //! by its 1/rms (`gemm_rms_in`), O and FFN2 add their output to the residual in their epilogue
 //! (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself (`gemm_rms_glu`, no silu_mul
-//! launch), and in a decode step QKV rotates q and k and appends k and v to the cache itself
-//! (`gemm_rms_rope_append`, no qkv_rope_append launch). `FDPP_FUSED_GEMV=0` keeps the weights and
-//! the unfused launches; `FDPP_FUSED_GLU=0` keeps silu_mul apart, `FDPP_FUSED_ROPE=0` the rotation.
+//! launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused launches; `FDPP_FUSED_GLU=0`
+//! keeps silu_mul apart.
 
 use std::cell::RefCell;
 
@@ -62,8 +61,6 @@ pub struct Llama<'b, B: Backend> {
     pub folded: bool,
     /// A fused step runs FFN1 and silu_mul as one launch (`gemm_rms_glu`).
     fused_glu: bool,
-    /// A fused decode step runs QKV and qkv_rope_append as one launch (`gemm_rms_rope_append`).
-    fused_rope: bool,
 }
 
 /// Whether a step appends one token per sequence (decode) or attends over several new tokens.
@@ -136,7 +133,6 @@ impl<'b, B: Backend> Llama<'b, B> {
             score_stats: RefCell::new(None),
             folded,
             fused_glu: env_on("FDPP_FUSED_GLU"),
-            fused_rope: env_on("FDPP_FUSED_ROPE"),
         })
     }
 
@@ -404,32 +400,22 @@ impl<'b, B: Backend> Llama<'b, B> {
         let (h, t, dt) = (cfg.hidden_size, a.tokens, self.dtype);
         let (w, s) = (&self.weights.layers[l], acts.plan.layers[l]);
         let (norm, rope, gemms) = (a.norm, a.rope, a.gemms);
+        if a.fused {
+            self.gemm_rms_in(&gemms.qkv, t, self.qkv_n(), h, acts, a.residual, &w.qkv, s.qkv)?;
+        } else {
+            self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+            self.op_times.lap(b, "add_rmsnorm")?;
+            self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+        }
+        self.op_times.lap(b, "gemm qkv")?;
         let cache = &mut kv.layers[l];
-        match a.attn {
-            // A fused decode step: the rotation and the KV append are the QKV GEMV's epilogue.
-            Attn::Decode(ap, _) if a.fused && self.fused_rope => {
-                let dims = GemmDims::new(t, self.qkv_n(), h)?;
-                let [r, q] = acts.many([a.residual, s.q])?;
-                let eps = cfg.rms_norm_eps as f32;
-                let bias = w.qkv_bias.as_ref();
-                b.gemm_rms_rope_append(&gemms.qkv, dims, eps, r, &w.qkv, rope, ap, bias, q, cache)?;
-            }
-            _ => {
-                if a.fused {
-                    self.gemm_rms_in(&gemms.qkv, t, self.qkv_n(), h, acts, a.residual, &w.qkv, s.qkv)?;
-                } else {
-                    self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
-                    self.op_times.lap(b, "add_rmsnorm")?;
-                    self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
-                }
-                self.op_times.lap(b, "gemm qkv")?;
-                let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
-                match a.attn {
-                    Attn::Prefill(_) => b.qkv_rope(rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
-                    // A decode step appends its token's k and v to the cache in the same kernel
-                    // as the rotation (one launch fewer per layer on a GPU).
-                    Attn::Decode(ap, _) => b.qkv_rope_append(rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
-                }
+        {
+            let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
+            match a.attn {
+                Attn::Prefill(_) => b.qkv_rope(rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
+                // A decode step appends its token's k and v to the cache in the same kernel
+                // as the rotation (one launch fewer per layer on a GPU).
+                Attn::Decode(ap, _) => b.qkv_rope_append(rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
             }
         }
         self.op_times.lap(b, "qkv_rope")?;

@@ -13,12 +13,10 @@ use cudarc::driver::LaunchConfig;
 use super::gemm::{i32_of, vec_ok};
 use super::launch::Launch;
 use super::sources::{self, GEMV_WARPS};
-use super::{drv, layer, CudaBackend, CudaBuffer};
+use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
 use crate::error::{FdppError, Result};
-use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use crate::ops::layer::{KvAppendParams, RopeParams};
 
 /// Rows of x one fused launch takes (the kernels hold M rows of accumulators in registers).
 pub const MAX_M: usize = 8;
@@ -43,17 +41,6 @@ const GLU_M: [&str; MAX_M] = [
     "gemv_rms_glu_m6",
     "gemv_rms_glu_m7",
     "gemv_rms_glu_m8",
-];
-
-const ROPE_M: [&str; MAX_M] = [
-    "gemv_rms_rope_m1",
-    "gemv_rms_rope_m2",
-    "gemv_rms_rope_m3",
-    "gemv_rms_rope_m4",
-    "gemv_rms_rope_m5",
-    "gemv_rms_rope_m6",
-    "gemv_rms_rope_m7",
-    "gemv_rms_rope_m8",
 ];
 
 const RES_M: [&str; MAX_M] = [
@@ -142,7 +129,7 @@ pub fn rms_in(
 
 /// y [M, N] = silu(g) · u, where [g | u] = rmsnorm(residual) · W'ᵀ and W' [2N, K] holds the gate
 /// rows then the up rows, with the norm's γ folded in: `gemm_rms_in` and silu_mul in one launch.
-/// The layout is the pair entries' own (sources::GEMV_PAIR_LAYOUT), whatever `spec`'s block_n.
+/// The layout is the GLU entries' own (sources::GEMV_GLU_LAYOUT), whatever `spec`'s block_n.
 pub fn rms_glu(
     b: &CudaBackend,
     spec: &GemmSpec,
@@ -167,110 +154,22 @@ pub fn rms_glu(
     }
     check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
     let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
-    let src = sources::gemv_pair_source(spec.dtype);
+    let src = sources::gemv_glu_source(spec.dtype);
     let f = b.function_of(&src.uri.clone(), GLU_M[d.m - 1], 0, || Ok(src))?;
     let (rp, wp, yp) = (b.ptr(residual), b.ptr(w), b.ptr(y));
     let mut l = Launch::chained(b, &f);
     l.arg(&rp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&eps);
-    let cfg = pair_config(d.n);
+    let (_, ksplit) = sources::GEMV_GLU_LAYOUT;
+    let pairs_per_block = (GEMV_WARPS / ksplit) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (d.n.div_ceil(pairs_per_block) as u32, 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: residual covers [M, K], w [2N, K], y [M, N] (checked above), 16-byte aligned rows
     // (K % 8 == 0); one row group per gate/up pair.
     unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {OP} {spec}")))?;
     b.check_launch(&format!("{OP} {spec} at {}", d.label()))
-}
-
-/// The QKV GEMV of a decode step with its rotation and KV append as the epilogue: q, and each
-/// token's k and v at its slot row of the pools, from rmsnorm(residual) · W'ᵀ (W' = W_qkv with
-/// the norm's γ folded in, `d` = [M, (H + 2G)·D, K]); what `gemm_rms_in` into a qkv buffer
-/// followed by `qkv_rope_append` computes, in one launch. The layout is the pair entries' own.
-#[allow(clippy::too_many_arguments)]
-pub fn rms_rope_append(
-    b: &CudaBackend,
-    spec: &GemmSpec,
-    d: GemmDims,
-    eps: f32,
-    residual: &CudaBuffer,
-    w: &CudaBuffer,
-    rope: &RopeParams,
-    append: &KvAppendParams,
-    bias: Option<&CudaBuffer>,
-    q: &mut CudaBuffer,
-    kv: &mut PagedKv<CudaBuffer>,
-) -> Result<()> {
-    const OP: &str = "gemm_rms_rope_append";
-    check_supported(OP, spec, &d)?;
-    check_eps(OP, spec, eps)?;
-    let g = rope.geom;
-    let (heads, kvh, hd) = (g.num_heads, g.num_kv_heads, g.head_dim);
-    if d.n != (heads + 2 * kvh) * hd || rope.positions.len() != d.m {
-        return Err(FdppError::Shape {
-            what: format!("{OP} {spec}: the GEMM against the rotation ({})", g.label()),
-            expected: format!(
-                "M = {} tokens, N = (H + 2G)·D = {}",
-                rope.positions.len(),
-                (heads + 2 * kvh) * hd
-            ),
-            found: format!("M = {}, N = {}", d.m, d.n),
-        });
-    }
-    d.check_lens(spec, residual.len(), w.len(), d.m * d.n)?;
-    // The rotation's checks, with the lengths its separate launch would have had.
-    let kv_rows = d.m * kvh * hd;
-    layer::check_rope_append(
-        rope,
-        append,
-        kv,
-        d.m * d.n,
-        bias.map(|x| x.len()),
-        q.len(),
-        (kv_rows, kv_rows),
-    )?;
-    check_dtypes(
-        OP,
-        spec,
-        &[
-            ("residual", residual),
-            ("w", w),
-            ("q", q),
-            ("K pool", &kv.k),
-            ("V pool", &kv.v),
-        ],
-    )?;
-    if let Some(x) = bias {
-        check_dtypes(OP, spec, &[("bias", x)])?;
-    }
-    let (n, k) = (i32_of(d.n / 2, "N / 2", spec)?, i32_of(d.k, "K", spec)?);
-    let (h32, g32, d32) = (
-        i32_of(heads, "H", spec)?,
-        i32_of(kvh, "G", spec)?,
-        i32_of(hd, "D", spec)?,
-    );
-    let slots = layer::slot_rows(b, append, &kv.layout)?;
-    let (pos, freq) = layer::rope_arrays(b, rope)?;
-    let src = sources::gemv_pair_source(spec.dtype);
-    let f = b.function_of(&src.uri.clone(), ROPE_M[d.m - 1], 0, || Ok(src))?;
-    let (rp, wp, bp, qp) = (b.ptr(residual), b.ptr(w), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
-    let (kp, vp) = (b.ptr(&kv.k), b.ptr(&kv.v));
-    let mut l = Launch::chained(b, &f);
-    l.arg(&rp).arg(&wp).arg(&n).arg(&k).arg(&eps);
-    l.arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq).arg(&slots);
-    l.arg(&h32).arg(&g32).arg(&d32);
-    // SAFETY: residual covers [M, K], w [(H + 2G)·D, K] (16-byte rows, K % 8 == 0), q [M, H·D],
-    // bias [(H + 2G)·D]; every slot row lies in the pools (append.validate); positions, inv_freq
-    // and slots were uploaded above for these M tokens. One row group per rotation pair.
-    unsafe { l.launch(pair_config(d.n / 2)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
-    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
-}
-
-/// One row group per pair, GEMV_WARPS / ksplit row groups per block.
-fn pair_config(pairs: usize) -> LaunchConfig {
-    let (_, ksplit) = sources::GEMV_PAIR_LAYOUT;
-    let per_block = (GEMV_WARPS / ksplit) as usize;
-    LaunchConfig {
-        grid_dim: (pairs.div_ceil(per_block) as u32, 1, 1),
-        block_dim: (GEMV_WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 fn check_eps(op: &str, spec: &GemmSpec, eps: f32) -> Result<()> {
@@ -335,19 +234,14 @@ mod tests {
     fn the_fused_entry_points_are_in_the_gemv_source() {
         let spec = GemmSpec::new(GemmImpl::Gemv, DType::Bf16).with_block_n(4);
         let src = sources::gemm_source(&spec).expect("gemv source");
-        for name in RMS_M
-            .iter()
-            .chain(RES_M.iter())
-            .chain(GLU_M.iter())
-            .chain(ROPE_M.iter())
-        {
+        for name in RMS_M.iter().chain(RES_M.iter()).chain(GLU_M.iter()) {
             assert!(src.text.contains(&name[..name.len() - 1]), "{name}");
         }
         // The GLU entries are compiled only in their own build, with two rows per warp.
-        let glu = sources::gemv_pair_source(DType::F16);
-        for (k, v) in [("FDPP_PAIR_OFF", "0"), ("FDPP_ROWS", "2"), ("FDPP_KSPLIT", "4")] {
+        let glu = sources::gemv_glu_source(DType::F16);
+        for (k, v) in [("FDPP_GLU_OFF", "0"), ("FDPP_ROWS", "2"), ("FDPP_KSPLIT", "4")] {
             assert!(glu.defines.iter().any(|(a, b)| a == k && b == v), "{k}={v}");
         }
-        assert!(!src.defines.iter().any(|(a, _)| a == "FDPP_PAIR_OFF"));
+        assert!(!src.defines.iter().any(|(a, _)| a == "FDPP_GLU_OFF"));
     }
 }

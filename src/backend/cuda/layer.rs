@@ -156,41 +156,10 @@ pub fn qkv_rope_append(
     v: &CudaBuffer,
     kv: &mut PagedKv<CudaBuffer>,
 ) -> Result<()> {
-    check_rope_append(
-        rope,
-        append,
-        kv,
-        qkv.len(),
-        bias.map(|x| x.len()),
-        q.len(),
-        (k.len(), v.len()),
-    )?;
-    check_dtypes(
-        "qkv_rope_append",
-        rope.dtype,
-        &[("qkv", qkv), ("q", q), ("K pool", &kv.k), ("V pool", &kv.v)],
-    )?;
-    let slots = slot_rows(b, append, &kv.layout)?;
-    let pools = (b.ptr(&kv.k), b.ptr(&kv.v));
-    launch_rope(b, rope, qkv, bias, q, pools, Some(slots))
-}
-
-/// The checks of a rotation with the KV append fused in: the rope's buffers (qkv, bias, q and
-/// the new k and v rows, by length), the pools and slots of the append, and that both describe
-/// the same tokens and kv width.
-pub(crate) fn check_rope_append(
-    rope: &RopeParams,
-    append: &KvAppendParams,
-    kv: &PagedKv<CudaBuffer>,
-    qkv_len: usize,
-    bias_len: Option<usize>,
-    q_len: usize,
-    kv_lens: (usize, usize),
-) -> Result<()> {
-    rope.validate(qkv_len, bias_len, q_len, kv_lens.0, kv_lens.1)?;
+    rope.validate(qkv.len(), bias.map(|x| x.len()), q.len(), k.len(), v.len())?;
     let layout = kv.layout;
     layout.validate()?;
-    append.validate(&layout, kv_lens.0, kv_lens.1, (kv.k.len(), kv.v.len()))?;
+    append.validate(&layout, k.len(), v.len(), (kv.k.len(), kv.v.len()))?;
     if append.tokens() != rope.positions.len() || layout.token_elems() != rope.geom.num_kv_heads * rope.geom.head_dim {
         return Err(FdppError::InvalidArgument(format!(
             "qkv_rope_append: {} rotated tokens of {} kv heads × {} for {} appended tokens of width {}",
@@ -201,27 +170,19 @@ pub(crate) fn check_rope_append(
             layout.token_elems()
         )));
     }
-    Ok(())
-}
-
-/// The device address of the append's slot rows (one i32 per new token), uploaded into the KV
-/// slot upload (skipped when it holds these rows already).
-pub(crate) fn slot_rows(b: &CudaBackend, append: &KvAppendParams, layout: &crate::kv::PagedKvLayout) -> Result<u64> {
-    let mut st = b.layer.borrow_mut();
-    st.pack.clear();
-    st.pack.push_i32s(plan::kv_slot_rows(append, layout)?);
-    upload_pack(b, &mut st, Slot::KvSlots)
-}
-
-/// The device addresses of the rotation's positions (i32 per token) and inverse frequencies
-/// (f32 per pair, 16-byte aligned), uploaded together into the rope upload.
-pub(crate) fn rope_arrays(b: &CudaBackend, p: &RopeParams) -> Result<(u64, u64)> {
-    let mut st = b.layer.borrow_mut();
-    st.pack.clear();
-    let pos_at = st.pack.push_i32s(p.positions.iter().copied());
-    let freq_at = st.pack.push_f32s(&p.inv_freq);
-    let base = upload_pack(b, &mut st, Slot::Rope)?;
-    Ok((base + pos_at as u64, base + freq_at as u64))
+    check_dtypes(
+        "qkv_rope_append",
+        rope.dtype,
+        &[("qkv", qkv), ("q", q), ("K pool", &kv.k), ("V pool", &kv.v)],
+    )?;
+    let slots = {
+        let mut st = b.layer.borrow_mut();
+        st.pack.clear();
+        st.pack.push_i32s(plan::kv_slot_rows(append, &layout)?);
+        upload_pack(b, &mut st, Slot::KvSlots)?
+    };
+    let pools = (b.ptr(&kv.k), b.ptr(&kv.v));
+    launch_rope(b, rope, qkv, bias, q, pools, Some(slots))
 }
 
 /// The qkv_rope launch: k and v rows go to `kv.0` / `kv.1` at row t, or at row slots[t] when the
@@ -245,8 +206,13 @@ fn launch_rope(
         i32_dim(g.num_kv_heads, "num_kv_heads", "qkv_rope")?,
         i32_dim(g.head_dim, "head_dim", "qkv_rope")?,
     ];
-    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
-    let (pos, freq) = rope_arrays(b, p)?;
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, p.dtype, l.kernel)?;
+    st.pack.clear();
+    let pos_at = st.pack.push_i32s(p.positions.iter().copied());
+    let freq_at = st.pack.push_f32s(&p.inv_freq);
+    let base = upload_pack(b, &mut st, Slot::Rope)?;
+    let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
     let (xp, bp, qp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
     let (kp, vp) = kv;
     let sp = slots.unwrap_or(0);

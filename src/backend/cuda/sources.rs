@@ -56,24 +56,23 @@ fn expand(file: &str) -> String {
         .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
 }
 
-/// Rows per warp and K-split of the gemv pair entries (gemv.cu, RMS_GLU and RMS_ROPE): the two
-/// rows an epilogue combines (gate and up; a rotation pair) per warp group, K over 4 warps as in
-/// the 1-row layout bn1 (same summation order), the same 16-byte loads in flight per lane
-/// (UNROLL = FDPP_INFLIGHT / ROWS).
-pub const GEMV_PAIR_LAYOUT: (u32, u32) = (2, 4);
+/// Rows per warp and K-split of the gemv GLU entries (gemv.cu, RMS_GLU): a gate row and its up
+/// row per warp group, K over 4 warps, the same 16-byte loads in flight per lane as the 1-row
+/// layouts (UNROLL = FDPP_INFLIGHT / ROWS).
+pub const GEMV_GLU_LAYOUT: (u32, u32) = (2, 4);
 
-/// The gemv source built for the pair entries (`gemv_rms_glu_m*`, `gemv_rms_rope_m*`) in `dt`.
-pub fn gemv_pair_source(dt: DType) -> KernelSource {
-    let (rows, ksplit) = GEMV_PAIR_LAYOUT;
+/// The gemv source built for the fused GLU entries (`gemv_rms_glu_m*`) in `dt`.
+pub fn gemv_glu_source(dt: DType) -> KernelSource {
+    let (rows, ksplit) = GEMV_GLU_LAYOUT;
     KernelSource {
-        uri: format!("gemv_pair_{dt}"),
+        uri: format!("gemv_glu_{dt}"),
         text: expand(GEMV),
         defines: vec![
             dtype_define(dt),
             ("FDPP_ROWS".into(), rows.to_string()),
             ("FDPP_KSPLIT".into(), ksplit.to_string()),
             ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
-            ("FDPP_PAIR_OFF".into(), "0".into()),
+            ("FDPP_GLU_OFF".into(), "0".into()),
         ],
     }
 }
@@ -153,7 +152,7 @@ pub fn all_sources() -> Vec<KernelSource> {
         .flat_map(|&dt| all_gemm_specs(dt))
         .filter_map(|s| gemm_source(&s))
         .collect();
-    v.extend(dtypes.iter().map(|&dt| gemv_pair_source(dt)));
+    v.extend(dtypes.iter().map(|&dt| gemv_glu_source(dt)));
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
     v.extend(dtypes.iter().map(|&dt| sample_source(dt)));
     for dt in dtypes {
