@@ -450,3 +450,66 @@ fn fused_rope_append_equals_rope_then_append() {
         }
     }
 }
+
+/// The running recompute total of the enqueued decode attention is read back with the greedy
+/// choice (one host wait per step): after argmax_rows, take_recomputed returns what the counting
+/// path reports for the same launch, and then nothing until another launch counts.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn recompute_total_comes_back_with_the_greedy_choice() {
+    let (_cpu, gpu) = open();
+    let mut r = rng();
+    let dt = DType::F16;
+    let geom = AttnGeometry::new(4, 4, 64).unwrap();
+    let layout = PagedKvLayout::new(16, 8, 4, 64, dt).unwrap();
+    let tables = vec![
+        BlockTable {
+            pages: vec![3, 1, 6],
+            seq_len: 40,
+        },
+        BlockTable {
+            pages: vec![0, 5],
+            seq_len: 29,
+        },
+    ];
+    // A window of width 1 around φ = 0: random scores leave it, so rows are recomputed.
+    let p = fdpp::ops::attention::DecodeParams {
+        geom,
+        dtype: dt,
+        scheme: fdpp::ops::attention::SoftmaxScheme::Async {
+            phi: 0.0,
+            a: -0.5,
+            b: 0.5,
+        },
+        tables: FlatBlockTables::new(&layout, &tables).unwrap(),
+        num_splits: None,
+    };
+    let q = gpu.upload(dt, &random_bits(dt, 2 * 4 * 64, 4.0, r.gen())).unwrap();
+    let kv = PagedKv {
+        layout,
+        k: gpu
+            .upload(dt, &random_bits(dt, layout.pool_elems(), 4.0, r.gen()))
+            .unwrap(),
+        v: gpu
+            .upload(dt, &random_bits(dt, layout.pool_elems(), 1.0, r.gen()))
+            .unwrap(),
+    };
+    let mut out = gpu.alloc(dt, 2 * 4 * 64).unwrap();
+    let counted = gpu.attention_decode(&p, &q, &kv, &mut out).unwrap().recomputed;
+    assert!(counted > 0, "the narrow window flags rows");
+    assert_eq!(
+        gpu.take_recomputed().unwrap(),
+        0,
+        "the counting path keeps its own count"
+    );
+    gpu.attention_decode_enqueue(&p, &q, &kv, &mut out).unwrap();
+    gpu.attention_decode_enqueue(&p, &q, &kv, &mut out).unwrap();
+    let logits = gpu.upload(dt, &random_bits(dt, 2 * 300, 1.0, r.gen())).unwrap();
+    let ids = gpu.argmax_rows(&logits, 2, 300).unwrap();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(gpu.take_recomputed().unwrap(), 2 * counted, "two launches' rows");
+    assert_eq!(gpu.take_recomputed().unwrap(), 0, "nothing counted since");
+    // Without a greedy choice in between, take_recomputed reads the device itself.
+    gpu.attention_decode_enqueue(&p, &q, &kv, &mut out).unwrap();
+    assert_eq!(gpu.take_recomputed().unwrap(), counted);
+}

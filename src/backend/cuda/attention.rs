@@ -128,6 +128,23 @@ pub(super) fn per_call_count(b: &CudaBackend, sc: &Scratch, counting: bool) -> R
     }
 }
 
+/// Copy the running recompute total of the enqueue paths into `dst` and reset it, both in stream
+/// order (no host wait): the caller downloads `dst` with what it reads back anyway. false when
+/// no enqueue path has counted yet (nothing copied).
+pub(super) fn stage_running_count(b: &CudaBackend, dst: &mut cudarc::driver::CudaViewMut<u32>) -> Result<bool> {
+    let mut sc = b.attn.borrow_mut();
+    let Some(c) = sc.counters.as_mut() else {
+        return Ok(false);
+    };
+    b.stream()
+        .memcpy_dtod(&c.slice(RUNNING..RUNNING + 1), dst)
+        .map_err(drv("copying the recompute counter"))?;
+    b.stream()
+        .memset_zeros(&mut c.slice_mut(RUNNING..RUNNING + 1))
+        .map_err(drv("resetting the recompute counter"))?;
+    Ok(true)
+}
+
 /// Read and reset the running recompute total of the enqueue paths.
 pub fn take_recomputed(b: &CudaBackend) -> Result<usize> {
     let mut sc = b.attn.borrow_mut();

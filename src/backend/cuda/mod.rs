@@ -74,6 +74,9 @@ pub struct CudaBackend {
     pdl: bool,
     /// Device indices of the greedy choice (sample.rs).
     argmax: RefCell<Option<CudaSlice<u32>>>,
+    /// The running recompute total fetched with the last greedy choice (sample.rs), for the
+    /// next `take_recomputed` (which then needs no device read of its own).
+    fetched_recomputed: std::cell::Cell<Option<usize>>,
     /// Decode-step graphs (graph.rs).
     graphs: RefCell<Box<graph::Graphs>>,
 }
@@ -128,6 +131,7 @@ impl CudaBackend {
             layer: RefCell::default(),
             pdl,
             argmax: RefCell::new(None),
+            fetched_recomputed: std::cell::Cell::new(None),
             graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
                 std::env::var("FDPP_GRAPHS").ok().as_deref(),
             )))),
@@ -373,7 +377,10 @@ impl Backend for CudaBackend {
     }
 
     fn take_recomputed(&self) -> Result<usize> {
-        attention::take_recomputed(self)
+        match self.fetched_recomputed.take() {
+            Some(n) => Ok(n),
+            None => attention::take_recomputed(self),
+        }
     }
 
     fn attention_score_hist(

@@ -29,9 +29,12 @@ pub fn argmax_rows(
     let dt = logits.dtype();
     let uri = format!("sample_{dt}");
     let f = b.function_of(&uri, "argmax_rows", 0, || Ok(sources::sample_source(dt)))?;
-    if slot.as_ref().is_none_or(|s| s.len() < rows) {
-        // SAFETY: the kernel writes every one of the first `rows` entries before they are read.
-        *slot = Some(unsafe { b.stream().alloc::<u32>(rows.next_power_of_two()) }.map_err(drv("argmax scratch"))?);
+    // One entry past the rows: the step's recompute total rides along with the indices.
+    if slot.as_ref().is_none_or(|s| s.len() < rows + 1) {
+        // SAFETY: the kernel writes every one of the first `rows` entries, and the counter copy
+        // entry `rows`, before they are read.
+        *slot =
+            Some(unsafe { b.stream().alloc::<u32>((rows + 1).next_power_of_two()) }.map_err(drv("argmax scratch"))?);
     }
     let out = slot
         .as_mut()
@@ -51,10 +54,18 @@ pub fn argmax_rows(
     // SAFETY: check_argmax_dims bounds rows × width by the buffer; out holds ≥ rows entries.
     unsafe { l.launch(cfg) }.map_err(drv("launch argmax_rows"))?;
     b.check_launch("argmax_rows")?;
-    let ids = b
+    // The running recompute total is read with the indices (one device-to-host copy and one
+    // host wait per step instead of two: take_recomputed then returns it).
+    let counted = super::attention::stage_running_count(b, &mut out.slice_mut(rows..rows + 1))?;
+    let mut ids = b
         .stream()
-        .clone_dtoh(&out.slice(..rows))
+        .clone_dtoh(&out.slice(..rows + 1))
         .map_err(drv("downloading argmax indices"))?;
+    let total = ids.pop().unwrap_or(0) as usize;
+    if counted {
+        b.fetched_recomputed
+            .set(Some(b.fetched_recomputed.get().unwrap_or(0) + total));
+    }
     match ids.iter().position(|&i| i == NAN_ROW || i as usize >= width) {
         Some(r) if ids[r] == NAN_ROW => Err(nan_logit(r, None)),
         Some(r) => Err(FdppError::device(
