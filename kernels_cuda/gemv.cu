@@ -60,7 +60,7 @@ __device__ __forceinline__ float round16(float f) { return to_f32(from_f32(f)); 
 // KSPLIT warps share each group of ROWS rows, each taking a contiguous slice of K, and combine
 // their partial sums through shared memory. With N = 4096 (O, FFN2 of Llama2-7B) a warp per row
 // leaves ~16 warps per SM, too few loads in flight to cover HBM latency; splitting K restores it.
-// eps is read in RMS_IN mode only.
+// eps is read by the RMS modes (RMS_IN, RMS_GLU) only.
 template <int M, int MODE>
 __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* __restrict__ w,
                                          u16* __restrict__ y, int N, int K, float eps) {
@@ -87,7 +87,7 @@ __device__ __forceinline__ void gemv_vec(const u16* __restrict__ x, const u16* _
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    float sq[M];  // RMS_IN: Σx² of each row of x over this lane's chunks
+    float sq[M];  // the RMS modes: Σx² of each row of x over this lane's chunks
 #pragma unroll
     for (int m = 0; m < M; ++m) sq[m] = 0.f;
 

@@ -116,15 +116,35 @@ pub fn rms_in(
     check_eps(OP, spec, eps)?;
     d.check_lens(spec, residual.len(), w.len(), y.len())?;
     check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
-    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
     let f = b.function_of(&spec.uri(), RMS_M[d.m - 1], 0, || source(spec))?;
+    // SAFETY: residual covers [M, K], w [N, K], y [M, N] (checked above); the grid is the plain
+    // gemv's for this spec.
+    unsafe { launch_rms(b, OP, spec, &d, &f, config(spec, &d), (residual, w, y), eps) }
+}
+
+/// Launch an RMS entry (residual, w, y, N = d.n, K, eps), chained.
+///
+/// # Safety
+/// The buffers must cover what the entry reads and writes over `cfg` for `d` (K % 8 == 0, so
+/// every row starts 16-byte aligned in a device allocation).
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_rms(
+    b: &CudaBackend,
+    op: &str,
+    spec: &GemmSpec,
+    d: &GemmDims,
+    f: &cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    (residual, w, y): (&CudaBuffer, &CudaBuffer, &mut CudaBuffer),
+    eps: f32,
+) -> Result<()> {
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
     let (rp, wp, yp) = (b.ptr(residual), b.ptr(w), b.ptr(y));
-    let mut l = Launch::chained(b, &f);
+    let mut l = Launch::chained(b, f);
     l.arg(&rp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&eps);
-    // SAFETY: residual covers [M, K], w [N, K], y [M, N] (checked above), all 16-byte aligned
-    // (device allocations, K % 8 == 0); the grid is the plain gemv's for this spec.
-    unsafe { l.launch(config(spec, &d)) }.map_err(drv(&format!("launch {OP} {spec}")))?;
-    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+    // SAFETY: the caller's.
+    unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {op} {spec}")))?;
+    b.check_launch(&format!("{op} {spec} at {}", d.label()))
 }
 
 /// y [M, N] = silu(g) · u, where [g | u] = rmsnorm(residual) · W'ᵀ and W' [2N, K] holds the gate
@@ -153,12 +173,8 @@ pub fn rms_glu(
         });
     }
     check_dtypes(OP, spec, &[("residual", residual), ("w", w), ("y", y)])?;
-    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
     let src = sources::gemv_glu_source(spec.dtype);
     let f = b.function_of(&src.uri.clone(), GLU_M[d.m - 1], 0, || Ok(src))?;
-    let (rp, wp, yp) = (b.ptr(residual), b.ptr(w), b.ptr(y));
-    let mut l = Launch::chained(b, &f);
-    l.arg(&rp).arg(&wp).arg(&yp).arg(&n).arg(&k).arg(&eps);
     let (_, ksplit) = sources::GEMV_GLU_LAYOUT;
     let pairs_per_block = (GEMV_WARPS / ksplit) as usize;
     let cfg = LaunchConfig {
@@ -166,10 +182,9 @@ pub fn rms_glu(
         block_dim: (GEMV_WARPS * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: residual covers [M, K], w [2N, K], y [M, N] (checked above), 16-byte aligned rows
-    // (K % 8 == 0); one row group per gate/up pair.
-    unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {OP} {spec}")))?;
-    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+    // SAFETY: residual covers [M, K], w [2N, K], y [M, N] (checked above); one row group per
+    // gate/up pair.
+    unsafe { launch_rms(b, OP, spec, &d, &f, cfg, (residual, w, y), eps) }
 }
 
 fn check_eps(op: &str, spec: &GemmSpec, eps: f32) -> Result<()> {
