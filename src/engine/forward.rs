@@ -58,7 +58,7 @@ pub struct Llama<'b, B: Backend> {
     /// Softmax-input histograms, gathered while this is Some (see [`ScoreStats`]).
     pub score_stats: RefCell<Option<ScoreStats>>,
     /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
-    pub folded: bool,
+    folded: bool,
     /// A fused step runs FFN1 and silu_mul as one launch (`gemm_rms_glu`).
     fused_glu: bool,
 }
