@@ -265,18 +265,23 @@ template <> struct Vec<4> { typedef uint2 T; };
 template <> struct Vec<2> { typedef u32 T; };
 template <> struct Vec<1> { typedef u16 T; };
 
-// grid (rows, column blocks): dst[i] = src[rows[i]], `width` elements per row.
+// grid (rows, column blocks): dst[i] = src[rows[i]], `width` elements per row; a row index
+// outside [0, limit) gives a zero row. The host checks the indices it uploads; the bound is for
+// indices the device chose (a pipelined decode step embeds the previous step's argmax, which marks
+// a NaN row with 0xffffffff: the host reports that row when it reads the choice).
 template <int V>
 __device__ __forceinline__ void gather(const u16* __restrict__ src, u16* __restrict__ dst,
-                                       const int* __restrict__ rows, int width) {
+                                       const int* __restrict__ rows, int width, int limit) {
     pdl_wait();
     pdl_trigger();
     typedef typename Vec<V>::T T;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c >= width) return;
-    const size_t from = (size_t)rows[blockIdx.x] * width + c;
+    const int r = rows[blockIdx.x];
     const size_t to = (size_t)blockIdx.x * width + c;
-    *reinterpret_cast<T*>(dst + to) = *reinterpret_cast<const T*>(src + from);
+    T v{};
+    if ((unsigned)r < (unsigned)limit) v = *reinterpret_cast<const T*>(src + (size_t)r * width + c);
+    *reinterpret_cast<T*>(dst + to) = v;
 }
 
 // grid (tokens, column blocks): token i's k and v rows go to slot row slots[i] of the pools
@@ -299,8 +304,8 @@ __device__ __forceinline__ void scatter_kv(const u16* __restrict__ k, const u16*
 #define FDPP_ROW_COPIES(V)                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                               \
         gather_rows_v##V(const u16* __restrict__ src, u16* __restrict__ dst, const int* __restrict__ rows, \
-                         int width) {                                                               \
-        gather<V>(src, dst, rows, width);                                                           \
+                         int width, int limit) {                                                    \
+        gather<V>(src, dst, rows, width, limit);                                                    \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(128)                                               \
         scatter_kv_v##V(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kpool, \

@@ -46,6 +46,7 @@ fn gen_opts(max_tokens: usize) -> GenerateOptions {
         sampling: SamplingParams::default(),
         chunk: 2048,
         context_len: 512,
+        pipeline: true,
     }
 }
 
@@ -121,6 +122,48 @@ fn sequences_finish_independently_on_eos_and_the_rest_continue() {
         ..opts.clone()
     };
     assert_eq!(run(&ps, &ignore).seqs[0].tokens, free.seqs[0].tokens);
+}
+
+#[test]
+fn the_pipelined_greedy_decode_gives_what_the_step_by_step_one_gives() {
+    // One sequence stops on EOS (the step queued ahead of that is computed for it and dropped),
+    // two on the context, one on max tokens (no step is queued past a certain stop).
+    let ps = [prompt(6, 4), prompt(11, 5), prompt(9, 6), prompt(3, 7)];
+    let step_by_step = |o: &GenerateOptions| {
+        run(
+            &ps,
+            &GenerateOptions {
+                pipeline: false,
+                ..o.clone()
+            },
+        )
+    };
+    let eos = step_by_step(&gen_opts(10)).seqs[0].tokens[2];
+    let opts = GenerateOptions {
+        eos_ids: vec![eos],
+        context_len: 16,
+        ..gen_opts(10)
+    };
+    let (seq, pip) = (step_by_step(&opts), run(&ps, &opts));
+    let finishes: Vec<FinishReason> = seq.seqs.iter().map(|s| s.finish).collect();
+    assert_eq!(finishes[0], FinishReason::Eos);
+    assert_eq!(
+        finishes[1..],
+        [FinishReason::Context, FinishReason::Context, FinishReason::MaxTokens]
+    );
+    for (i, (a, b)) in seq.seqs.iter().zip(&pip.seqs).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "sequence {i}");
+        assert_eq!(a.finish, b.finish, "sequence {i}");
+    }
+    assert_eq!(seq.timings.decode_tokens, pip.timings.decode_tokens);
+    // The pipelined run did queue a step ahead for the sequence that stopped on EOS: it
+    // attended one row more per layer and head than the step-by-step run.
+    assert!(
+        pip.attention.rows > seq.attention.rows,
+        "{} vs {}",
+        pip.attention.rows,
+        seq.attention.rows
+    );
 }
 
 #[test]

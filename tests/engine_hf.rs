@@ -245,6 +245,7 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
         sampling: SamplingParams::default(),
         chunk: BATCH_CHUNK,
         context_len: spec.context_len(),
+        pipeline: true,
     };
     let res = generate(&mut e, &prompts, &gen, Some(&tok), &mut |_, _, _| {}).expect("generate");
     for (i, (s, p)) in res.seqs.iter().zip(&exp.prompts).enumerate() {

@@ -406,6 +406,33 @@ pub trait Backend {
         host_argmax_rows(logits.dtype(), &bits, rows, width)
     }
 
+    /// Whether [`greedy_enqueue`](Self::greedy_enqueue), [`greedy_take`](Self::greedy_take)
+    /// and [`embedding_fed`](Self::embedding_fed) work here: the pipelined greedy decode, where
+    /// the host queues step n + 1 before it reads step n's choice.
+    fn pipelined_greedy(&self) -> bool {
+        false
+    }
+
+    /// As [`argmax_rows`](Self::argmax_rows) without waiting: the indices stay on the device for
+    /// [`embedding_fed`](Self::embedding_fed) and their copy to the host is queued;
+    /// [`greedy_take`](Self::greedy_take) returns them, oldest first.
+    fn greedy_enqueue(&self, logits: &Self::Buffer, rows: usize, width: usize) -> Result<()> {
+        let _ = (logits, rows, width);
+        Err(op_unsupported(self.info(), "greedy_enqueue"))
+    }
+
+    /// The oldest queued greedy choice (waits for its copy only); errors as `argmax_rows` does.
+    fn greedy_take(&self) -> Result<Vec<u32>> {
+        Err(op_unsupported(self.info(), "greedy_take"))
+    }
+
+    /// As [`embedding`](Self::embedding), the ids being the newest queued greedy choice, still on
+    /// the device: `p.ids` gives only their number (the host does not know them yet).
+    fn embedding_fed(&self, p: &EmbeddingParams, table: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
+        let _ = (p, table, out);
+        Err(op_unsupported(self.info(), "embedding_fed"))
+    }
+
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large

@@ -247,6 +247,7 @@ pub fn run_case<B: Backend>(
         },
         chunk,
         context_len,
+        pipeline: true,
     };
     let mut quiet = |_: usize, _: u32, _: &str| {};
     for _ in 0..warmup {

@@ -272,6 +272,7 @@ fn run_on<B: Backend>(
         sampling,
         chunk: opts.chunk,
         context_len: context,
+        pipeline: true,
     };
     let stream = !a.json && prompts.len() == 1;
     let mut stdout = std::io::stdout();

@@ -89,6 +89,10 @@ pub enum StepWant {
     /// The greedy token chosen on the device ([`Backend::argmax_rows`]): one index per
     /// sequence is read back instead of vocab_size logits.
     Greedy,
+    /// The greedy choice queued, not read ([`Backend::greedy_enqueue`]; the step returns no
+    /// tokens). `fed`: the step's input tokens are the previous queued choice, still on the
+    /// device ([`Backend::embedding_fed`]); the tokens of its sequences are placeholders.
+    Queued { fed: bool },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -218,16 +222,17 @@ impl<'b, B: Backend> Llama<'b, B> {
                 StepKind::Decode => "decode",
             },
         )?;
-        b.embedding(
-            &EmbeddingParams {
-                ids,
-                vocab,
-                hidden: h,
-                dtype: dt,
-            },
-            &self.weights.embed,
-            acts.get_mut(g.residual),
-        )?;
+        let ep = EmbeddingParams {
+            ids,
+            vocab,
+            hidden: h,
+            dtype: dt,
+        };
+        if want == (StepWant::Queued { fed: true }) {
+            b.embedding_fed(&ep, &self.weights.embed, acts.get_mut(g.residual))?;
+        } else {
+            b.embedding(&ep, &self.weights.embed, acts.get_mut(g.residual))?;
+        }
         self.op_times.lap(b, "embedding")?;
         let norm = RmsNormParams {
             rows: t,
@@ -357,6 +362,15 @@ impl<'b, B: Backend> Llama<'b, B> {
         self.op_times.lap(b, "gather_rows")?;
         self.lm_head(&gemms, rows, acts, src, g.logits)?;
         self.op_times.lap(b, "gemm lm_head")?;
+        if let StepWant::Queued { .. } = want {
+            // The recompute total comes back with the choice (Engine::greedy_take).
+            b.greedy_enqueue(acts.get(g.logits), rows, vocab)?;
+            self.op_times.lap(b, "argmax")?;
+            return Ok(StepOut {
+                attn: stats,
+                ..StepOut::default()
+            });
+        }
         if want == StepWant::Greedy {
             let tokens = b.argmax_rows(acts.get(g.logits), rows, vocab)?;
             stats.recomputed += b.take_recomputed()?;

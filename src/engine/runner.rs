@@ -144,6 +144,32 @@ impl<'b, B: Backend> Engine<'b, B> {
         Ok(self.decode_step(tables, tokens, StepWant::Greedy)?.tokens)
     }
 
+    /// The pipelined greedy decode (FlashDecoding++Next keeps the device busy between steps):
+    /// queue a decode step of `tables` whose input tokens are `tokens`, or, with `None`, the
+    /// previous queued step's choices, still on the device (the same sequences in the same
+    /// order). Nothing is read back; [`greedy_take`](Self::greedy_take) returns each queued
+    /// step's choices, oldest first. Needs [`Backend::pipelined_greedy`].
+    pub fn decode_greedy_queue(&mut self, tables: &mut [&mut BlockTable], tokens: Option<&[u32]>) -> Result<()> {
+        let placeholders;
+        let (tokens, fed) = match tokens {
+            Some(t) => (t, false),
+            None => {
+                placeholders = vec![0; tables.len()];
+                (placeholders.as_slice(), true)
+            }
+        };
+        self.decode_step(tables, tokens, StepWant::Queued { fed }).map(|_| ())
+    }
+
+    /// The choices of the oldest step queued by [`decode_greedy_queue`](Self::decode_greedy_queue)
+    /// (waits for that step only).
+    pub fn greedy_take(&mut self) -> Result<Vec<u32>> {
+        let b = self.model.backend();
+        let ids = b.greedy_take()?;
+        self.attn.recomputed += b.take_recomputed()?;
+        Ok(ids)
+    }
+
     fn decode_step(&mut self, tables: &mut [&mut BlockTable], tokens: &[u32], want: StepWant) -> Result<StepOut> {
         if tables.len() != tokens.len() || tables.is_empty() {
             return Err(FdppError::InvalidArgument(format!(

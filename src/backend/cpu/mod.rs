@@ -46,6 +46,16 @@ pub struct CpuBackend {
     info: DeviceInfo,
     /// Rows recomputed by the enqueue attention paths since the last `take_recomputed`.
     recomputed: std::sync::atomic::AtomicUsize,
+    /// The pipelined greedy decode's queued choices, oldest first, and the newest (what
+    /// `embedding_fed` reads). The CPU chooses at once; the queue gives the engine's pipelined
+    /// loop the same behaviour here as on a GPU, where it is tested without one.
+    greedy: std::sync::Mutex<CpuGreedy>,
+}
+
+#[derive(Default)]
+struct CpuGreedy {
+    queued: std::collections::VecDeque<Vec<u32>>,
+    newest: Option<Vec<u32>>,
 }
 
 impl Default for CpuBackend {
@@ -55,10 +65,17 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
+    fn greedy_queue(&self) -> Result<std::sync::MutexGuard<'_, CpuGreedy>> {
+        self.greedy
+            .lock()
+            .map_err(|_| FdppError::InvalidArgument("the greedy queue's lock was poisoned".into()))
+    }
+
     pub fn new() -> Self {
         CpuBackend {
             info: info::cpu_info(),
             recomputed: Default::default(),
+            greedy: Default::default(),
         }
     }
 }
@@ -219,6 +236,39 @@ impl Backend for CpuBackend {
 
     fn embedding(&self, p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
         layer::embedding(p, table, out)
+    }
+
+    fn pipelined_greedy(&self) -> bool {
+        true
+    }
+
+    fn greedy_enqueue(&self, logits: &CpuBuffer, rows: usize, width: usize) -> Result<()> {
+        let ids = self.argmax_rows(logits, rows, width)?;
+        let mut q = self.greedy_queue()?;
+        q.queued.push_back(ids.clone());
+        q.newest = Some(ids);
+        Ok(())
+    }
+
+    fn greedy_take(&self) -> Result<Vec<u32>> {
+        self.greedy_queue()?
+            .queued
+            .pop_front()
+            .ok_or_else(|| FdppError::InvalidArgument("greedy_take: no greedy choice is queued".into()))
+    }
+
+    fn embedding_fed(&self, p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        let ids = match &self.greedy_queue()?.newest {
+            Some(ids) if ids.len() == p.ids.len() => ids.iter().map(|&i| i as i32).collect(),
+            newest => {
+                return Err(FdppError::InvalidArgument(format!(
+                    "embedding_fed: {} rows asked for, but the newest queued greedy choice holds {}",
+                    p.ids.len(),
+                    newest.as_ref().map_or("none".to_string(), |n| n.len().to_string())
+                )))
+            }
+        };
+        layer::embedding(&EmbeddingParams { ids, ..p.clone() }, table, out)
     }
 
     fn add_rmsnorm(

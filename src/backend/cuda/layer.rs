@@ -244,26 +244,44 @@ pub fn silu_mul(b: &CudaBackend, p: &SiluMulParams, gate_up: &CudaBuffer, out: &
 }
 
 /// dst[i] = src[rows[i]] over rows of `width`, for the embedding lookup and gather_rows.
+/// Where a gather's row indices come from: the host (uploaded with the launch) or the device.
+enum RowIds<'a> {
+    Host(&'a [i32]),
+    /// `n` indices at this device address (the newest queued greedy choice).
+    Device(u64, usize),
+}
+
 fn gather(
     b: &CudaBackend,
     dt: DType,
-    rows: &[i32],
+    rows: RowIds,
     width: usize,
     src: &CudaBuffer,
     dst: &mut CudaBuffer,
     op: &'static str,
 ) -> Result<()> {
-    let l = plan::gather(rows.len(), width)?;
+    let n = match rows {
+        RowIds::Host(r) => r.len(),
+        RowIds::Device(_, n) => n,
+    };
+    let l = plan::gather(n, width)?;
     let w = i32_dim(width, "row width", op)?;
+    let limit = i32_dim(src.len() / width.max(1), "source rows", op)?;
     let mut st = b.layer.borrow_mut();
     let f = kernel(b, &mut st, dt, l.kernel)?;
-    st.pack.clear();
-    st.pack.push_i32s(rows.iter().copied());
-    let rp = upload_pack(b, &mut st, Slot::Rows)?;
+    let rp = match rows {
+        RowIds::Host(r) => {
+            st.pack.clear();
+            st.pack.push_i32s(r.iter().copied());
+            upload_pack(b, &mut st, Slot::Rows)?
+        }
+        RowIds::Device(p, _) => p,
+    };
     let (sp, dp) = (b.ptr(src), b.ptr(dst));
     let mut a = Launch::chained(b, &f);
-    a.arg(&sp).arg(&dp).arg(&rp).arg(&w);
-    // SAFETY: the caller validated every row index against src and dst against rows × width.
+    a.arg(&sp).arg(&dp).arg(&rp).arg(&w).arg(&limit);
+    // SAFETY: the caller validated dst against rows × width; the kernel bounds every row index
+    // by `limit`, the rows src holds.
     unsafe { a.launch(config(&l)) }.map_err(drv(op))?;
     b.check_launch(op)
 }
@@ -271,13 +289,52 @@ fn gather(
 pub fn embedding(b: &CudaBackend, p: &EmbeddingParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
     p.validate(table.len(), out.len())?;
     check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
-    gather(b, p.dtype, &p.ids, p.hidden, table, out, "launch embedding")
+    gather(
+        b,
+        p.dtype,
+        RowIds::Host(&p.ids),
+        p.hidden,
+        table,
+        out,
+        "launch embedding",
+    )
+}
+
+/// The embedding of `p.ids.len()` tokens whose ids are at device address `ids` (u32, read as
+/// i32: an id of 2³¹ or more, like the NaN mark, gives a zero row).
+pub fn embedding_fed(
+    b: &CudaBackend,
+    p: &EmbeddingParams,
+    ids: u64,
+    table: &CudaBuffer,
+    out: &mut CudaBuffer,
+) -> Result<()> {
+    p.validate(table.len(), out.len())?;
+    check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
+    let n = p.ids.len();
+    gather(
+        b,
+        p.dtype,
+        RowIds::Device(ids, n),
+        p.hidden,
+        table,
+        out,
+        "launch embedding (fed)",
+    )
 }
 
 pub fn gather_rows(b: &CudaBackend, p: &GatherParams, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
     p.validate(src.len(), dst.len())?;
     check_dtypes("gather_rows", p.dtype, &[("src", src), ("dst", dst)])?;
-    gather(b, p.dtype, &p.rows, p.width, src, dst, "launch gather_rows")
+    gather(
+        b,
+        p.dtype,
+        RowIds::Host(&p.rows),
+        p.width,
+        src,
+        dst,
+        "launch gather_rows",
+    )
 }
 
 pub fn kv_append(

@@ -79,6 +79,8 @@ pub struct CudaBackend {
     fetched_recomputed: std::cell::Cell<Option<usize>>,
     /// Decode-step graphs (graph.rs).
     graphs: RefCell<Box<graph::Graphs>>,
+    /// Queued greedy choices of the pipelined decode (sample.rs).
+    greedy: RefCell<sample::Greedy>,
 }
 
 impl CudaBackend {
@@ -135,6 +137,7 @@ impl CudaBackend {
             graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
                 std::env::var("FDPP_GRAPHS").ok().as_deref(),
             )))),
+            greedy: RefCell::default(),
         })
     }
 
@@ -461,7 +464,27 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, logits: &CudaBuffer, rows: usize, width: usize) -> Result<Vec<u32>> {
+        // The indices a queued choice left on the device are overwritten here.
+        self.greedy.borrow_mut().unfeed();
         sample::argmax_rows(self, &mut self.argmax.borrow_mut(), logits, rows, width)
+    }
+
+    fn pipelined_greedy(&self) -> bool {
+        true
+    }
+
+    fn greedy_enqueue(&self, logits: &CudaBuffer, rows: usize, width: usize) -> Result<()> {
+        let mut q = self.greedy.borrow_mut();
+        sample::greedy_enqueue(self, &mut self.argmax.borrow_mut(), &mut q, logits, rows, width)
+    }
+
+    fn greedy_take(&self) -> Result<Vec<u32>> {
+        sample::greedy_take(self, &mut self.greedy.borrow_mut())
+    }
+
+    fn embedding_fed(&self, p: &EmbeddingParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        let ids = sample::fed_ids(self, &self.argmax.borrow(), &self.greedy.borrow(), p.ids.len())?;
+        layer::embedding_fed(self, p, ids, table, out)
     }
 
     fn synchronize(&self) -> Result<()> {

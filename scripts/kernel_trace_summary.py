@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Summarise a kernel timeline from scripts/kernel_trace.sh: where a decode step's time goes.
+
+Kernels are ordered by start. A kernel's share of the step is how far it moves the completion
+front: end_i - max(end of every earlier kernel), or 0 when it ends inside an earlier one. Under
+programmatic dependent launch a kernel starts before its predecessor ends, so durations overlap
+and do not add up; these shares do (plus the idle gaps, where nothing runs).
+
+Steps are cut at the kernel named by --step-end (default: the greedy argmax), and the summary
+covers the last --steps of them (the decode steps; the prefill comes first).
+"""
+import argparse
+import csv
+import collections
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    ap.add_argument("--step-end", default="argmax", help="substring of the kernel that ends a step")
+    ap.add_argument("--steps", type=int, default=16, help="summarise the last N steps")
+    a = ap.parse_args()
+    with open(a.csv) as f:
+        ks = [(int(r["start_ns"]), int(r["end_ns"]), r["name"][:48]) for r in csv.DictReader(f)]
+    ks.sort()
+    if not ks:
+        sys.exit(f"{a.csv}: no kernels recorded")
+    ends = [i for i, k in enumerate(ks) if a.step_end in k[2]]
+    if len(ends) < 2:
+        sys.exit(f"{a.csv}: fewer than two kernels named *{a.step_end}*: no whole step to summarise")
+    ends = ends[-(a.steps + 1):]
+    share = collections.defaultdict(float)
+    dur = collections.defaultdict(float)
+    count = collections.Counter()
+    idle = 0.0
+    total = 0.0
+    for s0, s1 in zip(ends, ends[1:]):
+        front = ks[s0][1]
+        total += ks[s1][1] - front
+        for st, en, name in ks[s0 + 1:s1 + 1]:
+            if st > front:
+                idle += st - front
+                front = st
+            share[name] += max(0, en - front)
+            front = max(front, en)
+            dur[name] += en - st
+            count[name] += 1
+    n = len(ends) - 1
+    print(f"{n} steps, {total / n / 1e3:.1f} us per step; idle (nothing running) {idle / n / 1e3:.1f} us per step")
+    print(f"| kernel | launches per step | share of the step (us) | mean duration (us) |")
+    print("|---|---|---|---|")
+    for name in sorted(share, key=lambda k: -share[k]):
+        c = count[name]
+        print(f"| {name} | {c / n:.0f} | {share[name] / n / 1e3:.1f} | {dur[name] / c / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
