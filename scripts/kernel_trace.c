@@ -8,14 +8,16 @@
 //   gcc -O2 -shared -fPIC -I$CUDA/include -I$CUDA/extras/CUPTI/include scripts/kernel_trace.c \
 //       -L$CUDA/extras/CUPTI/lib64 -lcupti -o /tmp/libkt.so
 //   CUDA_INJECTION64_PATH=/tmp/libkt.so LD_LIBRARY_PATH=$CUDA/extras/CUPTI/lib64 fdpp ...
-// KREC is the newest CUpti_ActivityKernelN of the installed header (the library writes records
-// in that layout); kernel_trace.sh finds it.
+// KREC and MREC are the newest CUpti_ActivityKernelN and CUpti_ActivityMemcpyN of the installed
+// header (the library writes records in those layouts); kernel_trace.sh finds them. Copies are
+// recorded too (named memcpy_<kind>_<bytes>: 1 host to device, 2 device to host, 8 device to
+// device), as a copy between two kernels breaks their overlap.
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#ifndef KREC
-#error "define KREC as the newest CUpti_ActivityKernelN in cupti_activity.h"
+#if !defined(KREC) || !defined(MREC)
+#error "define KREC and MREC as the newest CUpti_ActivityKernelN and CUpti_ActivityMemcpyN in cupti_activity.h"
 #endif
 
 static FILE* out;
@@ -33,6 +35,14 @@ static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t* buffer
     (void)size;
     CUpti_Activity* r = NULL;
     while (cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) {
+        if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+            const MREC* m = (const MREC*)r;
+            if (out)
+                fprintf(out, "%llu,%llu,%u,%llu,0,0,0,memcpy_%u_%llu\n", (unsigned long long)m->start,
+                        (unsigned long long)m->end, m->graphId, (unsigned long long)m->graphNodeId,
+                        (unsigned)m->copyKind, (unsigned long long)m->bytes);
+            continue;
+        }
         if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
         const KREC* k = (const KREC*)r;
         if (out)
@@ -61,6 +71,7 @@ int InitializeInjection(void) {
     fprintf(out, "start_ns,end_ns,graph,node,grid_x,block_x,regs,name\n");
     if (cuptiActivityRegisterCallbacks(give_buffer, take_buffer) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
+    if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS) return 0;
     // Deliver buffers as they fill, not only at exit (the context may be gone by then).
     cuptiActivityFlushPeriod(200);
     atexit(finish);
