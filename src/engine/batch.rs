@@ -227,36 +227,26 @@ fn run_batch<B: Backend>(
         }
     }
 
-    let mut step_ms = Vec::new();
-    let mut decode_tokens = 0;
     let t_decode = Instant::now();
     let pipelined = device_greedy(opts)
         && opts.pipeline
         && b.pipelined_greedy()
         && pipeline_wanted(std::env::var("FDPP_PIPELINE").ok().as_deref());
+    let mut d = DecodeLoop {
+        seqs,
+        tables,
+        opts,
+        tok,
+        on_token,
+        step_ms: Vec::new(),
+        decode_tokens: 0,
+    };
     if pipelined {
-        decode_pipelined(
-            engine,
-            seqs,
-            tables,
-            opts,
-            tok,
-            on_token,
-            &mut step_ms,
-            &mut decode_tokens,
-        )?;
+        decode_pipelined(engine, &mut d)?;
     } else {
-        decode_step_by_step(
-            engine,
-            seqs,
-            tables,
-            opts,
-            tok,
-            on_token,
-            &mut step_ms,
-            &mut decode_tokens,
-        )?;
+        decode_step_by_step(engine, &mut d)?;
     }
+    let (step_ms, decode_tokens) = (d.step_ms, d.decode_tokens);
     let decode_ms = t_decode.elapsed().as_secs_f64() * 1e3;
     let steps = step_ms.len();
     Ok(Timings {
@@ -276,49 +266,71 @@ fn run_batch<B: Backend>(
     })
 }
 
+/// What the decode loops read and add to.
+struct DecodeLoop<'a, 'o> {
+    seqs: &'a mut [Seq],
+    tables: &'a mut [BlockTable],
+    opts: &'a GenerateOptions,
+    tok: Option<&'a Tokenizer>,
+    on_token: &'a mut OnToken<'o>,
+    step_ms: Vec<f64>,
+    /// Tokens accepted (a token computed ahead and dropped is not counted).
+    decode_tokens: usize,
+}
+
+impl DecodeLoop<'_, '_> {
+    /// The sequences not finished yet.
+    fn active(&self) -> Vec<usize> {
+        (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].finish.is_none())
+            .collect()
+    }
+
+    /// The newest token of each sequence of `set` (the input of its next step).
+    fn last_tokens(&self, set: &[usize]) -> Vec<u32> {
+        set.iter().map(|&i| *self.seqs[i].tokens.last().unwrap_or(&0)).collect()
+    }
+
+    /// Accept the greedy choice `id` for sequence `i`.
+    fn accept_id(&mut self, i: usize, id: u32) -> Result<()> {
+        self.decode_tokens += 1;
+        accept_id(&mut self.seqs[i], i, id, self.opts, self.tok, self.on_token)
+    }
+}
+
 /// One decode step at a time: each step's tokens are read back before the next is queued (any
 /// sampler; the host-side ones need the logits).
-#[allow(clippy::too_many_arguments)]
-fn decode_step_by_step<B: Backend>(
-    engine: &mut Engine<'_, B>,
-    seqs: &mut [Seq],
-    tables: &mut [BlockTable],
-    opts: &GenerateOptions,
-    tok: Option<&Tokenizer>,
-    on_token: &mut OnToken<'_>,
-    step_ms: &mut Vec<f64>,
-    decode_tokens: &mut usize,
-) -> Result<()> {
+fn decode_step_by_step<B: Backend>(engine: &mut Engine<'_, B>, d: &mut DecodeLoop<'_, '_>) -> Result<()> {
     let b = engine.model.backend();
-    let device_greedy = device_greedy(opts);
+    let device_greedy = device_greedy(d.opts);
     loop {
-        let active: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+        let active = d.active();
         if active.is_empty() {
             return Ok(());
         }
-        let tokens: Vec<u32> = active.iter().map(|&i| *seqs[i].tokens.last().unwrap_or(&0)).collect();
+        let tokens = d.last_tokens(&active);
         let t_step = Instant::now();
-        let mut refs = tables_of(tables, &active);
+        let mut refs = tables_of(d.tables, &active);
         if device_greedy {
             let ids = engine.decode_greedy(&mut refs, &tokens)?;
             for (&i, &id) in active.iter().zip(&ids) {
-                accept_id(&mut seqs[i], i, id, opts, tok, on_token)?;
-                if seqs[i].finish.is_some() {
-                    engine.release(&mut tables[i])?;
-                }
+                d.accept_id(i, id)?;
             }
         } else {
             let logits = engine.decode(&mut refs, &tokens)?;
             for (&i, l) in active.iter().zip(&logits) {
-                accept(&mut seqs[i], i, l, opts, tok, on_token)?;
-                if seqs[i].finish.is_some() {
-                    engine.release(&mut tables[i])?;
-                }
+                let seq = &mut d.seqs[i];
+                let id = seq.sampler.sample(l, &seq.history())?;
+                d.accept_id(i, id)?;
+            }
+        }
+        for &i in &active {
+            if d.seqs[i].finish.is_some() {
+                engine.release(&mut d.tables[i])?;
             }
         }
         b.synchronize()?;
-        step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
-        *decode_tokens += active.len();
+        d.step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
     }
 }
 
@@ -353,37 +365,27 @@ fn stops_within(seq: &Seq, more: usize, opts: &GenerateOptions) -> bool {
 /// Greedy decode with the host one step ahead of the device: step n + 1 is queued, its input
 /// tokens taken on the device from step n's choice, before step n's choice is read back, so the
 /// device does not idle while the host waits for a choice, streams it and prepares the next
-/// step (about 0.1 ms of a 5 ms batch-1 Llama2-7B step on the H100: reports/NOTES.md). A step is
+/// step (about 0.05 ms of a 5 ms batch-1 Llama2-7B step on the H100: reports/NOTES.md). A step is
 /// queued ahead only for the same sequences as the step in flight and only when none of them must
 /// stop at that step; one that stops there anyway (EOS, a stop string) has the token computed for
 /// it in the step ahead dropped.
-#[allow(clippy::too_many_arguments)]
-fn decode_pipelined<B: Backend>(
-    engine: &mut Engine<'_, B>,
-    seqs: &mut [Seq],
-    tables: &mut [BlockTable],
-    opts: &GenerateOptions,
-    tok: Option<&Tokenizer>,
-    on_token: &mut OnToken<'_>,
-    step_ms: &mut Vec<f64>,
-    decode_tokens: &mut usize,
-) -> Result<()> {
+fn decode_pipelined<B: Backend>(engine: &mut Engine<'_, B>, d: &mut DecodeLoop<'_, '_>) -> Result<()> {
     // The sequences of each queued step, oldest first (at most two).
     let mut queued: VecDeque<Vec<usize>> = VecDeque::new();
     let mut t_step = Instant::now();
     loop {
-        let active: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+        let active = d.active();
         if queued.is_empty() {
             if active.is_empty() {
                 return Ok(());
             }
-            let tokens: Vec<u32> = active.iter().map(|&i| *seqs[i].tokens.last().unwrap_or(&0)).collect();
-            engine.decode_greedy_queue(&mut tables_of(tables, &active), Some(&tokens))?;
+            let tokens = d.last_tokens(&active);
+            engine.decode_greedy_queue(&mut tables_of(d.tables, &active), Some(&tokens))?;
             queued.push_back(active.clone());
         }
         // One step ahead, fed on the device from the step in flight.
-        if queued.len() == 1 && queued[0] == active && !active.iter().any(|&i| stops_within(&seqs[i], 1, opts)) {
-            match engine.decode_greedy_queue(&mut tables_of(tables, &active), None) {
+        if queued.len() == 1 && queued[0] == active && !active.iter().any(|&i| stops_within(&d.seqs[i], 1, d.opts)) {
+            match engine.decode_greedy_queue(&mut tables_of(d.tables, &active), None) {
                 Ok(()) => queued.push_back(active),
                 // Out of pages a step early (the step-by-step loop might not have needed them):
                 // read the step in flight first; a real shortage shows again then.
@@ -395,20 +397,18 @@ fn decode_pipelined<B: Backend>(
             return Ok(());
         };
         let ids = engine.greedy_take()?;
-        step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
+        d.step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
         t_step = Instant::now();
         for (&i, &id) in set.iter().zip(&ids) {
             // Stopped at the step before: this token was computed ahead and is dropped.
-            if seqs[i].finish.is_some() {
-                continue;
+            if d.seqs[i].finish.is_none() {
+                d.accept_id(i, id)?;
             }
-            accept_id(&mut seqs[i], i, id, opts, tok, on_token)?;
-            *decode_tokens += 1;
         }
         // Pages go back once no queued step reads them.
         for i in set {
-            if seqs[i].finish.is_some() && !queued.iter().any(|q| q.contains(&i)) && !tables[i].pages.is_empty() {
-                engine.release(&mut tables[i])?;
+            if d.seqs[i].finish.is_some() && !queued.iter().any(|q| q.contains(&i)) && !d.tables[i].pages.is_empty() {
+                engine.release(&mut d.tables[i])?;
             }
         }
     }

@@ -144,7 +144,7 @@ impl<'b, B: Backend> Engine<'b, B> {
         Ok(self.decode_step(tables, tokens, StepWant::Greedy)?.tokens)
     }
 
-    /// The pipelined greedy decode (FlashDecoding++Next keeps the device busy between steps):
+    /// The pipelined greedy decode (the device never waits for the host between steps):
     /// queue a decode step of `tables` whose input tokens are `tokens`, or, with `None`, the
     /// previous queued step's choices, still on the device (the same sequences in the same
     /// order). Nothing is read back; [`greedy_take`](Self::greedy_take) returns each queued

@@ -243,7 +243,6 @@ pub fn silu_mul(b: &CudaBackend, p: &SiluMulParams, gate_up: &CudaBuffer, out: &
     b.check_launch("silu_mul")
 }
 
-/// dst[i] = src[rows[i]] over rows of `width`, for the embedding lookup and gather_rows.
 /// Where a gather's row indices come from: the host (uploaded with the launch) or the device.
 enum RowIds<'a> {
     Host(&'a [i32]),
@@ -251,6 +250,7 @@ enum RowIds<'a> {
     Device(u64, usize),
 }
 
+/// dst[i] = src[rows[i]] over rows of `width`, for the embedding lookup and gather_rows.
 fn gather(
     b: &CudaBackend,
     dt: DType,
