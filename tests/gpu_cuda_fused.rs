@@ -39,6 +39,13 @@ const POISON: u16 = 0x7fff;
 
 /// `FDPP_FUSED_QUICK=1` (for the compute-sanitizer runs, which slow kernels many times over):
 /// the small shapes, M = 1, 3, 8, and the K-split and 4-rows-per-warp layouts only.
+/// A device buffer of `n` elements, every one the NaN POISON (a kernel must write what is read).
+fn poisoned(gpu: &CudaBackend, dt: DType, n: usize) -> fdpp::backend::cuda::CudaBuffer {
+    let mut b = gpu.alloc(dt, n).unwrap();
+    gpu.fill(&mut b, POISON).unwrap();
+    b
+}
+
 fn quick() -> bool {
     std::env::var_os("FDPP_FUSED_QUICK").is_some()
 }
@@ -197,11 +204,9 @@ fn rms_in_with_folded_gamma_matches_add_rmsnorm_then_gemv() {
                 for bn in layouts() {
                     let spec = gemv(dt, bn);
                     let what = format!("rms_in {spec} M={m} N={n} K={k}");
-                    let mut want = gpu.alloc(dt, m * n).unwrap();
-                    gpu.fill(&mut want, POISON).unwrap();
+                    let mut want = poisoned(&gpu, dt, m * n);
                     gpu.gemm(&spec, d, &xn, &w, &mut want).unwrap();
-                    let mut got = gpu.alloc(dt, m * n).unwrap();
-                    gpu.fill(&mut got, POISON).unwrap();
+                    let mut got = poisoned(&gpu, dt, m * n);
                     gpu.gemm_rms_in(&spec, d, norm.eps, &res, &w_folded, &mut got)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     let err = scaled_err(dt, &gpu.download(&got).unwrap(), &gpu.download(&want).unwrap(), &what);
@@ -237,8 +242,7 @@ fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
                 for bn in layouts() {
                     let spec = gemv(dt, bn);
                     let what = format!("rms_glu {spec} M={m} N={inter} K={k}");
-                    let mut gate_up = gpu.alloc(dt, m * 2 * inter).unwrap();
-                    gpu.fill(&mut gate_up, POISON).unwrap();
+                    let mut gate_up = poisoned(&gpu, dt, m * 2 * inter);
                     // The reference splits K over 4 warps as the GLU entries do (bn1): every dot
                     // product is then summed in the same order.
                     gpu.gemm_rms_in(
@@ -250,16 +254,14 @@ fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
                         &mut gate_up,
                     )
                     .unwrap();
-                    let mut want = gpu.alloc(dt, m * inter).unwrap();
-                    gpu.fill(&mut want, POISON).unwrap();
+                    let mut want = poisoned(&gpu, dt, m * inter);
                     let sp = SiluMulParams {
                         rows: m,
                         inter,
                         dtype: dt,
                     };
                     gpu.silu_mul(&sp, &gate_up, &mut want).unwrap();
-                    let mut got = gpu.alloc(dt, m * inter).unwrap();
-                    gpu.fill(&mut got, POISON).unwrap();
+                    let mut got = poisoned(&gpu, dt, m * inter);
                     gpu.gemm_rms_glu(&spec, GemmDims::new(m, inter, k).unwrap(), 1e-5, &res, &w, &mut got)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     let (same, rel) = compare(dt, &gpu.download(&got).unwrap(), &gpu.download(&want).unwrap(), &what);
@@ -304,8 +306,7 @@ fn residual_out_is_gemv_then_add_bit_for_bit() {
                 for bn in layouts() {
                     let spec = gemv(dt, bn);
                     let what = format!("residual_out {spec} M={m} N={n} K={k}");
-                    let mut tmp = gpu.alloc(dt, m * n).unwrap();
-                    gpu.fill(&mut tmp, POISON).unwrap();
+                    let mut tmp = poisoned(&gpu, dt, m * n);
                     gpu.gemm(&spec, d, &x, &w, &mut tmp).unwrap();
                     let mut want = gpu.upload(dt, &res_bits).unwrap();
                     let mut normed = gpu.alloc(dt, m * n).unwrap();

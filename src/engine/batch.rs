@@ -372,6 +372,21 @@ fn stops_within(seq: &Seq, more: usize, opts: &GenerateOptions) -> bool {
 fn decode_pipelined<B: Backend>(engine: &mut Engine<'_, B>, d: &mut DecodeLoop<'_, '_>) -> Result<()> {
     // The sequences of each queued step, oldest first (at most two).
     let mut queued: VecDeque<Vec<usize>> = VecDeque::new();
+    let ran = pipeline(engine, d, &mut queued);
+    if ran.is_err() {
+        // A step left queued would be read by the next generate on this engine as its own.
+        for _ in 0..queued.len() {
+            let _ = engine.greedy_take();
+        }
+    }
+    ran
+}
+
+fn pipeline<B: Backend>(
+    engine: &mut Engine<'_, B>,
+    d: &mut DecodeLoop<'_, '_>,
+    queued: &mut VecDeque<Vec<usize>>,
+) -> Result<()> {
     let mut t_step = Instant::now();
     loop {
         let active = d.active();
