@@ -6,19 +6,25 @@
 //
 // A block owns BM = 128 query rows of one head and has three warpgroups:
 // - warpgroup 0, the producer, gives most of its registers back (setmaxnreg) and fills a ring of
-//   STAGES stages, each a tile of BN = 128 keys of K and of V, with 16-byte cp.async gathered row
-//   by row from the 16-token pages (TMA would want one tensor map per page: not worth it for a
-//   paged cache). Each thread's copies arrive on the stage's "K full" / "V full" mbarrier when
-//   they land (cp.async.mbarrier.arrive.noinc), so the producer never blocks on its own loads,
-//   and S = Q·Kᵀ starts before V is in.
+//   STAGES stages, each a tile of BN = 128 keys of K and of V. A tile whose keys all lie before
+//   kv_end comes by TMA: one tensor map over the whole pool ([slots][kv heads][D], the host's
+//   tma.rs), one box per page and 64-column block, landing in the swizzled layout below (the
+//   map's 128-byte swizzle is the descriptors'), the bytes counted on the stage's "K full" /
+//   "V full" mbarrier. The last tile of a sequence (keys past kv_end must read as zeros: a stale
+//   V row times P = 0 can be NaN) and page sizes TMA cannot box come by 16-byte cp.async gathered
+//   row by row, each thread's copies arriving on the same mbarriers when they land
+//   (cp.async.mbarrier.arrive.noinc). Either way the producer never blocks on its own loads, and
+//   S = Q·Kᵀ starts before V is in.
 // - warpgroups 1 and 2, the consumers, own 64 query rows each (FA3's consumer shape) and take
 //   the registers the producer gave back. Per key tile: S = Q·Kᵀ with wgmma m64n128k16, both
 //   operands from shared memory (Q [rows, D] and K [keys, D] are both K-major), the softmax on
 //   the fp32 accumulators, then O += P·V with P from registers (the accumulator layout of S is
 //   the A-operand layout of the next wgmma for 16-bit types: FA3 §3.3, no shuffles) and V from
 //   shared memory through the transpose bit (V [keys, D] is N-major for B). A consumer releases
-//   the stage on its "empty" mbarrier. The two consumers run out of step, so one's softmax
-//   overlaps the other's tensor-core work (the effect FA3's ping-pong schedule enforces).
+//   K of a stage on its "K empty" mbarrier once S = Q·Kᵀ is done and V on "V empty" once P·V is
+//   (FA3's separate K and V pipelines): under the overlapped schedule K is free a whole tile
+//   before V, and the producer refills it then. The two consumers run out of step, so one's
+//   softmax overlaps the other's tensor-core work (the effect FA3's ping-pong schedule enforces).
 //
 // Shared tiles use the 128-byte swizzle of the wgmma descriptors: a tile [rows, D] is stored as
 // D/64 column blocks [rows][64] (128 bytes a row), and the 16-byte chunk c of row r sits at chunk
@@ -59,6 +65,12 @@
 
 typedef unsigned long long u64;
 
+// A CUtensorMap, as the host encodes it (cuTensorMapEncodeTiled), passed by value as a
+// __grid_constant__ parameter: TMA reads it from the parameter space.
+struct alignas(64) TmaMap {
+    u64 opaque[16];
+};
+
 #if FDPP_BF16
 #define WG_T "bf16"
 #else
@@ -80,14 +92,15 @@ constexpr int PS = BN / 16;               // k16 steps of P·V
 constexpr u32 Q_BYTES = BM * D * 2;
 constexpr u32 KV_BYTES = BN * D * 2;      // K (or V) of one stage
 constexpr u32 BAR_AT = Q_BYTES + 2 * STAGES * KV_BYTES;
-// Registers per thread after setmaxnreg: 128·40 + 256·232 = 64512 ≤ 65536, the pool of one
+// Registers per thread after setmaxnreg: 128·48 + 256·224 = 63488 ≤ 65536, the pool of one
 // 384-thread block launched at 168 (FA3 gives its producers 24–32; these ones compute the
-// page addresses of their copies, so a little more).
-constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = 232;
+// page addresses of their copies, so more: at 40 ptxas spilled in some schedules; the
+// consumers' main loop needs about 200).
+constexpr int PRODUCER_REGS = 48;
+constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(3 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
+static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -104,7 +117,7 @@ __device__ __forceinline__ u32 swz(int r, int c, int rows) {
 // atom is 1024-byte aligned, and the k-step advances (+32 bytes inside an atom) leave address
 // bits 7–9 alone.
 __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
+    return (u64)(addr >> 4) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
            ((u64)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
@@ -131,6 +144,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                      : "r"(bar), "r"(parity)
                      : "memory");
     } while (!done);
+}
+// Expect `bytes` more of asynchronous (TMA) writes in the current phase, without arriving.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// TMA: the box at (c0, c1, c2) of the 3-D tensor map lands at dst, its bytes completing on bar.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
 }
 // Arrive on the barrier once every cp.async this thread issued so far has landed; the barrier's
 // expected count already holds this arrival (.noinc).
@@ -197,6 +221,9 @@ struct Ctx {
     const u16* kp;
     const u16* vp;
     const int* pages;
+    const TmaMap* kmap;
+    const TmaMap* vmap;
+    int tma_rows;  // rows of a TMA box (min(page_size, BN)), 0: every tile by cp.async
     int page_size, H, G, h, kvh, kv_end;
     int row0, pos0, rows;
     u32 base;  // shared address of the 1024-byte aligned tile area
@@ -205,8 +232,9 @@ struct Ctx {
     __device__ __forceinline__ u32 sv(int s) const { return sk(s) + KV_BYTES; }
     __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
-    __device__ __forceinline__ u32 empty(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
-    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (3 * STAGES); }
+    __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
+    __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
+    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
     __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
@@ -261,26 +289,76 @@ __device__ __forceinline__ void copy_rows(const u16* src, u32 dst, u32 slot, con
     }
 }
 
+// TMA lane j (< BN / tma_rows) of producer warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a
+// tile: they lie in one page, from this slot on.
+__device__ __forceinline__ int box_slot(const Ctx& c, int n, int j) {
+    const int key = n * BN + j * c.tma_rows;
+    return c.pages[key / c.page_size] * c.page_size + key % c.page_size;
+}
+
+// Rows j·tma_rows .. + tma_rows − 1 of K or V of a tile into stage buffer dst by TMA, from
+// `slot` on: one box per 64-column block.
+__device__ __forceinline__ void tma_tile(const Ctx& c, const TmaMap* map, u32 dst, u32 bar, int slot, int j) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_3d(dst + (u32)cb * BN * 128 + (u32)(j * c.tma_rows) * 128, map, bar, 64 * cb, c.kvh, slot);
+}
+
+// K or V of one tile by TMA from the first BN / tma_rows lanes of warp 0, the bytes expected on
+// `full` first; every producer thread then arrives on it.
+__device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, u32 dst, u32 full, int box, int pw, int lane,
+                                         bool tma_lane) {
+#if FDPP_DIAG != 1
+    if (pw == 0) {
+        if (lane == 0) mbar_expect_tx(full, KV_BYTES);
+        __syncwarp();
+        if (tma_lane) tma_tile(c, map, dst, full, box, lane);
+    }
+#endif
+    mbar_arrive(full);
+}
+
 // The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
-// phases continue into the recompute walk).
+// phases continue into the recompute walk). Tiles before `by_tma` come by TMA, issued by the
+// first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
+// size does not box) by cp.async from every producer thread. Each of the 128 producer threads
+// arrives once per stage use on each full barrier either way (the count they were made with).
 __device__ void produce(const Ctx& c, int& it) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
-    u32 slot = row_slot(c, 32 * pw + lane);
+    const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
+    const bool tma_lane = pw == 0 && c.tma_rows > 0 && lane < BN / c.tma_rows;
+    u32 slot = by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane);
+    int box = by_tma > 0 && tma_lane ? box_slot(c, 0, lane) : 0;
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
-        // Use u = it / STAGES of stage s waits until both consumers released use u − 1.
-        if (it >= STAGES) mbar_wait(c.empty(s), (u32)((it / STAGES) - 1) & 1u);
+        // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
+        // of use u − 1.
+        const u32 prev = (u32)((it / STAGES) - 1) & 1u;
+        if (it >= STAGES) mbar_wait(c.empty_k(s), prev);
+        if (n < by_tma) {
+            load_tma(c, c.kmap, c.sk(s), c.full_k(s), box, pw, lane, tma_lane);
+            if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
+            load_tma(c, c.vmap, c.sv(s), c.full_v(s), box, pw, lane, tma_lane);
+        } else {
+            // The stage may last have been written by TMA (the async proxy).
+            if (c.tma_rows > 0) fence_async_smem();
 #if FDPP_DIAG != 1
-        copy_rows(c.kp, c.sk(s), slot, c, pw, lane);
+            copy_rows(c.kp, c.sk(s), slot, c, pw, lane);
 #endif
-        cp_async_arrive(c.full_k(s));
+            cp_async_arrive(c.full_k(s));
+            if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
 #if FDPP_DIAG != 1
-        copy_rows(c.vp, c.sv(s), slot, c, pw, lane);
+            copy_rows(c.vp, c.sv(s), slot, c, pw, lane);
 #endif
-        cp_async_arrive(c.full_v(s));
+            cp_async_arrive(c.full_v(s));
+        }
         // The next tile's rows, looked up while the consumers work on this one.
-        if (n + 1 < ntiles) slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
+        if (n + 1 < by_tma) {
+            if (tma_lane) box = box_slot(c, n + 1, lane);
+        } else if (n + 1 < ntiles) {
+            slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
+        }
     }
 }
 
@@ -313,6 +391,7 @@ struct Walker {
     int warp_pos0;  // position of the warp's first row
     int qpos[2];
     u32 q_at;  // this warpgroup's 64 rows of the Q tile
+    u64 q_desc;  // and its wgmma descriptor
     float scale2, phi2, b2;
 };
 
@@ -322,8 +401,8 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const u32 kb = (u32)(ks >> 2) * 128u, ko = (u32)(ks & 3) * 32u;
-        const u64 da = desc_sw128(k.q_at + kb * BM + ko, 16, 1024);
-        const u64 db = desc_sw128(c.sk(s) + kb * BN + ko, 16, 1024);
+        const u64 da = k.q_desc + ((kb * BM + ko) >> 4);
+        const u64 db = desc_sw128(c.sk(s), 16, 1024) + ((kb * BN + ko) >> 4);
         wgmma_ss_n128(sc, da, db, ks);
     }
     wg_commit();
@@ -334,7 +413,9 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
 // 8-key groups 1024 (stride byte offset).
 __device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)[PS][4], int s) {
 #pragma unroll
-    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], desc_sw128(c.sv(s) + kk * 2048u, BN * 128, 1024));
+    const u64 vd = desc_sw128(c.sv(s), BN * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], vd + kk * (2048u >> 4));
     wg_commit();
 }
 
@@ -435,9 +516,12 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
     auto stage = [](int i) { return i % STAGES; };
     auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
-    auto release = [&](int i) {
-        // This warp's part of every wgmma that read the stage is complete.
-        if (k.lane == 0) mbar_arrive(c.empty(stage(i)));
+    // This warp's part of every wgmma that read K (V) of use i is complete.
+    auto release_k = [&](int i) {
+        if (k.lane == 0) mbar_arrive(c.empty_k(stage(i)));
+    };
+    auto release_v = [&](int i) {
+        if (k.lane == 0) mbar_arrive(c.empty_v(stage(i)));
     };
     float sc[NT * 4];
     u32 pa[PS][4];
@@ -481,6 +565,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, 0);
         pack_p(sc, pa);
         for (int n = 1; n < mine; ++n, ++it) {
@@ -496,10 +581,11 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             turn_end();
             wg_wait<1>();
             keep_all(sc, NT * 4);
+            release_k(it + 1);
             softmax_tile<ASYNC>(k, sc, st, corr, n);
             wg_wait<0>();
             keep_all(st.o, DT * 4);
-            release(it);
+            release_v(it);
             pack_p(sc, pa);
         }
         rescale_o<ASYNC>(st, corr);
@@ -511,7 +597,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release(it);
+        release_v(it);
         ++it;
     }
     // The phases of the tiles this warpgroup skips (past its last row: the causal diagonal, or
@@ -524,7 +610,8 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         if (phase - 2 >= mine) {
             mbar_wait(c.full_k(stage(it)), parity(it));
             mbar_wait(c.full_v(stage(it)), parity(it));
-            release(it);
+            release_k(it);
+            release_v(it);
             ++it;
         }
     }
@@ -537,6 +624,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_qk(c, k, sc, stage(it));
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -546,14 +634,15 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_pv(c, st, pa, stage(it));
         wg_wait<0>();
         keep_all(st.o, DT * 4);
-        release(it);
+        release_v(it);
     }
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
     for (int n = mine; n < ntiles; ++n, ++it) {
         mbar_wait(c.full_k(stage(it)), parity(it));
         mbar_wait(c.full_v(stage(it)), parity(it));
-        release(it);
+        release_k(it);
+        release_v(it);
     }
 #endif
     // Row sums over the quad that holds each row.
@@ -586,7 +675,7 @@ template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                         int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                        u16* __restrict__ out) {
+                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int4 tv = tiles[blockIdx.x];
     Ctx c;
@@ -594,6 +683,9 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.kp = kp;
     c.vp = vp;
     c.pages = table + (size_t)tv.x * max_pages;
+    c.kmap = kmap;
+    c.vmap = vmap;
+    c.tma_rows = tma_rows;
     c.page_size = page_size;
     c.H = H;
     c.G = G;
@@ -609,13 +701,19 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
             mbar_init(c.full_v(s), 128);
-            mbar_init(c.empty(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(c.empty_v(s), CONSUMERS * 4);
         }
         mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
         smem_st(c.vote_word(), 0);
     }
     __syncthreads();
-    const int wg = threadIdx.x / 128;
+    // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
+    // ring index and the wgmma descriptors derived from it) as warp-uniform and computes them in
+    // the uniform datapath. From threadIdx.x directly, every descriptor of the main loop was
+    // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
+    // instructions a consumer warp issued per key tile (SASS, session 7).
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
@@ -641,6 +739,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     k.qpos[0] = k.warp_pos0 + k.lane / 4;
     k.qpos[1] = k.qpos[0] + 8;
     k.q_at = c.sq() + WG_ROWS * w * 128;
+    k.q_desc = desc_sw128(k.q_at, 16, 1024);
     k.scale2 = scale2;
     k.phi2 = phi2;
     k.b2 = b2;
@@ -680,14 +779,18 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, float scale2, u16* __restrict__ out) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, 0.f, 0.f, 0.f, nullptr, out);
+                         int H, int G, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
+                         const __grid_constant__ TmaMap vmap, int tma_rows) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
+                   tma_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                           int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                          u16* __restrict__ out) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, phi2, a2, b2, recomputed, out);
+                          u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
+                          int tma_rows) {
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
+                  tma_rows);
 }

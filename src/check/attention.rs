@@ -99,12 +99,22 @@ impl AttnCase {
         }
     }
 
-    /// e.g. `h8/kv2 d128 kv=[97,1000] new=[..] force=overflow`.
+    /// The same case on pages of `page_size` tokens.
+    fn paged(mut self, page_size: usize) -> Self {
+        self.page_size = page_size;
+        self
+    }
+
+    /// e.g. `h8/kv2 d128 kv=[97,1000] new=[..] page=8 force=overflow` (the page size when it is
+    /// not the default).
     pub fn label(&self) -> String {
         let list = |v: &[usize]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
         let mut s = format!("{} kv=[{}]", self.geom.label(), list(&self.kv_lens));
         if self.kind == AttnKind::Prefill {
             s.push_str(&format!(" new=[{}]", list(&self.new_lens)));
+        }
+        if self.page_size != DEFAULT_PAGE_SIZE {
+            s.push_str(&format!(" page={}", self.page_size));
         }
         match self.force {
             Force::None => {}
@@ -159,6 +169,13 @@ fn cases_for(dt: DType, full: bool) -> Vec<AttnCase> {
         AttnCase::new(Prefill, dt, r4, &[161], &[33], n),
         AttnCase::new(Prefill, dt, r4, &[50, 70], &[50, 9], Force::Overflow),
         AttnCase::new(Prefill, dt, r1, &[64, 30], &[16, 30], Force::Underflow),
+        // Several key tiles of 128 behind a cached prefix, each sequence's last tile partial: the
+        // Hopper kernel loads whole tiles by TMA (a box per page, or one per tile for pages of
+        // 128 keys or more) and partial ones, or pages TMA cannot box (4), by cp.async.
+        AttnCase::new(Prefill, dt, r4, &[700, 300], &[600, 300], n),
+        AttnCase::new(Prefill, dt, r1, &[400], &[400], n).paged(8),
+        AttnCase::new(Prefill, dt, r8, &[530, 260], &[530, 200], n).paged(256),
+        AttnCase::new(Prefill, dt, r1, &[300], &[300], n).paged(4),
     ]
 }
 

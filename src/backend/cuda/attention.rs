@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::launch::Launch;
 use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
+use super::tma::PoolMaps;
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::attn_plan::{self, i32_of, window, DecodePath, DecodePlan, LOG2E};
@@ -316,6 +317,7 @@ pub fn prefill(
             threads: PREFILL_THREADS,
             tile_rows: PREFILL_BM,
             smem: prefill_smem_bytes(d),
+            tma: None,
         },
     )?;
     Ok(AttnStats {
@@ -335,6 +337,9 @@ pub(super) struct PrefillKernel<'a> {
     /// Query rows per block (the tile list's granularity).
     pub tile_rows: usize,
     pub smem: u32,
+    /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools and the rows of a
+    /// box (attn_prefill.cu takes none).
+    pub tma: Option<&'a PoolMaps>,
 }
 
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
@@ -393,6 +398,9 @@ pub(super) fn launch_prefill(
                 .arg(&g32)
                 .arg(&scale2)
                 .arg(&op);
+            if let Some(t) = k.tma {
+                l.arg(&t.k).arg(&t.v).arg(&t.rows);
+            }
             // SAFETY: the caller validated lengths and tables; the tile list covers every new row
             // once; the shared memory is what the kernel lays out.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
@@ -406,6 +414,9 @@ pub(super) fn launch_prefill(
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
+            if let Some(t) = k.tma {
+                l.arg(&t.k).arg(&t.v).arg(&t.rows);
+            }
             // SAFETY: as above.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;

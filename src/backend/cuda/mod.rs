@@ -13,6 +13,7 @@ pub mod probe;
 pub mod sample;
 pub mod scores;
 pub mod sources;
+pub mod tma;
 pub mod upload;
 
 use std::cell::RefCell;

@@ -9,6 +9,7 @@
 
 use super::attention::{launch_prefill, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
+use super::tma::PoolMaps;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
@@ -34,20 +35,23 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// Three stages, the softmax overlapped with the previous tile's P·V, and the consumers'
-    /// ping-pong (FA3 §3.1–3.2): with the producer's lean copy loop this measured 372 / 495 TFLOP/s
-    /// (sync) at 4k / 16k against 334 / 440 for two stages without overlap (reports/NOTES.md).
+    /// Two stages, one tile at a time per consumer warpgroup (the two warpgroups still overlap
+    /// each other). Session 4 made three stages with FA3's overlap and ping-pong the default
+    /// (372 / 495 TFLOP/s sync at 4k / 16k against 334 / 440); since K and V come by TMA and
+    /// the descriptors are computed in the uniform datapath, this one measured 387–389 / 503
+    /// sync and 389–391 / 508–513 async against 373–376 / 482–489 and 368–370 / 480–488 for
+    /// s3o1p1, three interleaved rounds in one call (reports/NOTES.md, session 7).
     pub const DEFAULT: Schedule = Schedule {
-        stages: 3,
-        overlap: true,
-        pingpong: true,
+        stages: 2,
+        overlap: false,
+        pingpong: false,
         diag: 0,
     };
 
     /// Every schedule `fdpp kernels check` compiles.
     pub const ALL: [Schedule; 6] = [
         Schedule::DEFAULT,
-        Schedule::new(2, false, false),
+        Schedule::new(3, true, true),
         Schedule::new(2, true, false),
         Schedule::new(3, false, false),
         Schedule::new(3, true, false),
@@ -237,6 +241,7 @@ pub fn attend(
     let d = p.geom.head_dim;
     let sched = Schedule::from_env()?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
+    let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v))?;
     launch_prefill(
         b,
         p,
@@ -251,6 +256,7 @@ pub fn attend(
             threads: THREADS,
             tile_rows: BM,
             smem: smem_bytes(d, sched.stages),
+            tma: Some(&maps),
         },
     )
 }
@@ -309,7 +315,7 @@ mod tests {
         assert_eq!(d.parse_diag(None).unwrap(), d);
         let l = d.parse_diag(Some("1")).unwrap();
         assert_eq!(l.diag, 1);
-        assert_eq!(l.tag(), "s3o1p1-diag1");
+        assert_eq!(l.tag(), "s2o0p0-diag1");
         assert_eq!(
             Schedule::parse(Some("2"), Some("0"), None).unwrap().tag(),
             "s2o0p0",

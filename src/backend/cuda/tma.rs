@@ -1,0 +1,149 @@
+//! TMA tensor maps over the paged KV pool, for the Hopper prefill's producer
+//! (kernels_cuda/attn_prefill_hopper.cu, `produce`).
+//!
+//! The pool holds K (or V) as [slots][kv heads][head_dim] 16-bit values, slot = page ·
+//! page_size + offset. One 3-D map covers all of it; a box is 64 columns × 1 kv head × `rows`
+//! slots (one page, or the 128-key tile when pages are larger), landing as `rows` lines of 128
+//! bytes with the 128-byte swizzle that the wgmma descriptors read. The kernel reads the maps
+//! from its parameters (by value, `__grid_constant__`).
+
+use cudarc::driver::{sys, DeviceRepr};
+
+use crate::error::{FdppError, Result};
+use crate::kv::PagedKvLayout;
+
+/// Keys of the kernel's tile (attn_prefill_hopper.cu's BN).
+const TILE_KEYS: usize = 128;
+/// Columns of a box: 128 bytes of 16-bit values, the span of the 128-byte swizzle.
+const BOX_COLS: u32 = 64;
+
+/// A CUtensorMap as a kernel argument (the kernel's `TmaMap`: 128 bytes, 64-byte aligned).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes with the layout of the kernel's parameter type.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The K and V maps and the rows of a box; `rows == 0` tells the kernel to load every tile with
+/// cp.async (the maps are then zeros and never read).
+pub struct PoolMaps {
+    pub k: TmaMap,
+    pub v: TmaMap,
+    pub rows: i32,
+}
+
+/// Rows of a TMA box for this page size, or None where a box cannot hold a whole run of a tile's
+/// keys: a tile of 128 keys must split into whole pages (page_size divides 128) or lie inside
+/// one (128 divides page_size), and a box of fewer than 8 rows would break the swizzle's
+/// 1024-byte atoms.
+pub fn box_rows(page_size: usize) -> Option<usize> {
+    let rows = page_size.min(TILE_KEYS);
+    let whole = TILE_KEYS % page_size == 0 || page_size % TILE_KEYS == 0;
+    (whole && rows >= 8).then_some(rows)
+}
+
+impl PoolMaps {
+    /// cp.async for every tile.
+    pub fn off() -> Self {
+        PoolMaps {
+            k: TmaMap([0; 16]),
+            v: TmaMap([0; 16]),
+            rows: 0,
+        }
+    }
+
+    /// Maps over the K and V pools at device addresses `k` and `v`, or [`PoolMaps::off`] when the
+    /// page size does not box or `FDPP_HOPPER_TMA=0` asks for cp.async (A/B measurements).
+    pub fn new(layout: &PagedKvLayout, k: u64, v: u64) -> Result<Self> {
+        let rows = match box_rows(layout.page_size) {
+            Some(r) if tma_wanted()? => r,
+            _ => return Ok(PoolMaps::off()),
+        };
+        Ok(PoolMaps {
+            k: encode(layout, k, rows, "K")?,
+            v: encode(layout, v, rows, "V")?,
+            rows: rows as i32,
+        })
+    }
+}
+
+/// `FDPP_HOPPER_TMA=0|1` (default 1).
+fn tma_wanted() -> Result<bool> {
+    match std::env::var("FDPP_HOPPER_TMA").ok().as_deref().map(str::trim) {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(o) => Err(FdppError::InvalidArgument(format!(
+            "FDPP_HOPPER_TMA={o}: expected 0 or 1"
+        ))),
+    }
+}
+
+fn encode(l: &PagedKvLayout, base: u64, rows: usize, what: &str) -> Result<TmaMap> {
+    let spec = || format!("tma map of the {what} pool");
+    let d = l.head_dim as u64;
+    if d % BOX_COLS as u64 != 0 {
+        return Err(FdppError::Unsupported {
+            spec: spec(),
+            what: format!("head_dim {d} (a multiple of {BOX_COLS} is needed)"),
+        });
+    }
+    let dims: [u64; 3] = [d, l.num_kv_heads as u64, (l.num_pages * l.page_size) as u64];
+    // Byte strides of dims 1 and 2 (dim 0 is contiguous).
+    let strides: [u64; 2] = [d * 2, l.num_kv_heads as u64 * d * 2];
+    let boxes: [u32; 3] = [BOX_COLS, 1, rows as u32];
+    let elem: [u32; 3] = [1, 1, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local array of the rank given; the driver only writes
+    // `map`. The address, dims and strides are the pool's allocation (checked by the driver).
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+            3,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(FdppError::device(
+            "cuda",
+            format!(
+                "{}: cuTensorMapEncodeTiled({dims:?}, strides {strides:?}, box {boxes:?}) failed: {r:?}",
+                spec()
+            ),
+        ));
+    }
+    Ok(TmaMap(map.opaque))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxes_cover_whole_pages_of_a_tile_or_none() {
+        assert_eq!(box_rows(16), Some(16));
+        assert_eq!(box_rows(8), Some(8));
+        assert_eq!(box_rows(128), Some(128));
+        assert_eq!(box_rows(256), Some(128));
+        // Too few rows for a swizzle atom, or pages that straddle tiles.
+        assert_eq!(box_rows(4), None);
+        assert_eq!(box_rows(1), None);
+        assert_eq!(box_rows(48), None);
+        assert_eq!(box_rows(192), None);
+    }
+
+    #[test]
+    fn the_map_is_the_kernels_parameter_size_and_alignment() {
+        assert_eq!(std::mem::size_of::<TmaMap>(), 128);
+        assert_eq!(std::mem::align_of::<TmaMap>(), 64);
+    }
+}
