@@ -39,7 +39,7 @@ pub struct PoolMaps {
 /// 1024-byte atoms.
 pub fn box_rows(page_size: usize) -> Option<usize> {
     let rows = page_size.min(TILE_KEYS);
-    let whole = TILE_KEYS % page_size == 0 || page_size % TILE_KEYS == 0;
+    let whole = TILE_KEYS.is_multiple_of(page_size) || page_size.is_multiple_of(TILE_KEYS);
     (whole && rows >= 8).then_some(rows)
 }
 
@@ -82,7 +82,7 @@ fn tma_wanted() -> Result<bool> {
 fn encode(l: &PagedKvLayout, base: u64, rows: usize, what: &str) -> Result<TmaMap> {
     let spec = || format!("tma map of the {what} pool");
     let d = l.head_dim as u64;
-    if d % BOX_COLS as u64 != 0 {
+    if !d.is_multiple_of(BOX_COLS as u64) {
         return Err(FdppError::Unsupported {
             spec: spec(),
             what: format!("head_dim {d} (a multiple of {BOX_COLS} is needed)"),
