@@ -115,7 +115,9 @@ __device__ __forceinline__ u32 swz(int r, int c, int rows) {
 // A wgmma shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
 // stride byte offsets (all in 16-byte units), layout type 1 in bits 62–63. Base offset 0: every
 // atom is 1024-byte aligned, and the k-step advances (+32 bytes inside an atom) leave address
-// bits 7–9 alone.
+// bits 7–9 alone. Shared addresses are below 256 KiB, so the address field (14 bits of 16-byte
+// units) never carries: the descriptor of addr + x is the descriptor of addr plus x / 16, which
+// is how the k-steps advance.
 __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
     return (u64)(addr >> 4) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
            ((u64)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
@@ -412,7 +414,6 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
 // keys, 2048 bytes; the D/64 column blocks are BN·128 bytes apart (leading byte offset), the
 // 8-key groups 1024 (stride byte offset).
 __device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)[PS][4], int s) {
-#pragma unroll
     const u64 vd = desc_sw128(c.sv(s), BN * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], vd + kk * (2048u >> 4));

@@ -6,6 +6,8 @@
 //! in attention.rs appends the new K and V to the cache, then asks [`wanted`] which one attends.
 //! `FDPP_PREFILL=mma` forces the mma.sync kernel, `FDPP_PREFILL=hopper` the Hopper one for every
 //! head_dim it is built for (an error on other devices), for A/B comparisons in one build.
+//! `FDPP_HOPPER_TMA=0` loads every K/V tile with cp.async instead of TMA (tma.rs), for the same
+//! kind of comparison.
 
 use super::attention::{launch_prefill, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
