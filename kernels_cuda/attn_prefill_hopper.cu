@@ -266,8 +266,10 @@ __device__ __forceinline__ u32 row_slot(const Ctx& c, int key) {
 // sub-partition's issue slot with the consumer warps, whose softmax is issue-bound (FA3 §3.1
 // gives the producer one thread issuing TMA for this reason). Measured (reports/NOTES-prefill-s4.md):
 // with no copies at all (FDPP_DIAG=1) the kernel ran 20–25 % faster, while a third stage or
-// releasing K before V changed nothing, so the cost was the copies' issue, not their latency.
-// An earlier form shuffled a 64-bit offset per copy and rebuilt the address and the swizzle
+// releasing K before V changed nothing. (Session 7: with TMA taking the copies off the
+// producer's issue slots the consumers still wait on "K full", so their cost is not the issue
+// either; TMA is faster under the default schedule, and this loop now serves only the tile
+// holding kv_end and page sizes TMA cannot box.) An earlier form shuffled a 64-bit offset per copy and rebuilt the address and the swizzle
 // each time (about 30 instructions per 16-byte copy in SASS); here a copy is a shuffle of the
 // 32-bit slot, one wide multiply-add and the cp.async, with the swizzled destinations
 // precomputed: the row's XOR term (row % 8) takes only 8 / RPI values per lane.
@@ -289,13 +291,6 @@ __device__ __forceinline__ void copy_rows(const u16* src, u32 dst, u32 slot, con
         const bool ok = sl != NO_SLOT;
         cp_async16(at[i % NX] + (u32)(RPI * i) * 128u, base + (size_t)(ok ? sl : 0u) * stride, ok ? 16 : 0);
     }
-}
-
-// TMA lane j (< BN / tma_rows) of producer warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a
-// tile: they lie in one page, from this slot on.
-__device__ __forceinline__ int box_slot(const Ctx& c, int n, int j) {
-    const int key = n * BN + j * c.tma_rows;
-    return c.pages[key / c.page_size] * c.page_size + key % c.page_size;
 }
 
 // Rows j·tma_rows .. + tma_rows − 1 of K or V of a tile into stage buffer dst by TMA, from
@@ -331,7 +326,9 @@ __device__ void produce(const Ctx& c, int& it) {
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
     const bool tma_lane = pw == 0 && c.tma_rows > 0 && lane < BN / c.tma_rows;
     u32 slot = by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane);
-    int box = by_tma > 0 && tma_lane ? box_slot(c, 0, lane) : 0;
+    // TMA lane j (< BN / tma_rows) of warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a tile,
+    // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
+    int box = by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0;
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
@@ -357,7 +354,7 @@ __device__ void produce(const Ctx& c, int& it) {
         }
         // The next tile's rows, looked up while the consumers work on this one.
         if (n + 1 < by_tma) {
-            if (tma_lane) box = box_slot(c, n + 1, lane);
+            if (tma_lane) box = (int)row_slot(c, (n + 1) * BN + lane * c.tma_rows);
         } else if (n + 1 < ntiles) {
             slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
         }
