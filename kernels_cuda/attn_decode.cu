@@ -28,8 +28,11 @@
 //   barrier; the async flags are reduced per block (one atomic per head, not one per lane); the
 //   async epilogue counts the arrival from one thread after a barrier and the last split reads
 //   every total it needs in one round trip and tests the flags with one barrier-reduction.
-// - the bandwidth path, attn_decode_{sync,async} (namespace bw, last): the earlier kernel,
-//   unchanged, for batches that fill the device and for long splits, where it measured faster.
+// - the bandwidth path, attn_decode_{sync,async}: the same block, merge and epilogue around the
+//   earlier kernel's loop (accumulate_bw: a page id, then K/V, per token), for batches that fill
+//   the device and for long splits, where that loop measured faster. (Until session 8 this path
+//   kept its own merge and epilogue: four barriers, a flag atomic per lane, three read-back round
+//   trips in the last split; its async kernel then ran 3-4 µs longer than its sync one.)
 #include "common.cuh"
 #include "attn_common.cuh"
 
@@ -45,6 +48,7 @@ constexpr int HG = FDPP_HG;         // query heads per block
 constexpr int LPT = D / 8;          // lanes per token row
 constexpr int GPW = 32 / LPT;       // token groups per warp (4, 2 or 1)
 constexpr int COMBINE_THREADS = 128;
+constexpr int COMBINE_MAX_SPLITS = 64;  // ops/attention.rs MAX_SPLITS
 constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
@@ -196,6 +200,49 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
         if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
         consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
     }
+}
+
+// The bandwidth path's loop (session 3): per round each group takes U consecutive tokens and looks
+// up each token's page as it goes (page id, then K/V). Measured 5-15 % faster than the loop above
+// wherever the batch fills the device or the splits are long (reports/NOTES-decode-s4.md); the
+// loop above wins only while a split is a round or two.
+template <bool ASYNC, int NT, int U>
+__device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
+    using S = Shape<NT, U>;
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    // The trip count is the same for every group: the shuffles in consume need whole warps.
+    for (int base0 = t0; base0 < t1; base0 += S::ROUND) {
+        const int base = base0 + gid * U;
+        uint4 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u;
+            ok[u] = t < t1;
+            if (ok[u]) {
+                const int page = pages[t / page_size];
+                const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
+                kr[u] = ld_stream16(kp + at);
+                vr[u] = ld_stream16(vp + at);
+            }
+        }
+        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+    }
+}
+
+// Tokens [t0, t1) into `p` by the loop of the path the kernel is built for (BW: the bandwidth
+// path's, else the latency path's).
+template <bool ASYNC, int NT, int U, bool BW>
+__device__ __forceinline__ void accumulate_path(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                                const u16* __restrict__ vp, const int* __restrict__ pages,
+                                                int page_size, int G, int kvh, int t0, int t1, float phi2,
+                                                float b2) {
+    if constexpr (BW)
+        accumulate_bw<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+    else
+        accumulate<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
 }
 
 // Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
@@ -382,7 +429,7 @@ __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT],
 // Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
 // caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
 // loaded again: the rare path then costs the common one no registers.
-template <int NT, int U>
+template <int NT, int U, bool BW>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
@@ -391,7 +438,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, -FDPP_INF);
-    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     float a[Shape<NT, U>::EPT];
     block_merge<false, NT, U>(sm, p, a);
     float lh[HG];
@@ -404,7 +451,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
-template <int NT, int U>
+template <int NT, int U, bool BW>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -422,7 +469,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
-    accumulate<false, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
     float a[S::EPT];
     block_merge<false, NT, U>(sm, p, a);
     if (splits == 1) {
@@ -454,38 +501,67 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     }
 }
 
-// One block per row: merge the splits' partials, each rescaled to the largest max.
+// One block per row: merge the splits' partials, each rescaled to the largest max. The loads
+// are independent of each other (this kernel's time is round trips, not bytes): warp 0 reads
+// every split's (m, l) at once, reduces the max and the total with shuffles and leaves each
+// split's weight in shared memory; then each thread's partial loads carry no branch on loaded
+// data, so they are issued back to back. The launcher keeps splits ≤ COMBINE_MAX_SPLITS.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
     pdl_wait();
     pdl_trigger();
+    __shared__ float wt[COMBINE_MAX_SPLITS];
+    __shared__ float total;
     const int row = blockIdx.x;
-    const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
-    float m = -FDPP_INF;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
-    float l = 0.f;
+    if (threadIdx.x < 32) {
+        const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
+        constexpr int PER = COMBINE_MAX_SPLITS / 32;
+        float m[PER], l[PER];
+        float bm = -FDPP_INF;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int sp = threadIdx.x + 32 * k;
+            m[k] = sp < splits ? ml[2 * sp] : -FDPP_INF;
+            l[k] = sp < splits ? ml[2 * sp + 1] : 0.f;
+            bm = fmaxf(bm, m[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int sp = threadIdx.x + 32 * k;
+            // An empty split (l = 0, m = −inf) weighs nothing (and −inf − −inf is not computed).
+            const float f = l[k] == 0.f ? 0.f : exp2f(m[k] - bm);
+            sum += l[k] * f;
+            if (sp < splits) wt[sp] = f;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (threadIdx.x == 0) total = sum;
+    }
+    __syncthreads();
     float acc[DPT];
 #pragma unroll
     for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        if (ml[2 * s + 1] == 0.f) continue;  // an empty split (m = −inf)
-        const float f = exp2f(ml[2 * s] - m);
-        l += ml[2 * s + 1] * f;
+#pragma unroll 8
+    for (int sp = 0; sp < splits; ++sp) {
+        const float f = wt[sp];
 #pragma unroll
         for (int j = 0; j < DPT; ++j) {
             const int d = threadIdx.x + j * COMBINE_THREADS;
-            if (d < D) acc[j] += part[((size_t)row * splits + s) * D + d] * f;
+            if (d < D) acc[j] += __ldcg(&part[((size_t)row * splits + sp) * D + d]) * f;
         }
     }
 #pragma unroll
     for (int j = 0; j < DPT; ++j) {
         const int d = threadIdx.x + j * COMBINE_THREADS;
-        if (d < D) out[(size_t)row * D + d] = from_f32(acc[j] / l);
+        if (d < D) out[(size_t)row * D + d] = from_f32(acc[j] / total);
     }
 }
 
-// The async kernel of the latency path (workspace: async_ws(); `recomputed` is a running total).
-template <int NT, int U>
+// The async kernel of both paths (workspace: async_ws(); `recomputed` is a running total).
+template <int NT, int U, bool BW>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -507,7 +583,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     load_q(qr, q, row0, scale2);
     Part p;
     init_part(p, phi2);
-    accumulate<true, NT, U>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     float a[S::EPT];
     block_merge<true, NT, U>(sm, p, a);
 
@@ -597,255 +673,33 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     write_elems<NT, U>(a, lh, out, row0, ~flagged);
     if (flagged) {
         // Every read of the per-warp slots happened before the barriers above.
-        recompute_sync<NT, U>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
+        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
                                       flagged);
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
 }
 
-// The entry points of the latency path (t128u4: 128 threads, 4 tokens per group per round).
-#define FDPP_DECODE_ENTRIES(NAME, NT, U)                                                                      \
-    extern "C" __global__ void __launch_bounds__(NT) attn_decode_sync_##NAME(                                \
+// The entry points: attn_decode_{sync,async}_t128u4, the latency path (128 threads, 4 tokens per
+// group per round), and attn_decode_{sync,async}, the bandwidth path (the same block, merge and
+// epilogue around the bandwidth loop).
+#define FDPP_DECODE_ENTRIES(SUFFIX, NT, U, BW, MINB_SYNC, MINB_ASYNC)                                           \
+    extern "C" __global__ void __launch_bounds__(NT, MINB_SYNC) attn_decode_sync##SUFFIX(                    \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {                   \
-        decode_sync<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out);    \
+        decode_sync<NT, U, BW>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out); \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(NT) attn_decode_async_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(NT, MINB_ASYNC) attn_decode_async##SUFFIX(                  \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
         unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
-        decode_async<NT, U>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2, b2, \
-                            ws, recomputed, out);                                                             \
+        decode_async<NT, U, BW>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2,  \
+                                b2, ws, recomputed, out);                                                     \
     }
 
-FDPP_DECODE_ENTRIES(t128u4, 128, 4)
-
-// The bandwidth path: the kernel as it was before the latency path (session 3), under its
-// original entry names; its loop and merge are unchanged, and it shares the lane state, the q
-// load, the block placement and the per-token arithmetic (`consume`) with the latency path. Measured (reports/NOTES-decode-s4.md): wherever the batch fills the
-// device or the splits are long, the step is bandwidth-bound, and this loop (page id, then K/V,
-// per token; four-barrier merge) ran 5-15 % faster than the latency path's, which wins only
-// while a split is a round or two.
-namespace bw {
-constexpr int THREADS = 128;
-constexpr int NG = THREADS / LPT;   // token groups per block
-constexpr int U = 4;                // tokens per group in flight
-constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
-
-// Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group.
-template <bool ASYNC>
-__device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
-                                           const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
-                                           int G, int kvh, int t0, int t1, float phi2, float b2) {
-    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
-    // The trip count is the same for every group: the shuffles below need whole warps.
-    for (int base0 = t0; base0 < t1; base0 += NG * U) {
-        const int base = base0 + gid * U;
-        uint4 kr[U], vr[U];
-        bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = base + u;
-            ok[u] = t < t1;
-            if (ok[u]) {
-                const int page = pages[t / page_size];
-                const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
-                kr[u] = ld_stream16(kp + at);
-                vr[u] = ld_stream16(vp + at);
-            }
-        }
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
-    }
-}
-
-// Shared memory of one block: the groups' partial states, merged per head.
-struct Smem {
-    float acc[NG][HG][D];
-    float m[NG][HG];
-    float l[NG][HG];
-    float bm[HG];      // block max per head (sync)
-    int flag;
-};
-
-// Merge the groups' states into block-wide (m, l, acc) per head: on return sm.acc[0][h][:],
-// sm.l[0][h] and sm.bm[h] hold them. Sync states are rescaled to the block max; async states
-// share φ and are summed.
-template <bool ASYNC>
-__device__ void block_merge(Smem& sm, Part& p, float phi2) {
-    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
-    if (li == 0) {
-#pragma unroll
-        for (int h = 0; h < HG; ++h) {
-            sm.m[gid][h] = p.m[h];
-            sm.l[gid][h] = p.l[h];
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < HG) {
-        float bm = ASYNC ? phi2 : -FDPP_INF;
-        if (!ASYNC)
-            for (int g = 0; g < NG; ++g) bm = fmaxf(bm, sm.m[g][threadIdx.x]);
-        sm.bm[threadIdx.x] = bm;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < HG; ++h) {
-        // A group that saw no token has m = −inf and nothing to add.
-        const float f = ASYNC ? 1.f : (p.m[h] == -FDPP_INF ? 0.f : exp2f(p.m[h] - sm.bm[h]));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sm.acc[gid][h][li * 8 + i] = p.acc[h][i] * f;
-    }
-    __syncthreads();
-    if (threadIdx.x < HG) {
-        const int h = threadIdx.x;
-        float l = 0.f;
-        for (int g = 0; g < NG; ++g) {
-            const float f = ASYNC ? 1.f : (sm.m[g][h] == -FDPP_INF ? 0.f : exp2f(sm.m[g][h] - sm.bm[h]));
-            l += sm.l[g][h] * f;
-        }
-        sm.l[0][h] = l;
-    }
-    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
-        const int h = i / D, d = i % D;
-        float a = 0.f;
-        for (int g = 0; g < NG; ++g) a += sm.acc[g][h][d];
-        sm.acc[0][h][d] = a;  // group 0's slot is read only by this thread, before this write
-    }
-    __syncthreads();
-}
-
-// Write the block's merged rows, normalised, to out (rows [row0, row0 + HG)).
-__device__ __forceinline__ void write_rows(const Smem& sm, u16* __restrict__ out, int row0, unsigned mask) {
-    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
-        const int h = i / D, d = i % D;
-        if (mask & (1u << h)) out[(size_t)(row0 + h) * D + d] = from_f32(sm.acc[0][h][d] / sm.l[0][h]);
-    }
-}
-
-// Whole-sequence sync attention for the block's heads (the async recompute path).
-__device__ void recompute_sync(Smem& sm, const float (&qr)[HG][8], const u16* __restrict__ kp,
-                               const u16* __restrict__ vp, const int* __restrict__ pages, int page_size, int G,
-                               int kvh, int len, u16* __restrict__ out, int row0, unsigned mask) {
-    Part p;
-    init_part(p, -FDPP_INF);
-    accumulate<false>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
-    block_merge<false>(sm, p, 0.f);
-    write_rows(sm, out, row0, mask);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS)
-attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                 const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
-                 int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {
-    pdl_wait();
-    pdl_trigger();
-    __shared__ Smem sm;
-    const int group = H / G;
-    const Where w = where(lens, G, group, splits);
-    float qr[HG][8];
-    load_q(qr, q, w.b * H + w.h0, scale2);
-    Part p;
-    init_part(p, -FDPP_INF);
-    const int* pages = table + (size_t)w.b * max_pages;
-    accumulate<false>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
-    block_merge<false>(sm, p, 0.f);
-    if (splits == 1) {
-        write_rows(sm, out, w.b * H + w.h0, ~0u);
-        return;
-    }
-    // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
-    const int rows = gridDim.y * group;
-    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
-        const int h = i / D, d = i % D;
-        part[((size_t)(w.b * H + w.h0 + h) * splits + w.split) * D + d] = sm.acc[0][h][d];
-    }
-    if (threadIdx.x < HG) {
-        float* ml = part + (size_t)rows * splits * D;
-        const size_t at = ((size_t)(w.b * H + w.h0 + threadIdx.x) * splits + w.split) * 2;
-        ml[at] = sm.bm[threadIdx.x];
-        ml[at + 1] = sm.l[0][threadIdx.x];
-    }
-}
-
-// The async kernel of the bandwidth path (workspace: async_ws()).
-extern "C" __global__ void __launch_bounds__(THREADS)
-attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                  const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,
-                  int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,
-                  unsigned* __restrict__ recomputed, u16* __restrict__ out) {
-    pdl_wait();
-    pdl_trigger();
-    __shared__ Smem sm;
-    const int group = H / G;
-    const Where w = where(lens, G, group, splits);
-    const int rows = gridDim.y * group;
-    const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
-    const int row0 = w.b * H + w.h0;
-    const int* pages = table + (size_t)w.b * max_pages;
-
-    float qr[HG][8];
-    load_q(qr, q, row0, scale2);
-    Part p;
-    init_part(p, phi2);
-    accumulate<true>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
-    // Flags first (a lane's view), then the sums merged in shared memory.
-#pragma unroll
-    for (int h = 0; h < HG; ++h) {
-        if (p.over[h]) atomicOr(&overs[row0 + h], 1u);
-        if (p.mx[h] != -FDPP_INF) atomicMax(&keys[row0 + h], fkey(p.mx[h]));
-    }
-    block_merge<true>(sm, p, phi2);
-    if (splits > 1) {
-        for (int i = threadIdx.x; i < HG * D; i += THREADS) atomicAdd(&accs[(size_t)row0 * D + i], sm.acc[0][i / D][i % D]);
-        if (threadIdx.x < HG) atomicAdd(&ls[row0 + threadIdx.x], sm.l[0][threadIdx.x]);
-        __threadfence();
-    }
-    __syncthreads();
-    const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
-    if (threadIdx.x == 0) sm.flag = splits == 1 || atomicAdd(&arrivals[chunk_id], 1u) == (unsigned)(splits - 1);
-    __syncthreads();
-    if (!sm.flag) return;
-    // The last split of these rows: totals are complete.
-    __threadfence();
-    if (splits > 1) {
-        for (int i = threadIdx.x; i < HG * D; i += THREADS) {
-            sm.acc[0][i / D][i % D] = __ldcg(&accs[(size_t)row0 * D + i]);
-            accs[(size_t)row0 * D + i] = 0.f;
-        }
-        __syncthreads();
-        if (threadIdx.x < HG) {
-            sm.l[0][threadIdx.x] = __ldcg(&ls[row0 + threadIdx.x]);
-            ls[row0 + threadIdx.x] = 0.f;
-        }
-    }
-    __syncthreads();
-    __shared__ unsigned bad;
-    if (threadIdx.x == 0) bad = 0;
-    __syncthreads();
-    if (threadIdx.x < HG) {
-        const int h = threadIdx.x;
-        const float mx = unkey(__ldcg(&keys[row0 + h]));
-        const bool over = __ldcg(&overs[row0 + h]) != 0;
-        const float l = sm.l[0][h];
-        const bool ok = !over && mx - phi2 >= a2 && l > 0.f && finite(l);
-        if (!ok) atomicOr(&bad, 1u << h);
-        keys[row0 + h] = 0;
-        overs[row0 + h] = 0;
-    }
-    if (threadIdx.x == 0 && splits > 1) arrivals[chunk_id] = 0;
-    __syncthreads();
-    // Non-finite sums show in the accumulator too.
-    for (int i = threadIdx.x; i < HG * D; i += THREADS)
-        if (!finite(sm.acc[0][i / D][i % D])) atomicOr(&bad, 1u << (i / D));
-    __syncthreads();
-    const unsigned flagged = bad;
-    write_rows(sm, out, row0, ~flagged);
-    if (flagged) {
-        __syncthreads();
-        recompute_sync(sm, qr, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, flagged);
-        if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
-    }
-}
-}  // namespace bw
+// Blocks per SM (0: ptxas's choice). The bandwidth path's async kernel with one head per block is
+// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5); every other
+// kernel keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : 0)

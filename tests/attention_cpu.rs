@@ -138,6 +138,21 @@ fn kv_len_zero_is_refused() {
 }
 
 #[test]
+fn split_counts_outside_the_supported_range_are_refused() {
+    let (b, mut p, kv) = decode_setup(4, 4, 64, 200);
+    for n in [0, fdpp::ops::attention::MAX_SPLITS + 1] {
+        p.num_splits = Some(n);
+        let e = run_decode(&b, &p, &kv).expect_err("split count");
+        assert!(
+            e.to_string().contains(&format!("num_splits {n} is outside 1..=64")),
+            "{e}"
+        );
+    }
+    p.num_splits = Some(fdpp::ops::attention::MAX_SPLITS);
+    run_decode(&b, &p, &kv).expect("the largest split count runs");
+}
+
+#[test]
 fn block_table_past_the_pool_is_refused() {
     let (b, mut p, kv) = decode_setup(4, 4, 64, 40);
     p.tables.block_table[1] = kv.layout.num_pages as i32 + 5;

@@ -114,7 +114,8 @@ pub enum DecodePath {
     /// flags, one-round-trip async epilogue. For launches that are a chain of dependent round
     /// trips: few blocks' worth of work and short splits.
     Latency,
-    /// `attn_decode_{sync,async}`: the earlier kernel, for bandwidth-bound launches.
+    /// `attn_decode_{sync,async}`: the same kernel around the bandwidth loop (a page id, then K/V,
+    /// per token), for bandwidth-bound launches.
     Bandwidth,
 }
 

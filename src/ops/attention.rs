@@ -250,10 +250,12 @@ impl DecodeParams {
         self.scheme.validate()?;
         self.geom.check_layout(layout, self.dtype)?;
         self.tables.validate(layout)?;
-        if self.num_splits == Some(0) {
-            return Err(FdppError::InvalidArgument(
-                "decode: num_splits must be at least 1 (leave it out to choose it from the shape)".into(),
-            ));
+        if let Some(n) = self.num_splits {
+            if !(1..=MAX_SPLITS).contains(&n) {
+                return Err(FdppError::InvalidArgument(format!(
+                    "decode: num_splits {n} is outside 1..={MAX_SPLITS} (leave it out to choose it from the shape)"
+                )));
+            }
         }
         let need = self.batch() * self.geom.num_heads * self.geom.head_dim;
         check_len("decode q", need, q_len)?;
