@@ -5,7 +5,7 @@
 //! block tables packed in front of it. Pure functions of the params, unit-tested on the CPU.
 
 use crate::error::{FdppError, Result};
-use crate::ops::attention::{num_splits, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{num_splits, num_splits_resident, DecodeParams, PrefillParams, SoftmaxScheme};
 
 /// The kernels work in log2 units (exp2 is one instruction): scores and (φ, a, b) are scaled by
 /// log2(e).
@@ -54,15 +54,18 @@ pub struct DecodePlan {
 
 impl DecodePlan {
     /// The plan of `p` on a device with `compute_units` SMs or CUs; the split count is
-    /// `p.num_splits` or [`num_splits`] of the shape.
-    pub fn new(p: &DecodeParams, compute_units: usize) -> Self {
+    /// `p.num_splits`, else [`num_splits_resident`] when the kernel's resident blocks per SM are
+    /// known (`resident`), else [`num_splits`] of the shape.
+    pub fn new(p: &DecodeParams, compute_units: usize, resident: Option<usize>) -> Self {
         let g = p.geom;
         let batch = p.batch();
         let hg = attn_heads_per_block(g.group());
         let max_len = (0..batch).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
-        let splits = p
-            .num_splits
-            .unwrap_or_else(|| num_splits(batch, g.num_kv_heads, max_len, compute_units));
+        let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
+        let splits = p.num_splits.unwrap_or_else(|| match resident {
+            Some(r) => num_splits_resident(batch, g.num_kv_heads, max_len, compute_units, r, is_async),
+            None => num_splits(batch, g.num_kv_heads, max_len, compute_units),
+        });
         DecodePlan {
             batch,
             heads: g.num_heads,
@@ -278,7 +281,7 @@ mod tests {
     fn decode_grid_and_workspaces_follow_the_shape() {
         // 32 query heads over 8 kv heads: group 4, one chunk; ragged batch of 3.
         let p = decode(32, 8, &[1, 4097, 97], None);
-        let plan = DecodePlan::new(&p, 104);
+        let plan = DecodePlan::new(&p, 104, None);
         assert_eq!((plan.hg, plan.chunks, plan.rows, plan.max_len), (4, 1, 96, 4097));
         assert_eq!(plan.splits, num_splits(3, 8, 4097, 104));
         assert!(plan.splits > 1 && plan.splits <= MAX_SPLITS);
@@ -289,14 +292,14 @@ mod tests {
 
         // GQA 16: four chunks of 4 heads per kv head; an explicit split count is kept.
         let p = decode(32, 2, &[300], Some(3));
-        let plan = DecodePlan::new(&p, 104);
+        let plan = DecodePlan::new(&p, 104, None);
         assert_eq!((plan.hg, plan.chunks, plan.splits), (4, 4, 3));
         assert_eq!(plan.grid().unwrap(), (12, 2, 1));
         assert_eq!(plan.accum_words(), 32 * 131 + 2 * 4);
 
         // One split: no partials, the sync kernel writes out itself.
         let p = decode(4, 4, &[10], Some(1));
-        let plan = DecodePlan::new(&p, 104);
+        let plan = DecodePlan::new(&p, 104, None);
         assert_eq!(plan.partial_elems(), None);
         assert_eq!(plan.hg, 1);
         assert_eq!(plan.grid().unwrap(), (1, 4, 1));
@@ -308,7 +311,7 @@ mod tests {
     fn decode_blocks_cover_every_row_and_split_once() {
         for (heads, kvh, batch, splits) in [(32, 8, 3, 5), (32, 2, 2, 3), (8, 8, 4, 1), (16, 8, 1, 7)] {
             let p = decode(heads, kvh, &vec![200; batch], Some(splits));
-            let plan = DecodePlan::new(&p, 104);
+            let plan = DecodePlan::new(&p, 104, None);
             let (gx, gy, _) = plan.grid().unwrap();
             let group = heads / kvh;
             let mut seen = vec![0u8; plan.rows * splits];
@@ -335,7 +338,7 @@ mod tests {
         let a = SoftmaxScheme::ASYNC_DEFAULT;
         // Llama2-7B batch 1 (32 kv heads, 132 SMs): 16-17 splits of ≤ 68 keys up to kv_len 1152.
         for len in [1024, 1088, 1152] {
-            let plan = DecodePlan::new(&decode(32, 32, &[len], None), 132);
+            let plan = DecodePlan::new(&decode(32, 32, &[len], None), 132, None);
             assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Latency, "kv_len {len}");
             // The sync scheme keeps the bandwidth path.
             assert_eq!(
@@ -344,14 +347,30 @@ mod tests {
             );
         }
         // Long splits, or a batch that fills the device: the bandwidth path.
-        let plan = DecodePlan::new(&decode(32, 32, &[4096], None), 132);
+        let plan = DecodePlan::new(&decode(32, 32, &[4096], None), 132, None);
         assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Bandwidth);
-        let plan = DecodePlan::new(&decode(32, 32, &[1024; 8], None), 132);
+        let plan = DecodePlan::new(&decode(32, 32, &[1024; 8], None), 132, None);
         assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Bandwidth);
         // A forced single split of a short sequence stays on the latency path.
-        let plan = DecodePlan::new(&decode(8, 8, &[97], Some(1)), 132);
+        let plan = DecodePlan::new(&decode(8, 8, &[97], Some(1)), 132, None);
         assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Latency);
         assert_ne!(DecodePath::Latency.entries(), DecodePath::Bandwidth.entries());
+    }
+
+    #[test]
+    fn a_known_occupancy_sizes_full_batches_by_waves_per_scheme() {
+        // Batch 8 of 32 kv heads on 132 SMs at 6-7 resident blocks per SM: one wave, 3 splits.
+        let mut p = decode(32, 32, &[1024; 8], None);
+        assert_eq!(DecodePlan::new(&p, 132, Some(7)).splits, 3);
+        assert_eq!(DecodePlan::new(&p, 132, None).splits, num_splits(8, 32, 1024, 132));
+        // Batch 32 overfills a wave: sync aims for SYNC_WAVES waves, async keeps 8 per SM's count.
+        p = decode(32, 32, &[1024; 32], None);
+        assert_eq!(DecodePlan::new(&p, 132, Some(7)).splits, 8);
+        p.scheme = SoftmaxScheme::ASYNC_DEFAULT;
+        assert_eq!(DecodePlan::new(&p, 132, Some(6)).splits, 2);
+        // A given split count wins.
+        p.num_splits = Some(5);
+        assert_eq!(DecodePlan::new(&p, 132, Some(6)).splits, 5);
     }
 
     #[test]

@@ -676,7 +676,13 @@ pub fn attention_record(
         kv_len: case.kv_len,
         variant: v.variant.name().into(),
         scheme: v.params.scheme().label(),
-        splits: v.splits,
+        // What the backend chose (it may size splits from its kernel's occupancy), else the
+        // variant's count.
+        splits: if checked.stats.splits > 0 {
+            Some(checked.stats.splits)
+        } else {
+            v.splits
+        },
         samples: stats.samples,
         median_us: stats.median_us,
         min_us: stats.min_us,

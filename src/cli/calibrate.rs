@@ -302,6 +302,7 @@ fn greedy<B: Backend>(
         attn: AttnStats {
             rows: e.attn.rows - before.rows,
             recomputed: e.attn.recomputed - before.recomputed,
+            splits: 0,
         },
     })
 }

@@ -194,6 +194,7 @@ pub fn generate<B: Backend>(
         attention: AttnStats {
             rows: engine.attn.rows - attn_before.rows,
             recomputed: engine.attn.recomputed - attn_before.recomputed,
+            splits: 0,
         },
     })
 }

@@ -180,6 +180,8 @@ pub struct AttnStats {
     pub rows: usize,
     /// Rows the async scheme flagged and recomputed with the sync scheme (0 under `Sync`).
     pub recomputed: usize,
+    /// Decode: the split count the call used (0 for prefill, and for sums over calls).
+    pub splits: usize,
 }
 
 /// Minimum keys per split: a split shorter than this spends more on its combine entry and its
@@ -200,6 +202,48 @@ pub const BLOCKS_PER_SM: usize = 8;
 pub const SMALL_BATCH_BLOCKS_PER_SM: usize = 4;
 /// Most splits of one row (the combine step reads all of them).
 pub const MAX_SPLITS: usize = 64;
+
+/// Waves of resident blocks the sync scheme aims for once the batch alone overfills one wave:
+/// shorter splits make the last, partial wave a smaller share. Measured on the H100 (fp16,
+/// 32 heads, d128, page 16, `bench attention --splits`, session 8): batch 32 at 1024-4096 keys,
+/// sync 196-765 µs at 2 splits (2.2 waves), 185-717 µs at 8 (8.9 waves). The async scheme stays at
+/// [`BLOCKS_PER_SM`]: each split adds its atomics and arrival round trip, and it measured flat
+/// from 2 to 8 splits there (202-213, 729-739 µs).
+pub const SYNC_WAVES: usize = 8;
+
+/// Split count for decode given the kernel's resident blocks per SM (its occupancy, from the
+/// driver). With fewer (sequence, kv head) items than SMs this is [`num_splits`]. Otherwise, if
+/// the items fit one wave of resident blocks, as many splits as keep them in one wave: a block
+/// count just past a wave leaves a tail. On the H100 (session 8; 6-7 resident blocks per SM) the
+/// rule [`num_splits`] used (8 per SM, 1056 blocks) gave 1.2-1.9 waves at batch 8-16 and measured
+/// 4-12 % slower than one wave: async at batch 8 · 1024 61.1 → 53.9 µs (3 splits), 16 · 1024
+/// 106.5 → 95.7 (1 split); sync 58.0 → 53.1, 98.7 → 96.6. Past one wave, [`SYNC_WAVES`] waves
+/// for sync and [`num_splits`]'s count for async. The CUDA backend uses it for one query head per
+/// block (MHA); with 4 heads per block it measured slower (reports/NOTES.md, session 8).
+pub fn num_splits_resident(
+    batch: usize,
+    kv_heads: usize,
+    kv_len: usize,
+    sm_count: usize,
+    resident_per_sm: usize,
+    async_scheme: bool,
+) -> usize {
+    let items = (batch * kv_heads).max(1);
+    let sms = sm_count.max(1);
+    if items < sms {
+        return num_splits(batch, kv_heads, kv_len, sm_count);
+    }
+    let slots = resident_per_sm.max(1) * sms;
+    let want = if items <= slots {
+        slots / items
+    } else if async_scheme {
+        (BLOCKS_PER_SM * sms).div_ceil(items)
+    } else {
+        (SYNC_WAVES * slots).div_ceil(items)
+    };
+    let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
+    want.min(by_len).clamp(1, MAX_SPLITS)
+}
 
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
 /// [`BLOCKS_PER_SM`] per SM ([`SMALL_BATCH_BLOCKS_PER_SM`] when there are fewer items than SMs;
@@ -443,6 +487,27 @@ mod tests {
         // Never more than MAX_SPLITS.
         assert_eq!(num_splits(1, 1, 1 << 20, 132), MAX_SPLITS);
         assert_eq!(num_splits(0, 0, 0, 0), 1);
+    }
+
+    #[test]
+    fn resident_split_counts_fill_one_wave_or_many() {
+        // Fewer items than SMs: the small-batch rule, whatever the occupancy.
+        assert_eq!(
+            num_splits_resident(1, 32, 4096, 132, 6, true),
+            num_splits(1, 32, 4096, 132)
+        );
+        // Batch 8 and 16 of 32 kv heads at 6 (async) and 7 (sync) resident blocks per SM: one wave.
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 6, true), 3);
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 7, false), 3);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 6, true), 1);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 7, false), 1);
+        // Batch 32 overfills a wave: async keeps 8 per SM's count, sync aims for 8 waves.
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, true), 2);
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, false), 8);
+        // Short sequences still bound the split length, and 64 bounds the count.
+        assert_eq!(num_splits_resident(8, 32, 100, 132, 7, false), 1);
+        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, false), MAX_SPLITS);
+        assert_eq!(num_splits_resident(0, 0, 0, 0, 0, true), 1);
     }
 
     #[test]

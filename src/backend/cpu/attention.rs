@@ -261,6 +261,7 @@ pub fn decode(
     Ok(AttnStats {
         rows: bsz * h,
         recomputed,
+        splits,
     })
 }
 
@@ -338,6 +339,7 @@ pub fn prefill(
     Ok(AttnStats {
         rows: tokens * h,
         recomputed,
+        splits: 0,
     })
 }
 

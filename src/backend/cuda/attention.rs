@@ -38,6 +38,28 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
+    /// Resident blocks per SM of each decode entry (module uri, entry), from the driver.
+    resident: std::collections::HashMap<(String, &'static str), usize>,
+}
+
+/// Resident blocks per SM of decode entry `entry` of module `uri` (the driver's occupancy for
+/// THREADS threads and no dynamic shared memory), asked once per entry.
+fn resident_blocks(
+    b: &CudaBackend,
+    sc: &mut Scratch,
+    uri: &str,
+    entry: &'static str,
+    src: impl FnOnce() -> Result<KernelSource>,
+) -> Result<usize> {
+    if let Some(&r) = sc.resident.get(&(uri.to_string(), entry)) {
+        return Ok(r);
+    }
+    let f = b.function_of(uri, entry, 0, src)?;
+    let r = f
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+        .map_err(drv(&format!("occupancy of {uri} {entry}")))? as usize;
+    sc.resident.insert((uri.to_string(), entry), r.max(1));
+    Ok(r.max(1))
 }
 
 fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -175,15 +197,30 @@ pub fn decode(
     let g = p.geom;
     let (bsz, heads, kvh, d) = (p.batch(), g.num_heads, g.num_kv_heads, g.head_dim);
     let cus = b.info().compute_units as usize;
-    let plan = DecodePlan::new(p, cus);
-    let (hg, splits, rows, max_len) = (plan.hg, plan.splits, plan.rows, plan.max_len);
+    let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
+    let first = DecodePlan::new(p, cus, None);
     // Latency-bound async launches (small batch, short splits) take the latency path's entries.
-    let path = DecodePath::for_plan(&plan, p.scheme, cus);
+    // A batch with an item per SM always takes the bandwidth path, whatever its split count, so
+    // the entry is known before the splits are chosen from its occupancy.
+    let path = DecodePath::for_plan(&first, p.scheme, cus);
     let (sync_entry, async_entry) = path.entries();
+    let entry = if is_async { async_entry } else { sync_entry };
+    let hg = first.hg;
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
     let mut sc = b.attn.borrow_mut();
+    // Splits sized from the kernel's occupancy for one query head per block (MHA), where they
+    // were measured; blocks serving 4 heads (3 resident per SM) measured slower under that rule
+    // at batch 32-64 of 8 kv heads (one split at 32 · 4096: +11-14 %; sync's 7 splits at
+    // 64 · 1024: +14 %), so GQA keeps `num_splits`.
+    let plan = if p.num_splits.is_none() && bsz * kvh >= cus && hg == 1 {
+        let resident = resident_blocks(b, &mut sc, &uri, entry, src)?;
+        DecodePlan::new(p, cus, Some(resident))
+    } else {
+        first
+    };
+    let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
     let lens = tables + 4 * lens_at as u64;
@@ -261,7 +298,11 @@ pub fn decode(
         }
     };
     b.check_launch(&what)?;
-    Ok(AttnStats { rows, recomputed })
+    Ok(AttnStats {
+        rows,
+        recomputed,
+        splits,
+    })
 }
 
 /// Causal prefill: append the new K and V to the cache, then attend.
@@ -300,6 +341,7 @@ pub fn prefill(
         return Ok(AttnStats {
             rows: p.tokens() * heads,
             recomputed,
+            splits: 0,
         });
     }
     let src = || Ok(attn_prefill_source(p.dtype, d));
@@ -323,6 +365,7 @@ pub fn prefill(
     Ok(AttnStats {
         rows: p.tokens() * heads,
         recomputed,
+        splits: 0,
     })
 }
 

@@ -459,7 +459,7 @@ pub fn decode(
 ) -> Result<AttnStats> {
     p.validate(&kv.layout, q.len(), out.len(), (kv.k.len(), kv.v.len()))?;
     check_dtypes("decode attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
-    let plan = DecodePlan::new(p, b.dev.info.compute_units as usize);
+    let plan = DecodePlan::new(p, b.dev.info.compute_units as usize, None);
     let src = sources::attn_decode_source(p.dtype, plan.head_dim, plan.hg);
     if b.dev.wave != 32 && b.dev.wave != 64 {
         return Err(FdppError::Unsupported {
@@ -507,6 +507,7 @@ pub fn decode(
     Ok(AttnStats {
         rows: plan.rows,
         recomputed,
+        splits: plan.splits,
     })
 }
 
@@ -579,6 +580,7 @@ pub fn prefill(
     Ok(AttnStats {
         rows: p.tokens() * g.num_heads,
         recomputed,
+        splits: 0,
     })
 }
 
@@ -677,7 +679,7 @@ mod tests {
             out: 9,
         };
         let p = decode_params(32, 8, &[1000, 3000], Some(4));
-        let plan = DecodePlan::new(&p, 104);
+        let plan = DecodePlan::new(&p, 104, None);
         let ls = decode_launches(&plan, SoftmaxScheme::Sync, &x, DIMS).unwrap();
         assert_eq!(
             ls.iter().map(|l| l.kernel).collect::<Vec<_>>(),
@@ -697,7 +699,7 @@ mod tests {
 
         // One split: no combine.
         let p1 = decode_params(32, 8, &[100], Some(1));
-        let ls = decode_launches(&DecodePlan::new(&p1, 104), SoftmaxScheme::Sync, &x, DIMS).unwrap();
+        let ls = decode_launches(&DecodePlan::new(&p1, 104, None), SoftmaxScheme::Sync, &x, DIMS).unwrap();
         assert_eq!(ls.len(), 1);
 
         let a = SoftmaxScheme::Async {
