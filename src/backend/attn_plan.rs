@@ -63,7 +63,7 @@ impl DecodePlan {
         let max_len = (0..batch).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
         let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
         let splits = p.num_splits.unwrap_or_else(|| match resident {
-            Some(r) => num_splits_resident(batch, g.num_kv_heads, max_len, compute_units, r, is_async),
+            Some(r) => num_splits_resident(batch, g.num_kv_heads, max_len, compute_units, r, hg, is_async),
             None => num_splits(batch, g.num_kv_heads, max_len, compute_units),
         });
         DecodePlan {

@@ -211,29 +211,53 @@ pub const MAX_SPLITS: usize = 64;
 /// from 2 to 8 splits there (202-213, 729-739 µs).
 pub const SYNC_WAVES: usize = 8;
 
+/// Most waves of resident blocks the rule for several query heads per block looks at.
+pub const GROUP_MAX_WAVES: usize = 4;
+
 /// Split count for decode given the kernel's resident blocks per SM (its occupancy, from the
-/// driver). With fewer (sequence, kv head) items than SMs this is [`num_splits`]. Otherwise, if
-/// the items fit one wave of resident blocks, as many splits as keep them in one wave: a block
-/// count just past a wave leaves a tail. On the H100 (session 8; 6-7 resident blocks per SM) the
-/// rule [`num_splits`] used (8 per SM, 1056 blocks) gave 1.2-1.9 waves at batch 8-16 and measured
-/// 4-12 % slower than one wave: async at batch 8 · 1024 61.1 → 53.9 µs (3 splits), 16 · 1024
-/// 106.5 → 95.7 (1 split); sync 58.0 → 53.1, 98.7 → 96.6. Past one wave, [`SYNC_WAVES`] waves
-/// for sync and [`num_splits`]'s count for async. The CUDA backend uses it for one query head per
-/// block (MHA); with 4 heads per block it measured slower (reports/NOTES.md, session 8).
+/// driver) and the query heads each block serves (`heads_per_block`). Measured on the H100,
+/// fp16, d128, page 16, `bench attention --splits 1..8` (reports/NOTES.md, session 8).
+///
+/// One head per block (MHA; 6-7 resident blocks per SM): with fewer (sequence, kv head) items
+/// than SMs this is [`num_splits`]. Otherwise, if the items fit one wave of resident blocks, as
+/// many splits as keep them in one wave: [`num_splits`]'s 8 per SM (1056 blocks) gave 1.2-1.9
+/// waves at batch 8-16 of 32 kv heads and measured 4-13 % slower (async at 8 · 1024 61.1 → 53.9
+/// µs with 3 splits, 16 · 1024 106.5 → 95.7 with 1; sync 58.0 → 53.1, 98.7 → 96.6). Past one
+/// wave, [`SYNC_WAVES`] waves for sync and [`num_splits`]'s count for async.
+///
+/// Several heads per block (GQA; 4 heads: 3 resident blocks per SM): with at least half as many
+/// items as SMs, the split count whose last wave is fullest within [`GROUP_MAX_WAVES`] waves
+/// (the fewest splits on a tie). At 32 heads / 8 kv heads that is 3 splits at batch 16, 32 and
+/// 64 (0.97, 1.94 and 3.88 waves), the fastest of 1-8 for both schemes at each (batch 16 · 4096:
+/// 139-143 µs at [`num_splits`]'s 5, 121-123 at 3); the one-wave rule above gave 1 split at
+/// batch 32, 2 blocks per SM, and measured 11-14 % slower. Smaller batches keep [`num_splits`].
 pub fn num_splits_resident(
     batch: usize,
     kv_heads: usize,
     kv_len: usize,
     sm_count: usize,
     resident_per_sm: usize,
+    heads_per_block: usize,
     async_scheme: bool,
 ) -> usize {
     let items = (batch * kv_heads).max(1);
     let sms = sm_count.max(1);
+    let slots = resident_per_sm.max(1) * sms;
+    let max = (kv_len / MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    if heads_per_block > 1 {
+        if 2 * items < sms {
+            return num_splits(batch, kv_heads, kv_len, sm_count);
+        }
+        // Emptiness of the last wave in units of blocks·slots (exact integer arithmetic).
+        let empty = |s: usize| (items * s).div_ceil(slots) * slots - items * s;
+        return (1..=max)
+            .filter(|&s| items * s <= GROUP_MAX_WAVES * slots)
+            .min_by_key(|&s| (empty(s), s))
+            .unwrap_or(1);
+    }
     if items < sms {
         return num_splits(batch, kv_heads, kv_len, sm_count);
     }
-    let slots = resident_per_sm.max(1) * sms;
     let want = if items <= slots {
         slots / items
     } else if async_scheme {
@@ -241,8 +265,7 @@ pub fn num_splits_resident(
     } else {
         (SYNC_WAVES * slots).div_ceil(items)
     };
-    let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
-    want.min(by_len).clamp(1, MAX_SPLITS)
+    want.min(max).clamp(1, MAX_SPLITS)
 }
 
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
@@ -493,21 +516,39 @@ mod tests {
     fn resident_split_counts_fill_one_wave_or_many() {
         // Fewer items than SMs: the small-batch rule, whatever the occupancy.
         assert_eq!(
-            num_splits_resident(1, 32, 4096, 132, 6, true),
+            num_splits_resident(1, 32, 4096, 132, 6, 1, true),
             num_splits(1, 32, 4096, 132)
         );
         // Batch 8 and 16 of 32 kv heads at 6 (async) and 7 (sync) resident blocks per SM: one wave.
-        assert_eq!(num_splits_resident(8, 32, 1024, 132, 6, true), 3);
-        assert_eq!(num_splits_resident(8, 32, 1024, 132, 7, false), 3);
-        assert_eq!(num_splits_resident(16, 32, 4096, 132, 6, true), 1);
-        assert_eq!(num_splits_resident(16, 32, 4096, 132, 7, false), 1);
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 6, 1, true), 3);
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 7, 1, false), 3);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 6, 1, true), 1);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 7, 1, false), 1);
         // Batch 32 overfills a wave: async keeps 8 per SM's count, sync aims for 8 waves.
-        assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, true), 2);
-        assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, false), 8);
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, 1, true), 2);
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, 1, false), 8);
         // Short sequences still bound the split length, and 64 bounds the count.
-        assert_eq!(num_splits_resident(8, 32, 100, 132, 7, false), 1);
-        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, false), MAX_SPLITS);
-        assert_eq!(num_splits_resident(0, 0, 0, 0, 0, true), 1);
+        assert_eq!(num_splits_resident(8, 32, 100, 132, 7, 1, false), 1);
+        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, 1, false), MAX_SPLITS);
+        assert_eq!(num_splits_resident(0, 0, 0, 0, 0, 1, true), 1);
+        // Four heads per block, 3 resident per SM (396 slots), 8 kv heads: batch 16, 32 and 64
+        // all take 3 splits (0.97, 1.94 and 3.88 waves), either scheme.
+        for batch in [16, 32, 64] {
+            for a in [true, false] {
+                assert_eq!(num_splits_resident(batch, 8, 4096, 132, 3, 4, a), 3, "batch {batch}");
+            }
+        }
+        // Batch 1-8 of 8 kv heads: the small-batch rule.
+        assert_eq!(
+            num_splits_resident(1, 8, 4096, 132, 3, 4, true),
+            num_splits(1, 8, 4096, 132)
+        );
+        assert_eq!(
+            num_splits_resident(8, 8, 4096, 132, 3, 4, true),
+            num_splits(8, 8, 4096, 132)
+        );
+        // Short sequences bound it too.
+        assert_eq!(num_splits_resident(32, 8, 100, 132, 3, 4, true), 1);
     }
 
     #[test]

@@ -210,11 +210,14 @@ pub fn decode(
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
     let mut sc = b.attn.borrow_mut();
-    // Splits sized from the kernel's occupancy for one query head per block (MHA), where they
-    // were measured; blocks serving 4 heads (3 resident per SM) measured slower under that rule
-    // at batch 32-64 of 8 kv heads (one split at 32 · 4096: +11-14 %; sync's 7 splits at
-    // 64 · 1024: +14 %), so GQA keeps `num_splits`.
-    let plan = if p.num_splits.is_none() && bsz * kvh >= cus && hg == 1 {
+    // Splits sized from the kernel's occupancy (`num_splits_resident`) once the batch has an item
+    // per SM (half of one with several heads per block); smaller batches keep `num_splits`.
+    let sized = if hg == 1 {
+        bsz * kvh >= cus
+    } else {
+        2 * bsz * kvh >= cus
+    };
+    let plan = if p.num_splits.is_none() && sized {
         let resident = resident_blocks(b, &mut sc, &uri, entry, src)?;
         DecodePlan::new(p, cus, Some(resident))
     } else {
