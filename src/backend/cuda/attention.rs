@@ -199,30 +199,26 @@ pub fn decode(
     let cus = b.info().compute_units as usize;
     let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
     let first = DecodePlan::new(p, cus, None);
-    // Latency-bound async launches (small batch, short splits) take the latency path's entries.
-    // A batch with an item per SM always takes the bandwidth path, whatever its split count, so
-    // the entry is known before the splits are chosen from its occupancy.
-    let path = DecodePath::for_plan(&first, p.scheme, cus);
-    let (sync_entry, async_entry) = path.entries();
-    let entry = if is_async { async_entry } else { sync_entry };
     let hg = first.hg;
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
     let mut sc = b.attn.borrow_mut();
-    // Splits sized from the kernel's occupancy (`num_splits_resident`) once the batch has an item
-    // per SM (half of one with several heads per block); smaller batches keep `num_splits`.
-    let sized = if hg == 1 {
-        bsz * kvh >= cus
-    } else {
-        2 * bsz * kvh >= cus
-    };
-    let plan = if p.num_splits.is_none() && sized {
-        let resident = resident_blocks(b, &mut sc, &uri, entry, src)?;
+    // The split count from the occupancy of the kernel the shape's first plan takes
+    // (`num_splits_resident`; small batches keep `num_splits` whatever it is). Then the path of
+    // the final plan: latency-bound async launches (small batch, short splits) take the latency
+    // path's entries. Where the two plans' paths differ (GQA 32/8 at batch 9-16 with splits near
+    // 128 keys) the occupancy was the other kernel's (2 blocks per SM on the latency path, 3 on
+    // the bandwidth path at four heads per block): a less exact count, not a wrong result.
+    let plan = if p.num_splits.is_none() {
+        let (sync0, async0) = DecodePath::for_plan(&first, p.scheme, cus).entries();
+        let resident = resident_blocks(b, &mut sc, &uri, if is_async { async0 } else { sync0 }, src)?;
         DecodePlan::new(p, cus, Some(resident))
     } else {
         first
     };
+    let path = DecodePath::for_plan(&plan, p.scheme, cus);
+    let (sync_entry, async_entry) = path.entries();
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
