@@ -15,6 +15,7 @@ use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::attn_plan::{self, i32_of, window, DecodePath, DecodePlan, LOG2E};
 use crate::backend::{Backend, DeviceBuffer};
+use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
@@ -38,28 +39,32 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
-    /// Resident blocks per SM of each decode entry (module uri, entry), from the driver.
-    resident: std::collections::HashMap<(String, &'static str), usize>,
+    /// Resident blocks per SM of each decode entry, keyed by (dtype, head_dim, heads per block,
+    /// entry) — the module's parameters, so a lookup on every launch allocates nothing.
+    resident: std::collections::HashMap<(DType, usize, usize, &'static str), usize>,
 }
 
 /// Resident blocks per SM of decode entry `entry` of module `uri` (the driver's occupancy for
-/// THREADS threads and no dynamic shared memory), asked once per entry.
+/// THREADS threads and no dynamic shared memory), asked once per entry; `key` names the module.
 fn resident_blocks(
     b: &CudaBackend,
     sc: &mut Scratch,
+    key: (DType, usize, usize),
     uri: &str,
     entry: &'static str,
     src: impl FnOnce() -> Result<KernelSource>,
 ) -> Result<usize> {
-    if let Some(&r) = sc.resident.get(&(uri.to_string(), entry)) {
+    let key = (key.0, key.1, key.2, entry);
+    if let Some(&r) = sc.resident.get(&key) {
         return Ok(r);
     }
     let f = b.function_of(uri, entry, 0, src)?;
     let r = f
         .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
         .map_err(drv(&format!("occupancy of {uri} {entry}")))? as usize;
-    sc.resident.insert((uri.to_string(), entry), r.max(1));
-    Ok(r.max(1))
+    let r = r.max(1);
+    sc.resident.insert(key, r);
+    Ok(r)
 }
 
 fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -212,7 +217,8 @@ pub fn decode(
     // the bandwidth path at four heads per block): a less exact count, not a wrong result.
     let plan = if p.num_splits.is_none() {
         let (sync0, async0) = DecodePath::for_plan(&first, p.scheme, cus).entries();
-        let resident = resident_blocks(b, &mut sc, &uri, if is_async { async0 } else { sync0 }, src)?;
+        let entry = if is_async { async0 } else { sync0 };
+        let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, entry, src)?;
         DecodePlan::new(p, cus, Some(resident))
     } else {
         first
