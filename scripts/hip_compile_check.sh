@@ -25,6 +25,9 @@ fi
 
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
+# hipcc leaves one empty directory per compile in the temp dir (named after the source, e.g.
+# attn_decode-1a2b3c); keep them inside $OUT so the trap removes them with it.
+export TMPDIR="$OUT"
 
 # Every specialisation fdpp compiles at run time (src/backend/rocm/sources.rs): gemv rows
 # 1/2/4, flat_gemm B_N 32/64/128/256, the layer ops, split-KV decode attention (head_dim
