@@ -46,7 +46,8 @@ pub const GEMV_WARPS: u32 = 4;
 /// Warps per flat_gemm block (must match FLAT_WARPS in flat_gemm.cu).
 pub const FLAT_WARPS: u32 = 8;
 
-/// SHA-256 over all kernel sources, hex, first 16 digits.
+/// SHA-256 over the GEMM kernel sources ([`FILES`]), hex, first 16 digits: the kernel hash a
+/// tuning profile records.
 pub fn kernel_hash() -> String {
     hash_files(FILES)
 }
