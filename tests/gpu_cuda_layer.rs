@@ -12,7 +12,7 @@ use fdpp::error::FdppError;
 use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
 use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -188,6 +188,7 @@ fn qkv_rope_matches_at_long_positions_with_and_without_bias() {
                 dtype: dt,
                 positions,
                 inv_freq,
+                layout: RopeLayout::Half,
             };
             let t = p.tokens();
             let qkv = random_bits(dt, t * p.qkv_width(), 1.0, r.gen());
@@ -414,6 +415,7 @@ fn fused_rope_append_equals_rope_then_append() {
                 dtype: dt,
                 positions: seq_lens.iter().map(|&l| l as i32 - 1).collect(),
                 inv_freq,
+                layout: RopeLayout::Half,
             };
             let t = rope.tokens();
             let qkv = gpu

@@ -8,7 +8,7 @@ use fdpp::error::FdppError;
 use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
 use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 use fdpp::reference::gemm::nmse;
 use fdpp::reference::layer::{
@@ -74,6 +74,7 @@ fn rmsnorm_silu_and_rope_match_the_reference_in_both_dtypes() {
             dtype: dt,
             positions: vec![4095, 0, 17, 1234, 3],
             inv_freq: inv_freq(500000.0, 128),
+            layout: RopeLayout::Half,
         };
         let (t, wd) = (p.tokens(), p.qkv_width());
         let qkv = random_bits(dt, t * wd, 1.0, 5);
@@ -234,7 +235,8 @@ fn bad_inputs_are_refused_and_leave_buffers_untouched() {
         geom,
         dtype: dt,
         positions: vec![0, 9],
-        inv_freq: vec![1.0; 31],
+        inv_freq: vec![1.0; 33],
+        layout: RopeLayout::Half,
     };
     let qkv = up(&b, dt, &random_bits(dt, 2 * 8 * 64, 1.0, 5));
     let mut q = b.alloc(dt, 2 * 4 * 64).expect("alloc");
@@ -246,6 +248,7 @@ fn bad_inputs_are_refused_and_leave_buffers_untouched() {
     assert!(m.contains("inv_freq") && m.contains("32"), "{m}");
     let p = RopeParams {
         inv_freq: vec![1.0; 32],
+        layout: RopeLayout::Half,
         ..p
     };
     let mut k_short = b.alloc(dt, 2 * 64).expect("alloc");

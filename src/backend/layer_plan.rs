@@ -341,6 +341,7 @@ mod tests {
     use crate::dtype::DType;
     use crate::kv::paged::{BlockTable, FlatBlockTables};
     use crate::ops::attention::AttnGeometry;
+    use crate::ops::layer::RopeLayout;
     use rand::{Rng, SeedableRng};
 
     const CUDA_SOURCE: &str = include_str!("../../kernels_cuda/layer.cu");
@@ -408,6 +409,7 @@ mod tests {
             dtype: DType::F16,
             positions: (0..tokens as i32).collect(),
             inv_freq: vec![0.5; d / 2],
+            layout: RopeLayout::Half,
         }
     }
 

@@ -15,7 +15,10 @@ use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmSpec};
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeParams, SiluMulParams,
+};
 
 /// How the decode steps' layers after the first ran on a backend with graphs (cuda/graph.rs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -348,6 +351,50 @@ pub trait Backend {
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
         let _ = (p, gate_up, out);
         Err(op_unsupported(self.info(), "silu_mul"))
+    }
+
+    /// residual += delta (when given); out = layernorm(residual) · weight + bias (OPT).
+    #[allow(clippy::too_many_arguments)]
+    fn add_layernorm(
+        &self,
+        p: &LayerNormParams,
+        residual: &mut Self::Buffer,
+        delta: Option<&Self::Buffer>,
+        weight: &Self::Buffer,
+        bias: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, residual, delta, weight, bias, out);
+        Err(op_unsupported(self.info(), "add_layernorm"))
+    }
+
+    /// x = act(x + bias) in place (a GEMM output's bias and activation).
+    fn bias_act(&self, p: &BiasActParams, x: &mut Self::Buffer, bias: Option<&Self::Buffer>) -> Result<()> {
+        let _ = (p, x, bias);
+        Err(op_unsupported(self.info(), "bias_act"))
+    }
+
+    /// out = act(gate) · up over the fused FFN1 output. SiLU runs [`silu_mul`](Self::silu_mul)
+    /// unless a backend overrides this.
+    fn glu(&self, p: &GluParams, gate_up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
+        if p.act == Activation::Silu {
+            return self.silu_mul(
+                &SiluMulParams {
+                    rows: p.rows,
+                    inter: p.inter,
+                    dtype: p.dtype,
+                },
+                gate_up,
+                out,
+            );
+        }
+        Err(op_unsupported(self.info(), &format!("glu with {}", p.act.name())))
+    }
+
+    /// out[t] += table[positions[t] + offset] (learned absolute positions, OPT).
+    fn add_positions(&self, p: &PositionParams, table: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
+        let _ = (p, table, out);
+        Err(op_unsupported(self.info(), "add_positions"))
     }
 
     /// Write new tokens' k and v into the paged cache (the decode step's append).

@@ -20,7 +20,9 @@ use crate::dtype::{random_bits, DType};
 use crate::error::{FdppError, Result};
 use crate::kv::paged::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout, DEFAULT_PAGE_SIZE};
 use crate::ops::attention::AttnGeometry;
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+};
 use crate::reference::gemm::nmse;
 use crate::reference::layer::{
     add_rmsnorm_ref, embedding_ref, fill_random_ref, gather_rows_ref, kv_append_ref, qkv_rope_ref, silu_mul_ref,
@@ -366,6 +368,7 @@ pub fn check_layer<B: Backend>(b: &B, cases: &[LayerCase], seed: u64) -> Result<
                     dtype: c.dtype,
                     positions: positions.clone(),
                     inv_freq: inv_freq(*rope_theta, geom.head_dim),
+                    layout: RopeLayout::Half,
                 };
                 rope_case(b, &p, *bias, case_seed, &mut j)
             }

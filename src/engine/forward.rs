@@ -37,7 +37,9 @@ use crate::model::llama::{check_supported, LlamaWeights};
 use crate::model::ModelConfig;
 use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+};
 use crate::ops::scores::ScoreStatsParams;
 
 /// Block-table stride granularity of graph-replayed decode steps, in pages.
@@ -245,6 +247,7 @@ impl<'b, B: Backend> Llama<'b, B> {
             dtype: dt,
             positions,
             inv_freq: self.inv_freq.clone(),
+            layout: RopeLayout::Half,
         };
         // The same tables and lengths serve every layer.
         let attn = match kind {

@@ -47,22 +47,60 @@ impl RmsNormParams {
     }
 }
 
-/// Rotary embedding in the rotate-half form of HF's Llama (element i pairs with i + D/2), applied
-/// to the q and k heads while the fused QKV output is split.
+/// Which elements of a head a rotary pair joins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RopeLayout {
+    /// HF Llama's rotate-half (GPT-NeoX): over the first R = rotary_dim elements, element i
+    /// pairs with i + R/2 (i < R/2).
+    #[default]
+    Half,
+    /// GPT-J / ChatGLM: element 2i pairs with 2i + 1 (i < R/2).
+    Interleaved,
+}
+
+/// The QKV split (with the optional bias) fused with a rotary embedding of the q and k heads.
+///
+/// The rotation covers the first `rotary_dim() = 2 · inv_freq.len()` elements of every q and k
+/// head; the rest of the head passes through unrotated (ChatGLM2 rotates half of each head,
+/// [`RopeLayout::Interleaved`]). An empty `inv_freq` rotates nothing: the op is then the split
+/// and the bias alone (OPT, whose positions are learned and added to the embedding).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeParams {
     pub geom: AttnGeometry,
     pub dtype: DType,
     /// Position of each token (its index in its sequence).
     pub positions: Vec<i32>,
-    /// The D/2 inverse frequencies (rope_theta and rope_scaling already applied): token at
-    /// position p rotates pair i by p · inv_freq[i].
+    /// The rotary_dim / 2 inverse frequencies (rope_theta and rope_scaling already applied):
+    /// token at position p rotates pair i by p · inv_freq[i].
     pub inv_freq: Vec<f32>,
+    pub layout: RopeLayout,
 }
 
 impl RopeParams {
     pub fn tokens(&self) -> usize {
         self.positions.len()
+    }
+
+    /// Elements of each q and k head that are rotated (0: none).
+    pub fn rotary_dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+
+    /// Refuses what a kernel written for the whole-head rotate-half form cannot run (partial
+    /// rotary, the interleaved layout), naming the kernel, so that it is never computed wrong.
+    pub fn require_whole_half(&self, kernel: &str) -> Result<()> {
+        if self.layout == RopeLayout::Half && self.rotary_dim() == self.geom.head_dim {
+            return Ok(());
+        }
+        Err(FdppError::Unsupported {
+            spec: kernel.to_string(),
+            what: format!(
+                "rotary over {} of {} head elements in the {:?} layout (it rotates whole heads, rotate-half)",
+                self.rotary_dim(),
+                self.geom.head_dim,
+                self.layout
+            ),
+        })
     }
 
     /// Width of one row of the fused QKV output.
@@ -81,10 +119,10 @@ impl RopeParams {
         if let Some(p) = self.positions.iter().find(|&&p| p < 0) {
             return Err(FdppError::InvalidArgument(format!("rope: position {p} is negative")));
         }
-        if self.inv_freq.len() != g.head_dim / 2 {
+        if self.inv_freq.len() > g.head_dim / 2 {
             return Err(FdppError::Shape {
                 what: "rope inv_freq".into(),
-                expected: format!("head_dim / 2 = {}", g.head_dim / 2),
+                expected: format!("at most head_dim / 2 = {}", g.head_dim / 2),
                 found: self.inv_freq.len().to_string(),
             });
         }
@@ -113,6 +151,188 @@ impl SiluMulParams {
         positive("silu_mul", &[("rows", self.rows), ("inter", self.inter)])?;
         check_len("silu_mul gate_up", 2 * self.rows * self.inter, gate_up)?;
         check_len("silu_mul out", self.rows * self.inter, out)
+    }
+}
+
+/// residual += delta (when given); out = (residual − mean) / √(var + eps) · weight + bias, per
+/// row, in fp32 (OPT's LayerNorm; the statistics over the row's `hidden` elements).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerNormParams {
+    pub rows: usize,
+    pub hidden: usize,
+    pub eps: f32,
+    pub dtype: DType,
+}
+
+impl LayerNormParams {
+    /// Lengths of (residual, delta, weight, bias, out).
+    pub fn validate(
+        &self,
+        residual: usize,
+        delta: Option<usize>,
+        weight: usize,
+        bias: usize,
+        out: usize,
+    ) -> Result<()> {
+        RmsNormParams {
+            rows: self.rows,
+            hidden: self.hidden,
+            eps: self.eps,
+            dtype: self.dtype,
+        }
+        .validate(residual, delta, weight, out)
+        .map_err(|e| FdppError::InvalidArgument(e.to_string().replace("rmsnorm", "layernorm")))?;
+        check_len("layernorm bias", self.hidden, bias)
+    }
+}
+
+/// The activation functions of the MLPs the engine runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// The identity (a bias add alone).
+    None,
+    Relu,
+    /// x · sigmoid(x).
+    Silu,
+    /// The exact GELU, x · Φ(x) (erf form).
+    Gelu,
+    /// GELU's tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::None => "none",
+            Activation::Relu => "relu",
+            Activation::Silu => "silu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+        }
+    }
+
+    /// The function in f64 (the reference's precision).
+    pub fn apply(self, x: f64) -> f64 {
+        match self {
+            Activation::None => x,
+            Activation::Relu => x.max(0.0),
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            }
+        }
+    }
+}
+
+/// erf(x) to about 1e-7 absolute (Abramowitz–Stegun 7.1.26 is too coarse for a reference, so
+/// this sums the Taylor series near 0 and the continued fraction of erfc beyond).
+pub fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    let r = if a < 2.5 {
+        // erf(a) = 2/√π · Σ (−1)^n a^(2n+1) / (n! (2n+1))
+        let mut term = a;
+        let mut sum = a;
+        let a2 = a * a;
+        let mut n = 0.0;
+        while term.abs() > 1e-17 * sum.abs() {
+            n += 1.0;
+            term *= -a2 / n;
+            sum += term / (2.0 * n + 1.0);
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // erfc(a) = e^(−a²)/√π · 1/(a + 1/2/(a + 1/(a + 3/2/(a + …)))), evaluated from the tail.
+        let mut f = 0.0;
+        for k in (1..60).rev() {
+            f = (k as f64 / 2.0) / (a + f);
+        }
+        1.0 - (-a * a).exp() / std::f64::consts::PI.sqrt() / (a + f)
+    };
+    r.copysign(x)
+}
+
+/// x[r][i] = act(x[r][i] + bias[i]) in place over `rows` rows of `width` (a GEMM output's bias
+/// and activation: OPT's biased O, fc1 + ReLU and fc2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BiasActParams {
+    pub rows: usize,
+    pub width: usize,
+    pub act: Activation,
+    pub dtype: DType,
+}
+
+impl BiasActParams {
+    /// Lengths of (x, bias).
+    pub fn validate(&self, x: usize, bias: Option<usize>) -> Result<()> {
+        positive("bias_act", &[("rows", self.rows), ("width", self.width)])?;
+        check_len("bias_act x", self.rows * self.width, x)?;
+        if let Some(b) = bias {
+            check_len("bias_act bias", self.width, b)?;
+        }
+        Ok(())
+    }
+}
+
+/// out[r][i] = act(gate[r][i]) · up[r][i] over the fused FFN1 output (`[rows][2·inter]`, gate
+/// first): SwiGLU with [`Activation::Silu`] (what [`SiluMulParams`] runs), GeGLU with GELU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GluParams {
+    pub rows: usize,
+    pub inter: usize,
+    pub act: Activation,
+    pub dtype: DType,
+}
+
+impl GluParams {
+    /// Lengths of (gate_up, out).
+    pub fn validate(&self, gate_up: usize, out: usize) -> Result<()> {
+        positive("glu", &[("rows", self.rows), ("inter", self.inter)])?;
+        check_len("glu gate_up", 2 * self.rows * self.inter, gate_up)?;
+        check_len("glu out", self.rows * self.inter, out)
+    }
+}
+
+/// out[t] += table[positions[t] + offset]: learned absolute positions added to the token
+/// embedding (OPT's table has `max_position_embeddings + 2` rows and an offset of 2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PositionParams {
+    pub positions: Vec<i32>,
+    pub offset: usize,
+    /// Rows of the table.
+    pub table_rows: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+}
+
+impl PositionParams {
+    /// Lengths of (table, out); every position + offset inside the table.
+    pub fn validate(&self, table: usize, out: usize) -> Result<()> {
+        positive(
+            "add_positions",
+            &[
+                ("tokens", self.positions.len()),
+                ("table_rows", self.table_rows),
+                ("hidden", self.hidden),
+            ],
+        )?;
+        if let Some(&p) = self
+            .positions
+            .iter()
+            .find(|&&p| p < 0 || p as usize + self.offset >= self.table_rows)
+        {
+            return Err(FdppError::InvalidArgument(format!(
+                "position {p} (+ offset {}) is outside the learned position table of {} rows; \
+                 the model's context is {} tokens",
+                self.offset,
+                self.table_rows,
+                self.table_rows.saturating_sub(self.offset)
+            )));
+        }
+        check_len("position table", self.table_rows * self.hidden, table)?;
+        check_len("add_positions out", self.positions.len() * self.hidden, out)
     }
 }
 
@@ -263,6 +483,27 @@ mod tests {
     }
 
     #[test]
+    fn erf_and_the_activations_match_known_values() {
+        for (x, e) in [
+            (0.0, 0.0),
+            (0.5, 0.520_499_877_813_046_5),
+            (1.0, 0.842_700_792_949_714_9),
+            (2.4, 0.999_311_486_103_355),
+            (2.6, 0.999_763_965_583_347_4),
+            (3.0, 0.999_977_909_503_001_4),
+            (-1.0, -0.842_700_792_949_714_9),
+        ] {
+            assert!((erf(x) - e).abs() < 1e-9, "erf({x}) = {} not {e}", erf(x));
+        }
+        // torch.nn.functional.gelu(1.0) and gelu(1.0, approximate='tanh').
+        assert!((Activation::Gelu.apply(1.0) - 0.841_344_746).abs() < 1e-8);
+        assert!((Activation::GeluTanh.apply(1.0) - 0.841_191_990).abs() < 1e-8);
+        assert!((Activation::Silu.apply(1.0) - 0.731_058_579).abs() < 1e-8);
+        assert_eq!(Activation::Relu.apply(-2.0), 0.0);
+        assert_eq!(Activation::None.apply(-2.0), -2.0);
+    }
+
+    #[test]
     fn bad_inputs_are_refused_with_names() {
         let e = EmbeddingParams {
             ids: vec![1, 32000],
@@ -285,9 +526,10 @@ mod tests {
             geom,
             dtype: DType::F16,
             positions: vec![0, 1],
-            inv_freq: vec![1.0; 31],
+            inv_freq: vec![1.0; 33],
+            layout: RopeLayout::Half,
         };
-        assert!(r.validate(2 * 8 * 64, None, 512, 256, 256).is_err(), "inv_freq of 31");
+        assert!(r.validate(2 * 8 * 64, None, 512, 256, 256).is_err(), "inv_freq of 33");
         let g = GatherParams {
             rows: vec![3],
             width: 4,

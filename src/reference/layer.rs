@@ -176,6 +176,7 @@ pub fn kv_append_ref(
 mod tests {
     use super::*;
     use crate::ops::attention::AttnGeometry;
+    use crate::ops::layer::RopeLayout;
 
     fn enc(dt: DType, v: &[f32]) -> Vec<u16> {
         v.iter().map(|&x| dt.from_f32(x)).collect()
@@ -216,6 +217,7 @@ mod tests {
             dtype: dt,
             positions: vec![3],
             inv_freq,
+            layout: RopeLayout::Half,
         };
         // Row: q = e_0, k = e_32 (the partner of element 0), v = 2 · e_5.
         let mut row = vec![0f32; 3 * 64];

@@ -291,6 +291,7 @@ impl Backend for CpuBackend {
         k: &mut CpuBuffer,
         v: &mut CpuBuffer,
     ) -> Result<()> {
+        p.require_whole_half("cpu qkv_rope")?;
         layer::qkv_rope(p, qkv, bias, q, k, v)
     }
 

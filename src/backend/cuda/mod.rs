@@ -421,6 +421,7 @@ impl Backend for CudaBackend {
         k: &mut CudaBuffer,
         v: &mut CudaBuffer,
     ) -> Result<()> {
+        p.require_whole_half("cuda qkv_rope")?;
         layer::qkv_rope(self, p, qkv, bias, q, k, v)
     }
 
@@ -435,6 +436,7 @@ impl Backend for CudaBackend {
         v: &mut CudaBuffer,
         kv: &mut PagedKv<CudaBuffer>,
     ) -> Result<()> {
+        rope.require_whole_half("cuda qkv_rope")?;
         layer::qkv_rope_append(self, rope, append, qkv, bias, q, k, v, kv)
     }
 

@@ -445,6 +445,7 @@ impl Backend for RocmBackend {
         k: &mut RocmBuffer,
         v: &mut RocmBuffer,
     ) -> Result<()> {
+        p.require_whole_half("rocm qkv_rope")?;
         layer::qkv_rope(self, p, qkv, bias, q, k, v)
     }
 
