@@ -166,6 +166,40 @@ impl WeightStore {
     }
 }
 
+/// Where a model's tensors come from, by their HF checkpoint names (`model.layers.0.self_attn.
+/// q_proj.weight`, shapes as HF stores them): an HF directory's safetensors ([`WeightStore`]) or a
+/// GGUF file (`model::gguf`), which maps its own names and layouts onto these. The model families'
+/// loaders read through this trait only.
+pub trait TensorSource {
+    /// The file or directory, for messages.
+    fn describe(&self) -> String;
+    /// Every tensor name, sorted.
+    fn names(&self) -> Vec<String>;
+    /// The tensor's shape; a missing tensor is an error naming it and the source.
+    fn shape(&self, name: &str) -> Result<Vec<usize>>;
+    /// The tensor, checked against `shape` and converted to `dtype` (16-bit bits).
+    fn load(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Vec<u16>>;
+}
+
+impl TensorSource for WeightStore {
+    fn describe(&self) -> String {
+        let files: Vec<String> = self.files.iter().map(|(p, _)| p.display().to_string()).collect();
+        files.join(", ")
+    }
+
+    fn names(&self) -> Vec<String> {
+        WeightStore::names(self).into_iter().map(str::to_string).collect()
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        WeightStore::shape(self, name).map(<[usize]>::to_vec)
+    }
+
+    fn load(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Vec<u16>> {
+        WeightStore::load(self, name, shape, dtype)
+    }
+}
+
 /// The shard files named by `model.safetensors.index.json` (its `weight_map` values).
 fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
     let text = std::fs::read_to_string(index).map_err(|e| FdppError::io(index, e))?;
