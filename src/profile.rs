@@ -18,6 +18,8 @@ use crate::error::{FdppError, Result};
 use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
 use crate::ops::gemm::GemmImpl;
 
+pub mod lookup;
+
 /// Bumped whenever a field changes meaning or a required field is added.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -609,7 +611,9 @@ impl std::fmt::Display for Mismatch {
 }
 
 /// Load a profile for use on this machine and model: hard mismatches (other backend, arch or
-/// kernels, another model) are refused with the reason; soft ones come back as warnings.
+/// kernels) and a profile that measures none of the model's shapes are refused with the reason;
+/// soft mismatches, shapes that fall back to the vendor GEMM and a softmax window calibrated on
+/// another model come back as warnings.
 pub fn load_for_use(
     path: &Path,
     cfg: &ModelConfig,
@@ -617,7 +621,12 @@ pub fn load_for_use(
     kernel_hash: &str,
 ) -> Result<(Profile, Vec<String>)> {
     let p = Profile::load(path)?;
-    p.check_model(cfg)?;
+    let coverage = lookup::Coverage::of(&p, cfg);
+    // A profile without a sweep (made by `tune --calibrate`) must be the model's own; one with
+    // a sweep must measure at least one of its shapes.
+    if p.shapes.is_empty() || coverage.covered.is_empty() {
+        p.check_model(cfg)?;
+    }
     let mismatches = classify_mismatches(&p.provenance, current, kernel_hash);
     let hard: Vec<String> = mismatches
         .iter()
@@ -633,10 +642,33 @@ pub fn load_for_use(
             ),
         });
     }
-    Ok((
-        p,
-        mismatches.iter().map(|m| format!("{}: {m}", path.display())).collect(),
-    ))
+    let mut warnings = load_for_use_warnings(path, &p, current, kernel_hash);
+    if !p.shapes.is_empty() && !coverage.missing.is_empty() {
+        warnings.push(format!(
+            "{}: no entry for {} (made for '{}'): the vendor GEMM runs it",
+            path.display(),
+            coverage.missing_label(),
+            p.model.name
+        ));
+    }
+    if p.softmax.is_some() && !lookup::same_model(&p, cfg) {
+        warnings.push(format!(
+            "{}: its softmax window was calibrated on '{}', not on '{}'; used as given",
+            path.display(),
+            p.model.name,
+            cfg.name
+        ));
+    }
+    Ok((p, warnings))
+}
+
+/// The soft mismatches of a profile with this machine, as warnings naming the file.
+pub fn load_for_use_warnings(path: &Path, p: &Profile, current: &DeviceInfo, kernel_hash: &str) -> Vec<String> {
+    classify_mismatches(&p.provenance, current, kernel_hash)
+        .iter()
+        .filter(|m| m.severity == Severity::Soft)
+        .map(|m| format!("{}: {m}", path.display()))
+        .collect()
 }
 
 /// Compare the machine a profile was made on with this one. Hard: another backend, another

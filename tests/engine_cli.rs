@@ -231,18 +231,46 @@ fn the_profile_is_found_given_or_refused_and_drives_the_gemm_choice() {
         work.path(),
     ));
     assert!(se.contains("softmax: sync (asked for)"), "{se}");
-    // A profile of another model's shapes is refused.
-    let other = model_dir(&CONFIG.replace("\"intermediate_size\": 256", "\"intermediate_size\": 384"));
+    // A profile that measures some of another model's shapes serves those and says which
+    // fall back to the vendor GEMM; one that measures none of them is refused.
     let path = line.trim_start_matches("profile: ");
     let abs = work.path().join(path);
-    let out = fdpp(
+    let given = |config: &str| {
+        let other = model_dir(config);
+        fdpp(
+            &args(
+                other.path().to_str().expect("utf-8"),
+                &[
+                    "--token-ids",
+                    "1,2",
+                    "--max-tokens",
+                    "1",
+                    "--profile",
+                    abs.to_str().expect("utf-8"),
+                ],
+            ),
+            work.path(),
+        )
+    };
+    let (_, se) = ok(&given(
+        &CONFIG.replace("\"intermediate_size\": 256", "\"intermediate_size\": 384"),
+    ));
+    assert!(se.contains("no entry for ffn1[K=128,N=768], ffn2[K=384,N=128]"), "{se}");
+    let out = given(&CONFIG.replace("\"hidden_size\": 128", "\"hidden_size\": 192"));
+    fails(&out, &["other shapes"]);
+    // Without --profile, a model of the same shapes under another name finds it by shape.
+    let twin = tempfile::tempdir().expect("twin");
+    let twin_dir = twin.path().join("twin-model");
+    std::fs::create_dir(&twin_dir).expect("mkdir");
+    std::fs::copy(dir.path().join("config.json"), twin_dir.join("config.json")).expect("copy");
+    let (_, se) = ok(&fdpp(
         &args(
-            other.path().to_str().expect("utf-8"),
-            &["--token-ids", "1,2", "--profile", abs.to_str().expect("utf-8")],
+            twin_dir.to_str().expect("utf-8"),
+            &["--token-ids", "1,2", "--max-tokens", "1"],
         ),
         work.path(),
-    );
-    fails(&out, &["other shapes"]);
+    ));
+    assert!(se.contains("found by shape"), "{se}");
 }
 
 #[test]

@@ -84,6 +84,16 @@ pub struct DeviceInfo {
     pub runtime_version: Option<String>,
 }
 
+/// The kernel hash a backend of `kind` built from this binary reports (no device needed): what
+/// a profile's `kernel_hash` is compared with.
+pub fn kernel_hash_of(kind: BackendKind) -> String {
+    match kind {
+        BackendKind::Cpu => cpu::kernel_source_hash(),
+        BackendKind::Cuda => cuda::sources::kernel_hash(),
+        BackendKind::Rocm => rocm::sources::kernel_hash(),
+    }
+}
+
 /// Lowercase, alphanumerics kept, every other run of characters becomes one '-'.
 pub fn slugify(name: &str) -> String {
     let mut out = String::new();

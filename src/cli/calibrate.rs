@@ -422,13 +422,34 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         ));
         p
     } else {
-        lines.push(format!(
-            "profile: none at {}: writing one with the softmax section only (no GEMM sweep: the vendor \
-             gemm everywhere until `fdpp tune --model {}` adds it, keeping this section)",
-            profile_path.display(),
-            a.model
-        ));
-        Profile::without_gemm(b, cfg, a.dtype)
+        let dir = profile_path.parent().map(PathBuf::from).unwrap_or_default();
+        match profile::lookup::find(&dir, cfg, a.dtype, &info, &b.kernel_hash()) {
+            // The GEMM sweep of a profile found by shape serves this model too (the module docs
+            // of profile::lookup); the softmax section written here is this model's own.
+            Ok(found) if !found.coverage.covered.is_empty() => {
+                lines.push(format!(
+                    "profile: none at {}: writing one with the GEMM entries of {} (found by shape: {} of 4 \
+                     shapes) and this model's softmax section",
+                    profile_path.display(),
+                    found.path.display(),
+                    found.coverage.covered.len()
+                ));
+                let mut p = found.profile;
+                let own = Profile::without_gemm(b, cfg, a.dtype);
+                p.model = own.model;
+                p.softmax = None;
+                p
+            }
+            _ => {
+                lines.push(format!(
+                    "profile: none at {}: writing one with the softmax section only (no GEMM sweep: the vendor \
+                     gemm everywhere until `fdpp tune --model {}` adds it, keeping this section)",
+                    profile_path.display(),
+                    a.model
+                ));
+                Profile::without_gemm(b, cfg, a.dtype)
+            }
+        }
     };
     profile::check_writable(&profile_path)?;
 

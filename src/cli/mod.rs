@@ -11,6 +11,7 @@ pub mod kernels;
 pub mod kernels_rocm;
 pub mod model_setup;
 pub mod profile;
+pub mod profile_list;
 pub mod shapes;
 pub mod tune;
 

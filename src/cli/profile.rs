@@ -24,6 +24,8 @@ pub enum ProfileCmd {
     Show(ShowArgs),
     /// Compare the profile's machine with this one: refuse on a hard mismatch, warn on a soft one.
     Check(CheckArgs),
+    /// Every profile on disk: device, model, shapes, softmax; with --model, which one it runs with.
+    List(super::profile_list::ListArgs),
 }
 
 #[derive(Args, Debug)]
@@ -54,6 +56,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             Ok(())
         }
         ProfileCmd::Check(c) => check(c),
+        ProfileCmd::List(l) => super::profile_list::run(l),
     }
 }
 

@@ -360,7 +360,7 @@ fn check_dtypes(op: &str, dtype: DType, bufs: &[&CpuBuffer]) -> Result<()> {
 
 /// SHA-256 (first 16 hex digits) of the kernel sources compiled into this binary, so that a
 /// profile timed with other CPU kernels is recognised as such.
-fn kernel_source_hash() -> String {
+pub fn kernel_source_hash() -> String {
     let files = [
         ("simd.rs", include_str!("simd.rs")),
         ("gemv.rs", include_str!("gemv.rs")),
