@@ -467,6 +467,13 @@ impl Profile {
                 "no such file; make one with `fdpp tune --model <model>` (default path profiles/<device>/<model>.json)"
                     .into(),
             )),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                return Err(err(
+                    "not a text file (its bytes are not UTF-8), so not an fdpp profile; give the .json that \
+                     `fdpp tune` wrote"
+                        .into(),
+                ))
+            }
             Err(e) => return Err(err(format!("cannot read: {e}"))),
         };
         Profile::from_json(&text).map_err(err)
@@ -480,7 +487,21 @@ impl Profile {
         struct Head {
             schema_version: Option<serde_json::Value>,
         }
-        let head: Head = serde_json::from_str(text).map_err(|e| json_error(&e))?;
+        // Anything but an object is not a profile, whatever else it is.
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| json_error(&e))?;
+        if !value.is_object() {
+            let kind = match value {
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            return Err(format!(
+                "the file holds {kind}, not a JSON object: this is not an fdpp profile (`fdpp tune` writes one)"
+            ));
+        }
+        let head: Head = serde_json::from_value(value).map_err(|e| json_error(&e))?;
         let version = match head.schema_version {
             None => return Err("no `schema_version`: this is not an fdpp profile".into()),
             Some(v) => v

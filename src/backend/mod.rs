@@ -587,11 +587,21 @@ macro_rules! with_backend {
 /// Open the chosen backend. `Auto` takes CUDA when a device is present, then ROCm, else the CPU; the
 /// returned note says which and why, for the user.
 pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)> {
+    let cpu_device = || {
+        if device != 0 {
+            return Err(FdppError::InvalidArgument(format!(
+                "--device {device}: the CPU backend has one device, 0 (all cores); --device picks a GPU"
+            )));
+        }
+        Ok(())
+    };
     match choice {
-        BackendChoice::Cpu => Ok((
-            AnyBackend::Cpu(cpu::CpuBackend::new()),
-            "backend: cpu (asked for)".into(),
-        )),
+        BackendChoice::Cpu => cpu_device().map(|_| {
+            (
+                AnyBackend::Cpu(cpu::CpuBackend::new()),
+                "backend: cpu (asked for)".into(),
+            )
+        }),
         BackendChoice::Cuda => Ok((
             AnyBackend::Cuda(cuda::CudaBackend::open(device)?),
             "backend: cuda (asked for)".into(),
@@ -610,10 +620,13 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
                     let note = format!("backend: rocm (auto: found {})", b.info().name);
                     Ok((AnyBackend::Rocm(b), note))
                 }
-                Err(rocm_err) => Ok((
-                    AnyBackend::Cpu(cpu::CpuBackend::new()),
-                    format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
-                )),
+                Err(rocm_err) => {
+                    cpu_device()?;
+                    Ok((
+                        AnyBackend::Cpu(cpu::CpuBackend::new()),
+                        format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
+                    ))
+                }
             },
         },
     }

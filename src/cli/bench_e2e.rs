@@ -39,6 +39,8 @@ pub enum ReuseChoice {
 }
 
 #[derive(Args, Debug, Clone)]
+// Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
+#[command(allow_negative_numbers = true)]
 pub struct E2eBenchArgs {
     /// A preset name (with --random-weights), an HF model directory, or its config.json.
     #[arg(long)]

@@ -11,7 +11,7 @@ mod flat_gemm;
 mod gemm;
 mod gemv;
 pub mod hooked;
-mod info;
+pub mod info;
 pub mod layer;
 mod scores;
 mod simd;
