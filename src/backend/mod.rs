@@ -493,7 +493,9 @@ pub trait Backend {
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
-    /// buffer-to-buffer copy, median of several). The memory roofline of every report.
+    /// buffer-to-buffer copy, median of several). The memory roofline of every report. The CPU
+    /// takes the faster of a copy and a read stream, each its best of several (a CPU copy moves
+    /// 1.5x the bytes it counts, so a read-only kernel would seem to beat it).
     fn copy_gbps(&self) -> Result<f64>;
 
     /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
