@@ -288,3 +288,39 @@ fn interrupted_tune_leaves_the_previous_profile_intact() {
         "no temp file left"
     );
 }
+
+#[test]
+fn a_tune_to_another_file_writes_its_report_beside_it_not_over_the_default_reports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_model(tmp.path(), "elsewhere", 64, 96);
+    let out = tmp.path().join("mine/elsewhere.json");
+    let o = fdpp(
+        tmp.path(),
+        &[
+            "tune",
+            "--model",
+            model.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--m-max",
+            "2",
+            "--reps",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let (_, se) = text(&o);
+    assert!(o.status.success(), "{se}");
+    assert!(!tmp.path().join("reports").exists(), "nothing under reports/: {se}");
+    let report = tmp.path().join("mine/elsewhere-report");
+    assert!(report.join("elsewhere.csv").is_file(), "{se}");
+    // The report's JSON sits in its own folder: the profile of the same stem is intact.
+    assert!(fdpp_profile_loads(&out), "{}", out.display());
+}
+
+fn fdpp_profile_loads(path: &Path) -> bool {
+    fdpp(Path::new("."), &["profile", "show", path.to_str().unwrap()])
+        .status
+        .success()
+}

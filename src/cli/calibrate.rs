@@ -19,6 +19,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use rand::{Rng, SeedableRng};
 
+use super::tune::default_report_dir;
 use super::tune::TuneArgs;
 use crate::backend::{self, Backend};
 use crate::engine::build::{build, memory_plan, EngineOptions, WeightSource};
@@ -409,7 +410,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
     let report_dir = a
         .report_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from("reports/tune").join(profile::file_stem(&info.slug)));
+        .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
     let mut prof = if profile_path.exists() {
         let (p, warnings) = profile::load_for_use(&profile_path, cfg, &info, &b.kernel_hash())?;
         for w in warnings {

@@ -42,7 +42,7 @@ pub struct TuneArgs {
     /// Profile path [default: profiles/<device-slug>/<model>.json].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Report directory [default: reports/tune/<device-slug>].
+    /// Report directory [default: reports/tune/<device-slug>, or <profile>-report/ beside --out].
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
     /// Format of the table printed on stdout.
@@ -62,6 +62,26 @@ pub struct TuneOutcome {
     pub table: String,
     /// One line per shape: M1, M2 and rejected candidates.
     pub summary: Vec<String>,
+}
+
+/// Where a tune's report goes without --report-dir: beside the profile when --out names one, in
+/// `<profile stem>-report/` (so that a tune to another file never overwrites the reports of the
+/// default profile, and the report's own JSON never lands on the profile), else
+/// reports/tune/<device>/.
+pub fn default_report_dir(out: Option<&std::path::Path>, device_slug: &str) -> PathBuf {
+    match out {
+        Some(o) => {
+            let stem = o
+                .file_stem()
+                .map_or("profile".into(), |s| s.to_string_lossy().into_owned());
+            let dir = o
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            dir.join(format!("{stem}-report"))
+        }
+        None => PathBuf::from("reports/tune").join(profile::file_stem(device_slug)),
+    }
 }
 
 /// `--model`: a preset or an HF config. The single place to switch to `ModelConfig::resolve`.
@@ -109,7 +129,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     let report_dir = a
         .report_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from("reports/tune").join(profile::file_stem(&info.slug)));
+        .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
     // Find an unwritable output, or inputs that cannot fit, before the sweep, not during it.
     profile::check_writable(&profile_path)?;
     let dims: Vec<(usize, usize)> = ModelShapes::of(cfg).linears.iter().map(|s| (s.k, s.n)).collect();
