@@ -191,3 +191,50 @@ fn a_long_random_prompt_is_not_printed_whole() {
     assert!(line.contains("the first and last 8 shown"), "{line}");
     assert!(line.split(',').count() < 20, "{line}");
 }
+
+#[test]
+fn profile_check_of_a_gpu_profile_works_without_that_gpu() {
+    let p = "profiles/nvidia-h100-80gb-hbm3/llama2-7b.json";
+    let out = fdpp(&["profile", "check", p], here());
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    // Without a CUDA device the kernels are compared; with one, the device.
+    assert!(
+        so.contains("its kernels are this build's") || so.contains("this machine"),
+        "{so}{se}"
+    );
+    // Against a described device: the H100 it was made on, with another driver (a soft mismatch).
+    let dir = tempfile::tempdir().expect("tmp");
+    let dev = dir.path().join("h100.json");
+    std::fs::write(
+        &dev,
+        r#"{"backend": "cuda", "ordinal": 0, "name": "NVIDIA H100 80GB HBM3", "slug": "nvidia-h100-80gb-hbm3",
+            "arch": "sm_90a", "compute_units": 132, "memory_bytes": 85017493504, "l2_bytes": 52428800,
+            "driver_version": "0.0", "runtime_version": "nvrtc 13.0"}"#,
+    )
+    .expect("write");
+    let out = fdpp(
+        &["profile", "check", p, "--against", dev.to_str().expect("utf-8")],
+        here(),
+    );
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    assert!(so.contains("usable on the device of"), "{so}");
+    assert!(se.contains("driver version"), "{se}");
+    // Another arch is a hard mismatch.
+    std::fs::write(
+        &dev,
+        std::fs::read_to_string(&dev).expect("read").replace("sm_90a", "sm_80"),
+    )
+    .expect("write");
+    refused(
+        &["profile", "check", p, "--against", dev.to_str().expect("utf-8")],
+        &["does not fit the device of", "arch"],
+    );
+}

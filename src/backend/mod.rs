@@ -544,7 +544,7 @@ fn attention_unsupported(info: &DeviceInfo, op: &str) -> FdppError {
 }
 
 /// Availability of one backend on this machine, for `fdpp devices` and `--backend auto`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BackendStatus {
     pub backend: BackendKind,
     pub available: bool,
