@@ -46,6 +46,10 @@ pub struct Provenance {
     pub kernel_hash: String,
     /// UTC, RFC 3339.
     pub created: String,
+    /// The run-configuration switches set when it was made (`crate::run_config`); empty in
+    /// profiles made before it was recorded.
+    #[serde(default)]
+    pub run_config: String,
 }
 
 impl Provenance {
@@ -58,6 +62,7 @@ impl Provenance {
             git_commit: build.git_commit,
             kernel_hash: b.kernel_hash(),
             created: crate::provenance::now_utc(),
+            run_config: build.run_config,
         }
     }
 }
@@ -784,6 +789,7 @@ mod tests {
             git_commit: "abc".into(),
             kernel_hash: "k1".into(),
             created: "2025-01-01T00:00:00Z".into(),
+            run_config: "defaults".into(),
         }
     }
 

@@ -347,11 +347,11 @@ impl Backend for CpuBackend {
         };
         copy(&mut dst);
         let mut checksum = read();
-        let copy_ms = self.time_each(7, &mut |_| {
+        let copy_ms = self.time_each(5, &mut |_| {
             copy(&mut dst);
             Ok(())
         })?;
-        let read_ms = self.time_each(7, &mut |_| {
+        let read_ms = self.time_each(5, &mut |_| {
             checksum ^= read();
             Ok(())
         })?;
