@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use fdpp::dtype::{random_bits, DType};
-use fdpp::model::weights::llama_tensors;
+use fdpp::model::weights::checkpoint_tensors;
 use fdpp::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -128,7 +128,7 @@ fn text_streams_through_the_tokenizer_and_weights_load_from_safetensors() {
     word_tokenizer(dir.path());
     let cfg = ModelConfig::resolve(dir.path().to_str().expect("utf-8")).expect("config");
     let mut blobs = Vec::new();
-    for (i, (name, shape)) in llama_tensors(&cfg).into_iter().enumerate() {
+    for (i, (name, shape)) in checkpoint_tensors(&cfg).into_iter().enumerate() {
         let len: usize = shape.iter().product();
         let scale = if name.contains("norm") { 0.0 } else { 0.3 };
         let bits: Vec<u16> = random_bits(DType::F16, len, scale, i as u64)

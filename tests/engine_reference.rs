@@ -12,7 +12,7 @@ use fdpp::dtype::{random_bits, DType};
 use fdpp::engine::build::{build, memory_plan, EngineOptions, WeightSource};
 use fdpp::kv::BlockTable;
 use fdpp::model::llama::ModelSpec;
-use fdpp::model::weights::llama_tensors;
+use fdpp::model::weights::checkpoint_tensors;
 use fdpp::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -39,7 +39,7 @@ fn write_checkpoint(dir: &Path, config: &str) -> (ModelConfig, HashMap<String, V
     let cfg = ModelConfig::resolve(dir.to_str().expect("utf-8")).expect("config parses");
     let mut host = HashMap::new();
     let mut blobs = Vec::new();
-    for (i, (name, shape)) in llama_tensors(&cfg).into_iter().enumerate() {
+    for (i, (name, shape)) in checkpoint_tensors(&cfg).into_iter().enumerate() {
         let len: usize = shape.iter().product();
         let seed = 1000 + i as u64;
         let bits: Vec<u16> = if name.ends_with("norm.weight") {
