@@ -49,25 +49,39 @@ pub fn check(src: &dyn TensorSource, arch: &Arch) -> Result<()> {
         .collect();
     if !missing.is_empty() {
         let shown: Vec<String> = missing.iter().take(MISSING_SHOWN).map(|n| format!("'{n}'")).collect();
+        let more = if missing.len() > MISSING_SHOWN { ", …" } else { "" };
         let mut sample: Vec<&String> = have.iter().collect();
         sample.sort();
-        return Err(FdppError::Config {
-            path: src.describe().into(),
-            msg: format!(
+        // Most names absent: another family's checkpoint (or another naming); a few: a
+        // truncated or partial one.
+        let msg = if 2 * missing.len() > want.len() {
+            format!(
                 "the weight names match no family the engine runs: tried {} for architecture \
-                 '{}', and {} of its {} tensors are missing ({}{}); the checkpoint has {} tensors{}",
+                 '{}', and {} of its {} tensors are missing ({}{more}); the checkpoint has {} \
+                 tensors{}",
                 family_name(arch),
                 arch.family,
                 missing.len(),
                 want.len(),
                 shown.join(", "),
-                if missing.len() > MISSING_SHOWN { ", …" } else { "" },
                 have.len(),
                 match sample.first() {
                     Some(n) => format!(", the first named '{n}'"),
                     None => String::new(),
                 }
-            ),
+            )
+        } else {
+            format!(
+                "missing tensor {}{more} ({} of the {} tensors of the {} family)",
+                shown.join(", "),
+                missing.len(),
+                want.len(),
+                family_name(arch)
+            )
+        };
+        return Err(FdppError::Config {
+            path: src.describe().into(),
+            msg,
         });
     }
     for (name, shape) in &want {
