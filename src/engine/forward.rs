@@ -34,7 +34,6 @@ use crate::dtype::DType;
 use crate::engine::activations::Activations;
 use crate::engine::kv::KvCache;
 use crate::engine::linear::{LinearPlanner, StepGemms};
-use crate::engine::memory::ActPlan;
 use crate::error::{FdppError, Result};
 use crate::kv::{BlockTable, FlatBlockTables};
 use crate::model::arch::{Arch, Mlp, NormKind, Positions};
@@ -42,13 +41,16 @@ use crate::model::hf::HfExtras;
 use crate::model::spec::check_arch;
 use crate::model::tensors::{ModelWeights, Norm};
 use crate::model::ModelConfig;
-use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{AttnGeometry, AttnStats, PrefillParams, SoftmaxScheme};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::ops::layer::{
-    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
-    PositionParams, RmsNormParams, RopeParams,
+    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, LayerNormParams, PositionParams,
+    RmsNormParams, RopeParams,
 };
 use crate::ops::scores::ScoreStatsParams;
+
+use super::step::{Attn, StepInputs};
+pub use super::step::{StepKind, StepOut, StepSeq, StepWant};
 
 /// Block-table stride granularity of graph-replayed decode steps, in pages.
 const GRAPH_STRIDE_PAGES: usize = 64;
@@ -76,123 +78,6 @@ pub struct Model<'b, B: Backend> {
 
 /// The name the model had when the engine ran the Llama family only (other modules' imports).
 pub type Llama<'b, B> = Model<'b, B>;
-
-/// Whether a step appends one token per sequence (decode) or attends over several new tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepKind {
-    Prefill,
-    Decode,
-}
-
-impl StepKind {
-    fn tag(self) -> &'static str {
-        match self {
-            StepKind::Prefill => "prefill",
-            StepKind::Decode => "decode",
-        }
-    }
-}
-
-/// One sequence's part of a step.
-#[derive(Clone, Copy, Debug)]
-pub struct StepSeq<'a> {
-    /// The sequence's pages, already grown to hold the new tokens (seq_len counts them).
-    pub table: &'a BlockTable,
-    /// The new tokens, at positions seq_len − len .. seq_len.
-    pub tokens: &'a [u32],
-    /// Return the logits of the last new token.
-    pub want_logits: bool,
-}
-
-/// What a step returns for the sequences that want its last token's output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepWant {
-    /// The logits, read back to the host (any sampler).
-    Logits,
-    /// The greedy token chosen on the device ([`Backend::argmax_rows`]): one index per
-    /// sequence is read back instead of vocab_size logits.
-    Greedy,
-    /// The greedy choice queued, not read ([`Backend::greedy_enqueue`]; the step returns no
-    /// tokens). `fed`: the step's input tokens are the previous queued choice, still on the
-    /// device ([`Backend::embedding_fed`]); the tokens of its sequences are placeholders.
-    Queued { fed: bool },
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct StepOut {
-    /// With [`StepWant::Logits`]: one row of vocab_size logits per sequence that wanted them, in
-    /// step order.
-    pub logits: Vec<Vec<f32>>,
-    /// With [`StepWant::Greedy`]: the chosen token of each of those sequences, in step order.
-    pub tokens: Vec<u32>,
-    pub attn: AttnStats,
-}
-
-/// The host-side inputs of a step, gathered from its sequences.
-struct StepInputs {
-    ids: Vec<i32>,
-    positions: Vec<i32>,
-    new_lens: Vec<i32>,
-    /// Rows (tokens of the step) whose logits are wanted, in step order.
-    wanted_rows: Vec<i32>,
-}
-
-impl StepInputs {
-    fn of(kind: StepKind, seqs: &[StepSeq]) -> Result<StepInputs> {
-        if seqs.is_empty() {
-            return Err(FdppError::InvalidArgument("a step needs at least one sequence".into()));
-        }
-        let mut inp = StepInputs {
-            ids: Vec::new(),
-            positions: Vec::new(),
-            new_lens: Vec::with_capacity(seqs.len()),
-            wanted_rows: Vec::new(),
-        };
-        for (i, s) in seqs.iter().enumerate() {
-            let n = s.tokens.len();
-            if n == 0 || n > s.table.seq_len {
-                return Err(FdppError::InvalidArgument(format!(
-                    "step sequence {i}: {n} new tokens for a sequence of {} (must be 1..=its length)",
-                    s.table.seq_len
-                )));
-            }
-            if kind == StepKind::Decode && n != 1 {
-                return Err(FdppError::InvalidArgument(format!(
-                    "decode step sequence {i}: {n} new tokens; a decode step appends exactly one"
-                )));
-            }
-            let start = s.table.seq_len - n;
-            inp.ids.extend(s.tokens.iter().map(|&t| t as i32));
-            inp.positions.extend((start..start + n).map(|p| p as i32));
-            inp.new_lens.push(n as i32);
-            if s.want_logits {
-                inp.wanted_rows.push((inp.ids.len() - 1) as i32);
-            }
-        }
-        Ok(inp)
-    }
-
-    fn tokens(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// The step fits the memory plan the buffers were made for.
-    fn check_plan(&self, plan: &ActPlan, projects: bool) -> Result<()> {
-        let (t, rows) = (self.tokens(), self.wanted_rows.len());
-        if t > plan.max_tokens || rows > plan.max_batch {
-            return Err(FdppError::InvalidArgument(format!(
-                "internal: a step of {t} tokens and {rows} logit rows exceeds the memory plan ({} tokens, {} rows)",
-                plan.max_tokens, plan.max_batch
-            )));
-        }
-        if projects != plan.globals.embedded.is_some() {
-            return Err(FdppError::InvalidArgument(
-                "internal: the memory plan was made for another architecture (embedding projection)".into(),
-            ));
-        }
-        Ok(())
-    }
-}
 
 impl<'b, B: Backend> Model<'b, B> {
     /// The model of `cfg` and `extras` over `weights` (from [`crate::model::family`]).
@@ -403,7 +288,7 @@ impl<'b, B: Backend> Model<'b, B> {
                 st.steps += 1;
             }
         }
-        self.op_times.lap(self.b, "final norm")
+        self.op_times.lap(self.b, self.norm_tag())
     }
 
     /// The wanted rows through project_out (if any) and the LM head, returned as `want` says.
@@ -530,7 +415,7 @@ impl<'b, B: Backend> Model<'b, B> {
             self.gemm_rms_in(&a.gemms.qkv, t, n, h, acts, a.residual, &w.qkv, s.qkv)?;
         } else {
             self.add_norm(t, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
-            self.op_times.lap(self.b, "norm")?;
+            self.op_times.lap(self.b, self.norm_tag())?;
             self.gemm(&a.gemms.qkv, t, n, h, acts, s.normed_attn, &w.qkv, s.qkv)?;
         }
         self.op_times.lap(self.b, "gemm qkv")
@@ -608,7 +493,7 @@ impl<'b, B: Backend> Model<'b, B> {
             self.gemm_rms_in(&a.gemms.ffn1, t, n, h, acts, a.residual, &w.ffn1, s.ffn1)?;
         } else {
             self.add_norm(t, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
-            self.op_times.lap(b, "norm")?;
+            self.op_times.lap(b, self.norm_tag())?;
             self.gemm(&a.gemms.ffn1, t, n, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
         }
         self.op_times.lap(b, "gemm ffn1")
@@ -652,6 +537,15 @@ impl<'b, B: Backend> Model<'b, B> {
             self.bias_act(t, h, Activation::None, acts, s.ffn2, w.ffn2_bias.as_ref())?;
         }
         self.op_times.lap(self.b, "gemm ffn2")
+    }
+
+    /// The op-times label of a norm launch (the op's name, as reports before the general
+    /// executor named it).
+    fn norm_tag(&self) -> &'static str {
+        match self.arch.norm {
+            NormKind::Rms => "add_rmsnorm",
+            NormKind::Layer => "add_layernorm",
+        }
     }
 
     /// x = act(x + bias) in place; nothing to do without a bias and an activation.
@@ -783,60 +677,6 @@ impl<'b, B: Backend> Model<'b, B> {
         let dims = GemmDims::new(m, n, k)?;
         let [x, y] = acts.many([x, y])?;
         run_gemm(self.b, spec, dims, x, w, y)
-    }
-}
-
-/// A step's attention: the same tables and lengths serve every layer.
-enum Attn {
-    Prefill(PrefillParams),
-    Decode(KvAppendParams, DecodeParams),
-}
-
-impl Attn {
-    fn new(
-        kind: StepKind,
-        geom: AttnGeometry,
-        dtype: DType,
-        scheme: SoftmaxScheme,
-        tables: FlatBlockTables,
-        new_lens: Vec<i32>,
-    ) -> Attn {
-        match kind {
-            StepKind::Prefill => Attn::Prefill(PrefillParams {
-                geom,
-                dtype,
-                scheme,
-                tables,
-                new_lens,
-            }),
-            StepKind::Decode => Attn::Decode(
-                KvAppendParams {
-                    tables: tables.clone(),
-                    new_lens,
-                },
-                DecodeParams {
-                    geom,
-                    dtype,
-                    scheme,
-                    tables,
-                    num_splits: None,
-                },
-            ),
-        }
-    }
-
-    /// The step's attention as a prefill of its new tokens (for the score statistics).
-    fn as_prefill(&self) -> PrefillParams {
-        match self {
-            Attn::Prefill(p) => p.clone(),
-            Attn::Decode(ap, p) => PrefillParams {
-                geom: p.geom,
-                dtype: p.dtype,
-                scheme: p.scheme,
-                tables: p.tables.clone(),
-                new_lens: ap.new_lens.clone(),
-            },
-        }
     }
 }
 
