@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use fdpp::dtype::{random_bits, DType};
-use fdpp::model::weights::llama_tensors;
+use fdpp::model::weights::checkpoint_tensors;
 use fdpp::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -128,7 +128,7 @@ fn text_streams_through_the_tokenizer_and_weights_load_from_safetensors() {
     word_tokenizer(dir.path());
     let cfg = ModelConfig::resolve(dir.path().to_str().expect("utf-8")).expect("config");
     let mut blobs = Vec::new();
-    for (i, (name, shape)) in llama_tensors(&cfg).into_iter().enumerate() {
+    for (i, (name, shape)) in checkpoint_tensors(&cfg).into_iter().enumerate() {
         let len: usize = shape.iter().product();
         let scale = if name.contains("norm") { 0.0 } else { 0.3 };
         let bits: Vec<u16> = random_bits(DType::F16, len, scale, i as u64)
@@ -297,10 +297,20 @@ fn bad_inputs_are_clear_errors() {
         ),
         &["no *.safetensors"],
     );
-    // An architecture without a forward pass names the supported ones.
+    // An architecture the engine does not run names the field that said so and the supported
+    // ones.
+    let gpt2 = model_dir(
+        r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "hidden_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 256}"#,
+    );
     fails(
-        &fdpp(&args("opt-6.7b", &["--token-ids", "1"]), here),
-        &["'opt'", "llama, mistral, qwen2"],
+        &fdpp(&args(gpt2.path().to_str().expect("utf-8"), &["--token-ids", "1"]), here),
+        &[
+            "architecture 'GPT2LMHeadModel' (model_type 'gpt2')",
+            "OPTForCausalLM",
+            "ChatGLMModel",
+            "llama, mistral, qwen2, opt, chatglm",
+        ],
     );
     // A prompt longer than the context (max_position_embeddings 64).
     let long: Vec<String> = (0..70).map(|i| (i % 200).to_string()).collect();
@@ -360,5 +370,45 @@ fn bad_inputs_are_clear_errors() {
     fails(
         &fdpp(&args(yarn.path().to_str().expect("utf-8"), &[]), here),
         &["'yarn' is not supported; supported: default, linear, llama3"],
+    );
+}
+
+/// `fdpp generate --random-weights` runs OPT and ChatGLM2 (tiny configs with their own field
+/// names) on the CPU; an OPT with post-LayerNorm is refused naming the field.
+#[test]
+fn generate_runs_opt_and_chatglm_configs_and_names_what_it_refuses() {
+    let opt = r#"{"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 128,
+        "ffn_dim": 256, "word_embed_proj_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 64, "activation_function": "relu",
+        "do_layer_norm_before": true, "enable_bias": true, "eos_token_id": 2}"#;
+    let glm = r#"{"architectures": ["ChatGLMModel"], "model_type": "chatglm", "hidden_size": 128,
+        "num_layers": 2, "num_attention_heads": 4, "kv_channels": 64, "multi_query_attention": true,
+        "multi_query_group_num": 2, "ffn_hidden_size": 256, "padded_vocab_size": 256,
+        "seq_length": 64, "layernorm_epsilon": 1e-5, "rmsnorm": true, "post_layer_norm": true,
+        "add_qkv_bias": true, "add_bias_linear": false, "eos_token_id": 2}"#;
+    for (name, config) in [("opt", opt), ("chatglm", glm)] {
+        let dir = model_dir(config);
+        let d = dir.path().to_str().expect("utf-8");
+        let (so, _) = ok(&fdpp(
+            &args(
+                d,
+                &["--token-ids", "5,6,7,8", "--max-tokens", "6", "--ignore-eos", "--json"],
+            ),
+            dir.path(),
+        ));
+        let v = json(&so);
+        let tokens = v["seqs"][0]["tokens"].as_array().expect("tokens");
+        assert_eq!(tokens.len(), 6, "{name}: {so}");
+        assert!(
+            tokens.iter().all(|t| t.as_u64().is_some_and(|t| t < 256)),
+            "{name}: {so}"
+        );
+    }
+    let post_ln = opt.replace(r#""do_layer_norm_before": true"#, r#""do_layer_norm_before": false"#);
+    let dir = model_dir(&post_ln);
+    let d = dir.path().to_str().expect("utf-8");
+    fails(
+        &fdpp(&args(d, &["--token-ids", "5,6", "--max-tokens", "2"]), dir.path()),
+        &["do_layer_norm_before", "post-LayerNorm"],
     );
 }

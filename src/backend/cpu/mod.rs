@@ -26,7 +26,10 @@ use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams, PositionParams,
+    RmsNormParams, RopeParams, SiluMulParams,
+};
 
 pub struct CpuBuffer {
     pub dtype: DType,
@@ -291,12 +294,35 @@ impl Backend for CpuBackend {
         k: &mut CpuBuffer,
         v: &mut CpuBuffer,
     ) -> Result<()> {
-        p.require_whole_half("cpu qkv_rope")?;
         layer::qkv_rope(p, qkv, bias, q, k, v)
     }
 
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
         layer::silu_mul(p, gate_up, out)
+    }
+
+    fn add_layernorm(
+        &self,
+        p: &LayerNormParams,
+        residual: &mut CpuBuffer,
+        delta: Option<&CpuBuffer>,
+        weight: &CpuBuffer,
+        bias: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        layer::add_layernorm(p, residual, delta, weight, bias, out)
+    }
+
+    fn bias_act(&self, p: &BiasActParams, x: &mut CpuBuffer, bias: Option<&CpuBuffer>) -> Result<()> {
+        layer::bias_act(p, x, bias)
+    }
+
+    fn glu(&self, p: &GluParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        layer::glu(p, gate_up, out)
+    }
+
+    fn add_positions(&self, p: &PositionParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        layer::add_positions(p, table, out)
     }
 
     fn kv_append(&self, p: &KvAppendParams, k: &CpuBuffer, v: &CpuBuffer, kv: &mut PagedKv<CpuBuffer>) -> Result<()> {
