@@ -306,6 +306,16 @@ impl RunConfig {
         self.values.get(&key).map(|(v, _)| v.as_str())
     }
 
+    /// A location (a library or cache path): the flag's value, else the environment as it is
+    /// now. Locations change nothing measured, so they are not frozen at start-up, and a
+    /// process (a test) may point them elsewhere as it runs.
+    pub fn location(&self, key: Key) -> Option<String> {
+        match self.values.get(&key) {
+            Some((v, Source::Flag)) => Some(v.clone()),
+            _ => std::env::var(info(key).env).ok().filter(|v| !v.trim().is_empty()),
+        }
+    }
+
     /// A boolean switch: on unless set to 0, off or false (the defaults of every 1|0 switch
     /// that defaults to 1).
     pub fn on(&self, key: Key) -> bool {

@@ -232,7 +232,7 @@ fn run_batch<B: Backend>(
     let pipelined = device_greedy(opts)
         && opts.pipeline
         && b.pipelined_greedy()
-        && pipeline_wanted(std::env::var("FDPP_PIPELINE").ok().as_deref());
+        && pipeline_wanted(crate::run_config::get().get(crate::run_config::Key::Pipeline));
     let mut d = DecodeLoop {
         seqs,
         tables,

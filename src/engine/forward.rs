@@ -48,6 +48,7 @@ use crate::ops::layer::{
     RmsNormParams, RopeParams,
 };
 use crate::ops::scores::ScoreStatsParams;
+use crate::run_config::Key;
 
 use super::step::{Attn, StepInputs};
 pub use super::step::{StepKind, StepOut, StepSeq, StepWant};
@@ -95,7 +96,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let geom = AttnGeometry::new(arch.heads, arch.kv_heads, arch.head_dim)?;
         let inv_freq = arch.inv_freq();
         let mut weights = weights;
-        let folded = arch.fusable() && b.fused_gemv_ops() && env_on("FDPP_FUSED_GEMV");
+        let folded = arch.fusable() && b.fused_gemv_ops() && crate::run_config::get().on(Key::FusedGemv);
         if folded {
             fold_norms(b, &arch, dtype, &mut weights)?;
         }
@@ -112,7 +113,7 @@ impl<'b, B: Backend> Model<'b, B> {
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
-            fused_glu: env_on("FDPP_FUSED_GLU"),
+            fused_glu: crate::run_config::get().on(Key::FusedGlu),
         })
     }
 
@@ -690,11 +691,6 @@ struct LayerArgs {
     stats_params: Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
-}
-
-/// A switch for A/B runs: on unless the variable is "0".
-fn env_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v != "0")
 }
 
 /// The most rows the fused gemv kernels take (backend/cuda/gemv_fused.rs).

@@ -23,7 +23,7 @@ pub struct OpTimes {
 impl OpTimes {
     /// On when `FDPP_OP_TIMES` is set to anything but `0`.
     pub fn from_env() -> Self {
-        let on = std::env::var("FDPP_OP_TIMES").is_ok_and(|v| v != "0");
+        let on = crate::run_config::get().set_on(crate::run_config::Key::OpTimes);
         OpTimes {
             last: on.then(|| RefCell::new(Instant::now())),
             tag: std::cell::Cell::new(""),

@@ -32,7 +32,7 @@ pub fn nvrtc_version() -> Option<String> {
 /// a kernel that does include one still compiles).
 pub fn cuda_include_dir() -> Option<PathBuf> {
     let mut c: Vec<PathBuf> = vec![];
-    if let Some(p) = crate::run_config::get().get(crate::run_config::Key::CudaInclude) {
+    if let Some(p) = crate::run_config::get().location(crate::run_config::Key::CudaInclude) {
         c.push(p.into());
     }
     if let Ok(p) = std::env::var("CUDA_HOME") {

@@ -116,7 +116,7 @@ impl CudaBackend {
             });
         }
         let (major, _) = ctx.compute_capability().map_err(drv("compute capability"))?;
-        let pdl = launch::pdl_wanted(major as u32, std::env::var("FDPP_PDL").ok().as_deref());
+        let pdl = launch::pdl_wanted(major as u32, crate::run_config::get().get(crate::run_config::Key::Pdl));
         let max_smem = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("device attribute"))? as u32;
@@ -136,7 +136,7 @@ impl CudaBackend {
             argmax: RefCell::new(None),
             fetched_recomputed: std::cell::Cell::new(None),
             graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
-                std::env::var("FDPP_GRAPHS").ok().as_deref(),
+                crate::run_config::get().get(crate::run_config::Key::Graphs),
             )))),
             greedy: RefCell::default(),
         })

@@ -81,10 +81,7 @@ impl RocBlas {
 
     pub fn load_default() -> Result<RocBlas> {
         let mut c = vec![];
-        if let Some(p) = crate::run_config::get()
-            .get(crate::run_config::Key::RocblasLib)
-            .map(str::to_string)
-        {
+        if let Some(p) = crate::run_config::get().location(crate::run_config::Key::RocblasLib) {
             c.push(p);
         }
         c.extend(candidates(ROCBLAS_LIBS));

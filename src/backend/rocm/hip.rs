@@ -164,10 +164,7 @@ pub fn api() -> std::result::Result<&'static HipApi, &'static LoadError> {
     static API: OnceLock<std::result::Result<HipApi, LoadError>> = OnceLock::new();
     API.get_or_init(|| {
         let mut c = vec![];
-        if let Some(p) = crate::run_config::get()
-            .get(crate::run_config::Key::HipLib)
-            .map(str::to_string)
-        {
+        if let Some(p) = crate::run_config::get().location(crate::run_config::Key::HipLib) {
             c.push(p);
         }
         c.extend(candidates(HIP_LIBS));

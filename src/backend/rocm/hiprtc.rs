@@ -110,10 +110,7 @@ pub fn api() -> std::result::Result<&'static HiprtcApi, &'static LoadError> {
     static API: OnceLock<std::result::Result<HiprtcApi, LoadError>> = OnceLock::new();
     API.get_or_init(|| {
         let mut c = vec![];
-        if let Some(p) = crate::run_config::get()
-            .get(crate::run_config::Key::HiprtcLib)
-            .map(str::to_string)
-        {
+        if let Some(p) = crate::run_config::get().location(crate::run_config::Key::HiprtcLib) {
             c.push(p);
         }
         c.extend(candidates(HIPRTC_LIBS));
