@@ -357,7 +357,10 @@ mod tests {
         let mut r2 = vec![0f32; 3 * 8];
         r2[2] = 1.0;
         let (q, _, _) = qkv_rope_ref(&rope8(RopeLayout::Interleaved, vec![0.0, 0.5]), &enc(dt, &r2), None);
-        assert!(near(&q, &[0.0, 0.0, 1f64.cos(), 1f64.sin(), 0.0, 0.0, 0.0, 0.0]), "{q:?}");
+        assert!(
+            near(&q, &[0.0, 0.0, 1f64.cos(), 1f64.sin(), 0.0, 0.0, 0.0, 0.0]),
+            "{q:?}"
+        );
 
         // rotary_dim 0 (OPT): the split and the bias, nothing rotated.
         let bias: Vec<f32> = (0..24).map(|i| if i == 3 { 0.5 } else { 0.0 }).collect();
