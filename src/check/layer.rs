@@ -29,7 +29,7 @@ use crate::ops::layer::{
 use crate::reference::gemm::nmse;
 use crate::reference::layer::{
     add_layernorm_ref, add_positions_ref, add_rmsnorm_ref, bias_act_ref, embedding_ref, fill_random_ref,
-    gather_rows_ref, glu_ref, kv_append_ref, qkv_rope_ref, silu_mul_ref,
+    gather_rows_ref, glu_ref, kv_append_ref, qkv_rope_ref, round_f64, silu_mul_ref,
 };
 
 /// The shape of one small-op case.
@@ -1106,6 +1106,13 @@ fn layernorm_case<B: Backend>(b: &B, p: &LayerNormParams, delta: bool, seed: u64
     Ok(Ok(()))
 }
 
+/// The reference's values rounded once to `dt`. An elementwise op computed in f32 and rounded
+/// once lands within one unit in the last place of these: a stricter judge than the NMSE, which
+/// a near miss such as GELU's tanh form in place of the erf one (off by up to 5e-4) passes.
+fn rounded(dt: DType, v: &[f64]) -> Vec<u16> {
+    v.iter().map(|&x| round_f64(dt, x)).collect()
+}
+
 /// x over [−6, 6): ReLU's kink, GELU's and SiLU's negative tails and their linear parts. x is
 /// in place, so its guard is the buffer's own tail.
 fn bias_act_case<B: Backend>(b: &B, p: &BiasActParams, bias: bool, seed: u64, j: &mut Judge) -> Ran {
@@ -1120,12 +1127,10 @@ fn bias_act_case<B: Backend>(b: &B, p: &BiasActParams, bias: bool, seed: u64, j:
     {
         return Ok(Err(e));
     }
-    j.close(
-        dt,
-        "x",
-        &b.download(&xb)?,
-        &bias_act_ref(p, &x, bias.then_some(&bias_bits[..])),
-    );
+    let got = b.download(&xb)?;
+    let want = bias_act_ref(p, &x, bias.then_some(&bias_bits[..]));
+    j.close(dt, "x", &got, &want);
+    j.within_one_ulp(dt, "x", &got, &with_guard(dt, &rounded(dt, &want)));
     Ok(Ok(()))
 }
 
@@ -1137,7 +1142,10 @@ fn glu_case<B: Backend>(b: &B, p: &GluParams, seed: u64, j: &mut Judge) -> Ran {
     if let Err(e) = b.glu(p, &gb, &mut out).and_then(|()| b.synchronize()) {
         return Ok(Err(e));
     }
-    j.close(dt, "out", &b.download(&out)?, &glu_ref(p, &gu));
+    let got = b.download(&out)?;
+    let want = glu_ref(p, &gu);
+    j.close(dt, "out", &got, &want);
+    j.within_one_ulp(dt, "out", &got, &with_guard(dt, &rounded(dt, &want)));
     Ok(Ok(()))
 }
 
@@ -1627,6 +1635,231 @@ mod tests {
                 r.status
             );
             assert_eq!((r.nmse, r.mismatches), (None, None));
+        }
+    }
+
+    /// The CPU backend with the new ops of issue #17 run by the f64 reference (each output
+    /// rounded once), or with one planted bug: it tests the check's new cases themselves (their
+    /// inputs, poisoning, guards and judges) before any kernel runs them.
+    mod ref_ops {
+        use super::*;
+        use crate::backend::cpu::CpuBuffer;
+        use crate::backend::{DeviceBuffer, DeviceInfo};
+        use crate::ops::gemm::{GemmDims, GemmSpec};
+
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub enum Bug {
+            None,
+            LayerNormDropsBias,
+            InterleavedAsHalf,
+            PositionsIgnoreOffset,
+            GeluAsTanh,
+            BiasActWritesOnePast,
+            AppendSkipsLastToken,
+        }
+
+        pub struct RefOps {
+            pub inner: CpuBackend,
+            pub bug: Bug,
+        }
+
+        impl RefOps {
+            /// Overwrite the first elements of `buf` with `bits` (the rest, its guard, kept).
+            fn put(&self, buf: &mut CpuBuffer, bits: &[u16]) -> Result<()> {
+                let mut all = self.inner.download(buf)?;
+                all[..bits.len()].copy_from_slice(bits);
+                *buf = self.inner.upload(buf.dtype(), &all)?;
+                Ok(())
+            }
+
+            fn put_f64(&self, buf: &mut CpuBuffer, vals: &[f64]) -> Result<()> {
+                let dt = buf.dtype();
+                let bits: Vec<u16> = vals.iter().map(|&v| round_f64(dt, v)).collect();
+                self.put(buf, &bits)
+            }
+        }
+
+        impl Backend for RefOps {
+            type Buffer = CpuBuffer;
+            fn info(&self) -> &DeviceInfo {
+                self.inner.info()
+            }
+            fn kernel_hash(&self) -> String {
+                self.inner.kernel_hash()
+            }
+            fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+                self.inner.alloc(dtype, len)
+            }
+            fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
+                self.inner.upload(dtype, bits)
+            }
+            fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
+                self.inner.download(buf)
+            }
+            fn fill(&self, buf: &mut CpuBuffer, bits: u16) -> Result<()> {
+                self.inner.fill(buf, bits)
+            }
+            fn gemm_candidates(&self, dtype: DType, n: usize, k: usize) -> Vec<GemmSpec> {
+                self.inner.gemm_candidates(dtype, n, k)
+            }
+            fn gemm(
+                &self,
+                spec: &GemmSpec,
+                d: GemmDims,
+                x: &CpuBuffer,
+                w: &CpuBuffer,
+                y: &mut CpuBuffer,
+            ) -> Result<()> {
+                self.inner.gemm(spec, d, x, w, y)
+            }
+            fn synchronize(&self) -> Result<()> {
+                self.inner.synchronize()
+            }
+            fn copy_gbps(&self) -> Result<f64> {
+                self.inner.copy_gbps()
+            }
+            fn time_each(&self, reps: usize, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
+                self.inner.time_each(reps, f)
+            }
+            fn silu_mul(&self, p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+                self.inner.silu_mul(p, gate_up, out)
+            }
+            fn kv_append(
+                &self,
+                p: &KvAppendParams,
+                k: &CpuBuffer,
+                v: &CpuBuffer,
+                kv: &mut PagedKv<CpuBuffer>,
+            ) -> Result<()> {
+                if self.bug == Bug::AppendSkipsLastToken {
+                    let mut short = p.clone();
+                    if let Some(last) = short.new_lens.len().checked_sub(1) {
+                        short.tables.seq_lens[last] -= 1;
+                        short.new_lens.truncate(last);
+                        short.tables.seq_lens.truncate(last);
+                        short.tables.block_table.truncate(last * short.tables.max_pages);
+                    }
+                    return self.inner.kv_append(&short, k, v, kv);
+                }
+                self.inner.kv_append(p, k, v, kv)
+            }
+            fn qkv_rope(
+                &self,
+                p: &RopeParams,
+                qkv: &CpuBuffer,
+                bias: Option<&CpuBuffer>,
+                q: &mut CpuBuffer,
+                k: &mut CpuBuffer,
+                v: &mut CpuBuffer,
+            ) -> Result<()> {
+                let mut p = p.clone();
+                if self.bug == Bug::InterleavedAsHalf {
+                    p.layout = RopeLayout::Half;
+                }
+                let b = match bias {
+                    Some(b) => Some(self.inner.download(b)?),
+                    None => None,
+                };
+                let (rq, rk, rv) = qkv_rope_ref(&p, &self.inner.download(qkv)?, b.as_deref());
+                self.put_f64(q, &rq)?;
+                self.put_f64(k, &rk)?;
+                self.put_f64(v, &rv)
+            }
+            fn add_layernorm(
+                &self,
+                p: &LayerNormParams,
+                residual: &mut CpuBuffer,
+                delta: Option<&CpuBuffer>,
+                weight: &CpuBuffer,
+                bias: &CpuBuffer,
+                out: &mut CpuBuffer,
+            ) -> Result<()> {
+                let d = match delta {
+                    Some(d) => Some(self.inner.download(d)?),
+                    None => None,
+                };
+                let mut b = self.inner.download(bias)?;
+                if self.bug == Bug::LayerNormDropsBias {
+                    b.fill(0);
+                }
+                let (res, y) = add_layernorm_ref(
+                    p,
+                    &self.inner.download(residual)?,
+                    d.as_deref(),
+                    &self.inner.download(weight)?,
+                    &b,
+                );
+                self.put(residual, &res)?;
+                self.put_f64(out, &y)
+            }
+            fn bias_act(&self, p: &BiasActParams, x: &mut CpuBuffer, bias: Option<&CpuBuffer>) -> Result<()> {
+                let b = match bias {
+                    Some(b) => Some(self.inner.download(b)?),
+                    None => None,
+                };
+                let mut y = bias_act_ref(p, &self.inner.download(x)?, b.as_deref());
+                if self.bug == Bug::BiasActWritesOnePast {
+                    y.push(0.0);
+                }
+                self.put_f64(x, &y)
+            }
+            fn glu(&self, p: &GluParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+                let mut p = *p;
+                if self.bug == Bug::GeluAsTanh && p.act == Activation::Gelu {
+                    p.act = Activation::GeluTanh;
+                }
+                self.put_f64(out, &glu_ref(&p, &self.inner.download(gate_up)?))
+            }
+            fn add_positions(&self, p: &PositionParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+                let mut p = p.clone();
+                if self.bug == Bug::PositionsIgnoreOffset {
+                    p.offset = 0;
+                }
+                let y = add_positions_ref(&p, &self.inner.download(table)?, &self.inner.download(out)?);
+                self.put(out, &y)
+            }
+        }
+    }
+
+    #[test]
+    fn the_new_cases_pass_on_the_reference_and_catch_planted_bugs() {
+        use ref_ops::{Bug, RefOps};
+        let cases: Vec<LayerCase> = layer_cases_quick()
+            .into_iter()
+            .filter(|c| awaiting_cpu_kernels(c) || matches!(c.shape, LayerShape::QkvRopeAppend { .. }))
+            .collect();
+        let run = |bug| {
+            let b = RefOps {
+                inner: CpuBackend::new(),
+                bug,
+            };
+            check_layer(&b, &cases, 7).expect("check runs")
+        };
+        for r in run(Bug::None) {
+            assert_eq!(r.status, Status::Pass, "{} {}: {:?}", r.spec, r.case, r.status);
+        }
+        for (bug, op, why) in [
+            (Bug::LayerNormDropsBias, "add_layernorm", "NMSE"),
+            (Bug::InterleavedAsHalf, "qkv_rope", "NMSE"),
+            (Bug::InterleavedAsHalf, "qkv_rope_append", "NMSE"),
+            (Bug::PositionsIgnoreOffset, "add_positions", "differ"),
+            (Bug::GeluAsTanh, "glu", "by more than 1 ulp"),
+            (Bug::BiasActWritesOnePast, "bias_act", "guard"),
+            (Bug::AppendSkipsLastToken, "qkv_rope_append", "pool new rows"),
+        ] {
+            let rows = run(bug);
+            let failed: Vec<_> = rows
+                .iter()
+                .filter(|r| r.spec.rsplit_once('_').is_some_and(|(o, _)| o == op))
+                .filter_map(|r| match &r.status {
+                    Status::Fail(m) => Some(m.clone()),
+                    _ => None,
+                })
+                .collect();
+            assert!(
+                failed.iter().any(|m| m.contains(why)),
+                "{bug:?}: no {op} case failed with {why:?}: {failed:?}"
+            );
         }
     }
 
