@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use crate::dtype::DType;
 use crate::kv::paged::PagedKvLayout;
 use crate::ops::layer::{
-    random_value, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    erf, random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
     PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 
@@ -179,11 +179,40 @@ pub fn add_layernorm_ref(
     (res, out)
 }
 
+/// The activation in f64, written so that it keeps its relative accuracy everywhere the
+/// kernels are judged. [`Activation::apply`] takes GELU as x·(1 + erf)/2 and its tanh form as
+/// x·(1 + tanh u)/2: in the negative tail 1 + erf and 1 + tanh cancel, and past x ≈ −6 they keep
+/// only a few digits even in f64 (1 + tanh u is 7e-16 at x = −7), less than a 16-bit result
+/// needs. Here GELU is x·erfc(−x/√2)/2 and the tanh form x·σ(2u) = x / (1 + e^(−2u)).
+pub fn act_ref(act: Activation, x: f64) -> f64 {
+    match act {
+        Activation::Gelu if x < 0.0 => 0.5 * x * erfc_pos(-x / std::f64::consts::SQRT_2),
+        Activation::GeluTanh => {
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            x / (1.0 + (-2.0 * u).exp())
+        }
+        _ => act.apply(x),
+    }
+}
+
+/// erfc(a) for a ≥ 0 to about 1e-14 relative: 1 − erf(a) where erfc is at least 4e-4, the
+/// continued fraction erfc(a) = e^(−a²)/√π · 1/(a + (1/2)/(a + 1/(a + (3/2)/(a + …)))) beyond.
+fn erfc_pos(a: f64) -> f64 {
+    if a < 2.5 {
+        return 1.0 - erf(a);
+    }
+    let mut f = 0.0;
+    for k in (1..200).rev() {
+        f = (k as f64 / 2.0) / (a + f);
+    }
+    (-a * a).exp() / std::f64::consts::PI.sqrt() / (a + f)
+}
+
 /// x[r][i] = act(x[r][i] + bias[i]), in f64.
 pub fn bias_act_ref(p: &BiasActParams, x: &[u16], bias: Option<&[u16]>) -> Vec<f64> {
     let (dt, w) = (p.dtype, p.width);
     (0..p.rows * w)
-        .map(|j| p.act.apply(wide(dt, x[j]) + bias.map_or(0.0, |b| wide(dt, b[j % w]))))
+        .map(|j| act_ref(p.act, wide(dt, x[j]) + bias.map_or(0.0, |b| wide(dt, b[j % w]))))
         .collect()
 }
 
@@ -195,7 +224,7 @@ pub fn glu_ref(p: &GluParams, gate_up: &[u16]) -> Vec<f64> {
         for i in 0..inter {
             let g = wide(dt, gate_up[r * 2 * inter + i]);
             let u = wide(dt, gate_up[r * 2 * inter + inter + i]);
-            out.push(p.act.apply(g) * u);
+            out.push(act_ref(p.act, g) * u);
         }
     }
     out
@@ -252,7 +281,6 @@ pub fn kv_append_ref(
 mod tests {
     use super::*;
     use crate::ops::attention::AttnGeometry;
-    use crate::ops::layer::Activation;
 
     fn enc(dt: DType, v: &[f32]) -> Vec<u16> {
         v.iter().map(|&x| dt.from_f32(x)).collect()
@@ -430,6 +458,27 @@ mod tests {
         let t = bias_act_ref(&p(Activation::GeluTanh), &x, Some(&bias));
         assert!((t[1] + 0.154_285_990_174_86).abs() < 1e-9, "{t:?}");
         assert_eq!(bias_act_ref(&p(Activation::Relu), &x, None), vec![0.0, 0.5, 2.0, 0.0]);
+    }
+
+    #[test]
+    fn activations_keep_their_relative_accuracy_in_the_negative_tail() {
+        // mpmath at 40 digits: 0.5·x·(1 + tanh u) and 0.5·x·erfc(−x/√2).
+        for (x, tanh_form, erf_form) in [
+            (-7.0, -2.315_442_262_072_548_963e-15, -8.958_687_807_200_845_031e-12),
+            (-5.5, -5.927_640_263_880_262_026e-9, -1.044_425_935_623_824_566e-7),
+            (-3.0, -3.637_392_081_773_018_838e-3, -4.049_694_094_890_283_58e-3),
+        ] {
+            let t = act_ref(Activation::GeluTanh, x);
+            let g = act_ref(Activation::Gelu, x);
+            assert!(((t - tanh_form) / tanh_form).abs() < 1e-12, "gelu_tanh({x}) = {t}");
+            assert!(((g - erf_form) / erf_form).abs() < 1e-12, "gelu({x}) = {g}");
+        }
+        // Elsewhere the same as the contract's definition.
+        for x in [-2.0, -0.3, 0.0, 0.7, 4.0] {
+            for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+                assert!((act_ref(act, x) - act.apply(x)).abs() < 1e-14, "{act:?}({x})");
+            }
+        }
     }
 
     #[test]
