@@ -595,6 +595,118 @@ mod tests {
     }
 
     #[test]
+    fn the_llama_form_keeps_its_kernel_and_every_other_rotary_takes_the_general_one() {
+        let mut p = rope_params(32, 8, 128, 3);
+        assert_eq!(rope(&p).unwrap().kernel, LayerKernel::QkvRope);
+        for (n_freq, layout) in [
+            (32, RopeLayout::Half),
+            (0, RopeLayout::Half),
+            (64, RopeLayout::Interleaved),
+            (32, RopeLayout::Interleaved),
+        ] {
+            p.inv_freq = vec![0.5; n_freq];
+            p.layout = layout;
+            let l = rope(&p).unwrap();
+            assert_eq!(l.kernel, LayerKernel::QkvRopeG, "{n_freq} {layout:?}");
+            assert_eq!(l.grid.1 as usize, rope_items(&p).div_ceil(ROPE_THREADS as usize));
+        }
+        assert_eq!(
+            (
+                rope_layout_code(RopeLayout::Half),
+                rope_layout_code(RopeLayout::Interleaved)
+            ),
+            (0, 1)
+        );
+    }
+
+    #[test]
+    fn general_rope_items_cover_every_element_of_a_token_row_exactly_once() {
+        for (h, g, d) in [(32, 2, 128), (4, 4, 64), (8, 1, 256)] {
+            let mut p = rope_params(h, g, d, 2);
+            p.inv_freq = vec![0.5; d / 4];
+            p.layout = RopeLayout::Interleaved;
+            let l = rope(&p).unwrap();
+            // Mirror qkv_rope_g's decode: item → (head, 8 consecutive elements).
+            let dc = d / 8;
+            let mut seen = vec![0u8; p.qkv_width()];
+            for item in 0..l.grid.1 as usize * ROPE_THREADS as usize {
+                if item < (h + 2 * g) * dc {
+                    let (head, c0) = (item / dc, (item % dc) * 8);
+                    for e in 0..8 {
+                        seen[head * d + c0 + e] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1), "h{h} g{g} d{d}");
+        }
+    }
+
+    #[test]
+    fn the_new_elementwise_ops_pick_their_vector_path_by_width() {
+        let dt = DType::Bf16;
+        let ba = |width| BiasActParams {
+            rows: 3,
+            width,
+            act: Activation::Relu,
+            dtype: dt,
+        };
+        let l = bias_act(&ba(4096)).unwrap();
+        assert_eq!(
+            (l.kernel, l.grid.0 as usize),
+            (LayerKernel::BiasActV, (3 * 4096 / 8usize).div_ceil(256))
+        );
+        assert_eq!(bias_act(&ba(4097)).unwrap().kernel, LayerKernel::BiasActS);
+        let gl = |inter| GluParams {
+            rows: 17,
+            inter,
+            act: Activation::Gelu,
+            dtype: dt,
+        };
+        assert_eq!(glu(&gl(11008)).unwrap().kernel, LayerKernel::GluV);
+        assert_eq!(glu(&gl(133)).unwrap().kernel, LayerKernel::GluS);
+        let ln = LayerNormParams {
+            rows: 5,
+            hidden: 768,
+            eps: 1e-5,
+            dtype: dt,
+        };
+        let l = layernorm(&ln, 32).unwrap();
+        assert_eq!((l.kernel, l.grid.0, l.block), (LayerKernel::AddLayerNormV, 5, 96));
+        let l = layernorm(&LayerNormParams { hidden: 133, ..ln }, 64).unwrap();
+        assert_eq!((l.kernel, l.block), (LayerKernel::AddLayerNormS, 192));
+        let codes: Vec<i32> = [
+            Activation::None,
+            Activation::Relu,
+            Activation::Silu,
+            Activation::Gelu,
+            Activation::GeluTanh,
+        ]
+        .map(act_code)
+        .to_vec();
+        assert_eq!(codes, vec![0, 1, 2, 3, 4], "the kernels' FDPP_ACT_SWITCH cases");
+    }
+
+    #[test]
+    fn add_positions_reads_offset_rows_over_column_blocks() {
+        let p = PositionParams {
+            positions: vec![0, 5, 2047],
+            offset: 2,
+            table_rows: 2050,
+            hidden: 4096,
+            dtype: DType::F16,
+        };
+        let l = add_positions(&p).unwrap();
+        assert_eq!(
+            (l.kernel, l.grid, l.block),
+            (LayerKernel::AddPositionsV, (3, 4, 1), 128)
+        );
+        assert_eq!(position_rows(&p).unwrap().collect::<Vec<_>>(), vec![2, 7, 2049]);
+        let odd = PositionParams { hidden: 1001, ..p };
+        let l = add_positions(&odd).unwrap();
+        assert_eq!((l.kernel, l.grid.1), (LayerKernel::AddPositionsS, 8));
+    }
+
+    #[test]
     fn silu_mul_and_fill_random_grids_stride_over_everything() {
         let l = silu_mul(&SiluMulParams {
             rows: 3,

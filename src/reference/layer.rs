@@ -11,8 +11,8 @@ use half::{bf16, f16};
 use crate::dtype::DType;
 use crate::kv::paged::PagedKvLayout;
 use crate::ops::layer::{
-    erf, random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
-    PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+    erf, random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams,
+    LayerNormParams, PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 
 fn wide(dt: DType, bits: u16) -> f64 {
@@ -475,7 +475,12 @@ mod tests {
         }
         // Elsewhere the same as the contract's definition.
         for x in [-2.0, -0.3, 0.0, 0.7, 4.0] {
-            for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+            for act in [
+                Activation::Gelu,
+                Activation::GeluTanh,
+                Activation::Silu,
+                Activation::Relu,
+            ] {
                 assert!((act_ref(act, x) - act.apply(x)).abs() < 1e-14, "{act:?}({x})");
             }
         }
