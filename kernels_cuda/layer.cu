@@ -364,3 +364,384 @@ extern "C" __global__ void __launch_bounds__(256)
          i += (unsigned long long)gridDim.x * blockDim.x)
         w[i] = from_f32(to_f32(w[i]) * to_f32(scale[i % (unsigned long long)cols]));
 }
+
+// ==== The ops of the general model executor (issue #17): OPT's LayerNorm, biases, ReLU MLP and
+// learned positions, GeGLU MLPs, and ChatGLM2's partial interleaved rotary. Same rules as above:
+// fp32 math, one rounding per stored element, 16-byte vectors where the widths allow, every
+// thread waits (pdl_wait) before touching what an earlier kernel wrote.
+
+// ---- add_layernorm: one block per row -----------------------------------------------------------
+
+// residual[c] (+= delta[c], rounded and stored back); returns the stored vector and adds its
+// elements to s.
+__device__ __forceinline__ uint4 ln_add(uint4* __restrict__ res, const uint4* __restrict__ del, int c, float& s) {
+    uint4 r = res[c];
+    float x[8];
+    unpack8(r, x);
+    if (del) {
+        float d[8];
+        unpack8(del[c], d);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] += d[e];
+        r = pack8(x);
+        res[c] = r;
+        unpack8(r, x);  // the statistics are of the stored (rounded) residual
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += x[e];
+    return r;
+}
+
+__device__ __forceinline__ float ln_centred_sq(uint4 r, float mean) {
+    float x[8], ss = 0.f;
+    unpack8(r, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float d = x[e] - mean;
+        ss = fmaf(d, d, ss);
+    }
+    return ss;
+}
+
+__device__ __forceinline__ void ln_scale(uint4 r, uint4 w, uint4 b, uint4* out, float mean, float inv) {
+    float x[8], g[8], h[8];
+    unpack8(r, x);
+    unpack8(w, g);
+    unpack8(b, h);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = (x[e] - mean) * inv * g[e] + h[e];
+    *out = pack8(x);
+}
+
+// Vector path: hidden % 8 == 0. The variance is the mean of centred squares, a second pass over
+// the register cache (not E[x²] − mean², which cancels when a row's mean is large against its
+// spread, as OPT's residual streams can be).
+extern "C" __global__ void __launch_bounds__(1024)
+    add_layernorm_v(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
+                    const u16* __restrict__ bias, u16* __restrict__ out, int hidden, float eps) {
+    const int nvec = hidden >> 3;
+    const uint4* w = reinterpret_cast<const uint4*>(weight);
+    const uint4* bv = reinterpret_cast<const uint4*>(bias);
+    const int stride = blockDim.x;
+    // The norm's weight and bias are never written during generation: read before the wait.
+    uint4 wc[RMS_CACHE], bc[RMS_CACHE];
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) {
+            wc[j] = w[c];
+            bc[j] = bv[c];
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
+    const size_t row = (size_t)blockIdx.x * hidden;
+    uint4* res = reinterpret_cast<uint4*>(residual + row);
+    const uint4* del = delta ? reinterpret_cast<const uint4*>(delta + row) : nullptr;
+    uint4* o = reinterpret_cast<uint4*>(out + row);
+
+    uint4 cache[RMS_CACHE];
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) cache[j] = ln_add(res, del, c, s);
+    }
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ln_add(res, del, c, s);
+    const float mean = block_sum(s) / (float)hidden;
+
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) ss += ln_centred_sq(cache[j], mean);
+    }
+    // Past the register cache: each thread reads back only what it stored itself.
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ss += ln_centred_sq(res[c], mean);
+    // block_sum's partials are reused: every warp must have read the mean's before they change.
+    __syncthreads();
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)hidden + eps);
+
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) ln_scale(cache[j], wc[j], bc[j], o + c, mean, inv);
+    }
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ln_scale(res[c], w[c], bv[c], o + c, mean, inv);
+}
+
+// Scalar path for any hidden: three passes over the row in memory; correct, not fast.
+extern "C" __global__ void __launch_bounds__(1024)
+    add_layernorm_s(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
+                    const u16* __restrict__ bias, u16* __restrict__ out, int hidden, float eps) {
+    pdl_wait();
+    pdl_trigger();
+    const size_t row = (size_t)blockIdx.x * hidden;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float x = to_f32(residual[row + i]);
+        if (delta) {
+            const u16 r = from_f32(x + to_f32(delta[row + i]));
+            residual[row + i] = r;
+            x = to_f32(r);
+        }
+        s += x;
+    }
+    const float mean = block_sum(s) / (float)hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float d = to_f32(residual[row + i]) - mean;
+        ss = fmaf(d, d, ss);
+    }
+    __syncthreads();  // block_sum's partials are reused
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        out[row + i] = from_f32((to_f32(residual[row + i]) - mean) * inv * to_f32(weight[i]) + to_f32(bias[i]));
+}
+
+// ---- activations: the `act` codes of layer_plan::act_code --------------------------------------
+
+// 0 none, 1 ReLU, 2 SiLU, 3 GELU (erf), 4 GELU (tanh). GELU is written through erfc, x·Φ(x) =
+// x · erfc(−x/√2) / 2, which keeps its relative accuracy in the negative tail where 1 + erf
+// cancels; the tanh form through the identity (1 + tanh u) / 2 = σ(2u), for the same reason.
+template <int ACT>
+__device__ __forceinline__ float act_f(float x) {
+    if (ACT == 1) return fmaxf(x, 0.f);
+    if (ACT == 2) return silu(x);
+    if (ACT == 3) return 0.5f * x * erfcf(-0.70710678118654752f * x);
+    if (ACT == 4) {
+        const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+        return x / (1.f + expf(-2.f * u));
+    }
+    return x;
+}
+
+// The activation is a kernel argument, switched on once per launch (not per element), so one
+// entry point serves every model with every loop body specialised.
+#define FDPP_ACT_SWITCH(act, CALL)  \
+    switch (act) {                  \
+        case 1: CALL(1); break;     \
+        case 2: CALL(2); break;     \
+        case 3: CALL(3); break;     \
+        case 4: CALL(4); break;     \
+        default: CALL(0); break;    \
+    }
+
+// ---- bias_act: x = act(x + bias) in place, grid-stride ------------------------------------------
+
+template <int ACT>
+__device__ __forceinline__ void bias_act_vec(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width) {
+    const long long wv = width >> 3, total = (long long)rows * wv;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long c = 8 * (i % wv);
+        float a[8];
+        unpack8(ld16(x + 8 * i), a);
+        if (bias) {
+            float b[8];
+            unpack8(ld16(bias + c), b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] += b[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = act_f<ACT>(a[e]);
+        st16(x + 8 * i, pack8(a));
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ void bias_act_one(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width) {
+    const long long total = (long long)rows * width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        float a = to_f32(x[i]);
+        if (bias) a += to_f32(bias[i % width]);
+        x[i] = from_f32(act_f<ACT>(a));
+    }
+}
+
+// width % 8 == 0. bias may be null (an activation alone).
+extern "C" __global__ void __launch_bounds__(256)
+    bias_act_v(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width, int act) {
+    pdl_wait();
+    pdl_trigger();
+#define FDPP_CALL(A) bias_act_vec<A>(x, bias, rows, width)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    bias_act_s(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width, int act) {
+    pdl_wait();
+    pdl_trigger();
+#define FDPP_CALL(A) bias_act_one<A>(x, bias, rows, width)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+// ---- glu: out = act(gate) · up over the fused FFN1 output, grid-stride ---------------------------
+// (SiLU keeps silu_mul above; this serves GeGLU and the rest.)
+
+template <int ACT>
+__device__ __forceinline__ void glu_vec(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    const long long iv = inter >> 3, total = (long long)rows * iv;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / iv, c = 8 * (i - r * iv);
+        const u16* g = gate_up + r * 2 * inter + c;
+        float a[8], b[8];
+        unpack8(ld16(g), a);
+        unpack8(ld16(g + inter), b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = act_f<ACT>(a[e]) * b[e];
+        st16(out + r * inter + c, pack8(a));
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ void glu_one(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    const long long total = (long long)rows * inter;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / inter, c = i - r * inter;
+        const u16* g = gate_up + r * 2 * inter + c;
+        out[i] = from_f32(act_f<ACT>(to_f32(g[0])) * to_f32(g[inter]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    glu_v(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter, int act) {
+    pdl_wait();
+    pdl_trigger();
+#define FDPP_CALL(A) glu_vec<A>(gate_up, out, rows, inter)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    glu_s(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter, int act) {
+    pdl_wait();
+    pdl_trigger();
+#define FDPP_CALL(A) glu_one<A>(gate_up, out, rows, inter)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+// ---- add_positions: out[t] += table[rows[t]], grid (tokens, column blocks) -----------------------
+// rows[t] = position + offset, computed on the host (layer_plan::position_rows) and checked there
+// against the table.
+
+// hidden % 8 == 0: 8 elements per thread.
+extern "C" __global__ void __launch_bounds__(128)
+    add_positions_v(u16* __restrict__ out, const u16* __restrict__ table, const int* __restrict__ rows, int hidden) {
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    // The table is a weight and the rows a host upload: read before the wait.
+    const bool live = c < hidden;
+    float p[8];
+    if (live) unpack8(ld16(table + (size_t)rows[blockIdx.x] * hidden + c), p);
+    pdl_wait();
+    pdl_trigger();
+    if (!live) return;
+    u16* o = out + (size_t)blockIdx.x * hidden + c;
+    float x[8];
+    unpack8(ld16(o), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] += p[e];
+    st16(o, pack8(x));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    add_positions_s(u16* __restrict__ out, const u16* __restrict__ table, const int* __restrict__ rows, int hidden) {
+    pdl_wait();
+    pdl_trigger();
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    u16* o = out + (size_t)blockIdx.x * hidden + c;
+    *o = from_f32(to_f32(*o) + to_f32(table[(size_t)rows[blockIdx.x] * hidden + c]));
+}
+
+// ---- qkv_rope_g: the general rotary, grid (tokens, item blocks) ---------------------------------
+// One item is 8 consecutive elements of one q, k or v head, so every stored vector is one 16-byte
+// store whatever the layout. Of each q and k head the first R elements are rotated, the rest
+// (and v) pass through with the bias. Rotate-half over R (R < D): element i pairs with i ± R/2;
+// interleaved (ChatGLM2, GPT-J): 2i with 2i + 1; pair i turns by pos · inv_freq[i] in both. A
+// rotated element needs its partner: in the interleaved layout it is in the same vector; in the
+// rotate-half one it is the vector R/2 away (read as one 16-byte load when R/2 % 8 == 0, element
+// by element otherwise). Same arithmetic as qkv_rope: sincosf, and products rounded apart
+// (_rn) so that the compiler does not fuse them into FMAs the CPU does not do. `interleaved` is
+// 0 or 1; R = 0 is the split and the bias alone (OPT).
+extern "C" __global__ void __launch_bounds__(128)
+    qkv_rope_g(const u16* __restrict__ qkv, const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ k,
+               u16* __restrict__ v, const int* __restrict__ positions, const float* __restrict__ inv_freq, int H,
+               int G, int D, const int* __restrict__ slots, int R, int interleaved) {
+    const int t = blockIdx.x;
+    const int item = blockIdx.y * blockDim.x + threadIdx.x;
+    const int dc = D >> 3, heads = H + 2 * G, hr = R >> 1;
+    const bool live = item < heads * dc;
+    const int head = item / dc, c0 = (item - head * dc) * 8;
+    const int off = head * D + c0;
+    const bool rot = live && head < H + G && c0 < R;
+    // Angles (host uploads) and the bias (a weight) before the wait, as qkv_rope does.
+    float sn[8], cs[8], b[8];
+    if (rot) {
+        const float pos = (float)positions[t];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int i = c0 + e;
+            const int pair = interleaved ? (i >> 1) : (i < hr ? i : i - hr);
+            if (i < R) {
+                sincosf(__fmul_rn(pos, inv_freq[pair]), &sn[e], &cs[e]);
+            } else {
+                sn[e] = 0.f;
+                cs[e] = 1.f;
+            }
+        }
+    }
+    if (live && bias) unpack8(ld16(bias + off), b);
+    pdl_wait();
+    pdl_trigger();
+    if (!live) return;
+    const u16* row = qkv + (size_t)t * (size_t)(heads * D);
+    float x[8];
+    unpack8(ld16(row + off), x);
+    if (bias) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] += b[e];
+    }
+    if (rot) {
+        float y[8];  // each element's partner, bias included
+        if (interleaved) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = x[e ^ 1];
+        } else if ((hr & 7) == 0) {
+            // R/2 a multiple of 8: the vector lies wholly in [0, R/2) or [R/2, R), and so does its
+            // partner vector.
+            const int poff = head * D + (c0 < hr ? c0 + hr : c0 - hr);
+            unpack8(ld16(row + poff), y);
+            if (bias) {
+                float pb[8];
+                unpack8(ld16(bias + poff), pb);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] += pb[e];
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int i = c0 + e;
+                const int j = head * D + (i < hr ? i + hr : i - hr);
+                y[e] = i < R ? to_f32(row[j]) + (bias ? to_f32(bias[j]) : 0.f) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int i = c0 + e;
+            if (i < R) {
+                const bool first = interleaved ? (i & 1) == 0 : i < hr;
+                const float a = __fmul_rn(x[e], cs[e]), s = __fmul_rn(y[e], sn[e]);
+                x[e] = first ? __fsub_rn(a, s) : __fadd_rn(a, s);
+            }
+        }
+    }
+    // With `slots` (the decode step's fused KV append) k and v go to their slot rows of the pools.
+    const size_t kv_row = slots ? (size_t)slots[t] : (size_t)t;
+    u16* dst = head < H       ? q + (size_t)t * (size_t)(H * D) + off
+               : head < H + G ? k + kv_row * (size_t)(G * D) + (off - H * D)
+                              : v + kv_row * (size_t)(G * D) + (off - (H + G) * D);
+    st16(dst, pack8(x));
+}

@@ -309,3 +309,311 @@ extern "C" __global__ void __launch_bounds__(256)
          i += (unsigned long long)gridDim.x * blockDim.x)
         w[i] = from_f32(to_f32(w[i]) * to_f32(scale[i % (unsigned long long)cols]));
 }
+
+// ==== The ops of the general model executor (issue #17), ported from kernels_cuda/layer.cu:
+// OPT's LayerNorm, biases, ReLU MLP and learned positions, GeGLU MLPs, and ChatGLM2's partial
+// interleaved rotary. Same entry points, arguments (qkv_rope_g without the CUDA-only `slots`),
+// grids and arithmetic; no PDL waits on AMD.
+
+// ---- add_layernorm: one block per row -----------------------------------------------------------
+
+__device__ __forceinline__ u32x4 ln_add(u32x4* __restrict__ res, const u32x4* __restrict__ del, int c, float& s) {
+    u32x4 r = res[c];
+    float x[8];
+    unpack8(r, x);
+    if (del) {
+        float d[8];
+        unpack8(del[c], d);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] += d[e];
+        r = pack8(x);
+        res[c] = r;
+        unpack8(r, x);  // the statistics are of the stored (rounded) residual
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += x[e];
+    return r;
+}
+
+__device__ __forceinline__ float ln_centred_sq(u32x4 r, float mean) {
+    float x[8], ss = 0.f;
+    unpack8(r, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float d = x[e] - mean;
+        ss = fmaf(d, d, ss);
+    }
+    return ss;
+}
+
+__device__ __forceinline__ void ln_scale(u32x4 r, u32x4 w, u32x4 b, u32x4* out, float mean, float inv) {
+    float x[8], g[8], h[8];
+    unpack8(r, x);
+    unpack8(w, g);
+    unpack8(b, h);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = (x[e] - mean) * inv * g[e] + h[e];
+    *out = pack8(x);
+}
+
+// Vector path: hidden % 8 == 0; the variance from centred squares, a second pass over the cache.
+extern "C" __global__ void __launch_bounds__(1024)
+    add_layernorm_v(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
+                    const u16* __restrict__ bias, u16* __restrict__ out, int hidden, float eps) {
+    const int nvec = hidden >> 3;
+    const size_t row = (size_t)blockIdx.x * hidden;
+    u32x4* res = reinterpret_cast<u32x4*>(residual + row);
+    const u32x4* del = delta ? reinterpret_cast<const u32x4*>(delta + row) : nullptr;
+    const u32x4* w = reinterpret_cast<const u32x4*>(weight);
+    const u32x4* bv = reinterpret_cast<const u32x4*>(bias);
+    u32x4* o = reinterpret_cast<u32x4*>(out + row);
+    const int stride = blockDim.x;
+
+    u32x4 cache[RMS_CACHE];
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) cache[j] = ln_add(res, del, c, s);
+    }
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ln_add(res, del, c, s);
+    const float mean = block_sum(s) / (float)hidden;
+
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) ss += ln_centred_sq(cache[j], mean);
+    }
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ss += ln_centred_sq(res[c], mean);
+    __syncthreads();  // block_sum's partials are reused
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)hidden + eps);
+
+#pragma unroll
+    for (int j = 0; j < RMS_CACHE; ++j) {
+        const int c = threadIdx.x + j * stride;
+        if (c < nvec) ln_scale(cache[j], w[c], bv[c], o + c, mean, inv);
+    }
+    for (int c = threadIdx.x + RMS_CACHE * stride; c < nvec; c += stride) ln_scale(res[c], w[c], bv[c], o + c, mean, inv);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    add_layernorm_s(u16* __restrict__ residual, const u16* __restrict__ delta, const u16* __restrict__ weight,
+                    const u16* __restrict__ bias, u16* __restrict__ out, int hidden, float eps) {
+    const size_t row = (size_t)blockIdx.x * hidden;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float x = to_f32(residual[row + i]);
+        if (delta) {
+            const u16 r = from_f32(x + to_f32(delta[row + i]));
+            residual[row + i] = r;
+            x = to_f32(r);
+        }
+        s += x;
+    }
+    const float mean = block_sum(s) / (float)hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float d = to_f32(residual[row + i]) - mean;
+        ss = fmaf(d, d, ss);
+    }
+    __syncthreads();  // block_sum's partials are reused
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        out[row + i] = from_f32((to_f32(residual[row + i]) - mean) * inv * to_f32(weight[i]) + to_f32(bias[i]));
+}
+
+// ---- activations (layer_plan::act_code): 0 none, 1 ReLU, 2 SiLU, 3 GELU (erf), 4 GELU (tanh) ----
+
+template <int ACT>
+__device__ __forceinline__ float act_f(float x) {
+    if (ACT == 1) return fmaxf(x, 0.f);
+    if (ACT == 2) return silu(x);
+    if (ACT == 3) return 0.5f * x * erfcf(-0.70710678118654752f * x);
+    if (ACT == 4) {
+        const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+        return x / (1.f + expf(-2.f * u));
+    }
+    return x;
+}
+
+#define FDPP_ACT_SWITCH(act, CALL)  \
+    switch (act) {                  \
+        case 1: CALL(1); break;     \
+        case 2: CALL(2); break;     \
+        case 3: CALL(3); break;     \
+        case 4: CALL(4); break;     \
+        default: CALL(0); break;    \
+    }
+
+// ---- bias_act: x = act(x + bias) in place, grid-stride ------------------------------------------
+
+template <int ACT>
+__device__ __forceinline__ void bias_act_vec(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width) {
+    const long long wv = width >> 3, total = (long long)rows * wv;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long c = 8 * (i % wv);
+        float a[8];
+        unpack8(ld16(x + 8 * i), a);
+        if (bias) {
+            float b[8];
+            unpack8(ld16(bias + c), b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] += b[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = act_f<ACT>(a[e]);
+        st16(x + 8 * i, pack8(a));
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ void bias_act_one(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width) {
+    const long long total = (long long)rows * width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        float a = to_f32(x[i]);
+        if (bias) a += to_f32(bias[i % width]);
+        x[i] = from_f32(act_f<ACT>(a));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    bias_act_v(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width, int act) {
+#define FDPP_CALL(A) bias_act_vec<A>(x, bias, rows, width)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    bias_act_s(u16* __restrict__ x, const u16* __restrict__ bias, int rows, int width, int act) {
+#define FDPP_CALL(A) bias_act_one<A>(x, bias, rows, width)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+// ---- glu: out = act(gate) · up, grid-stride ----------------------------------------------------
+
+template <int ACT>
+__device__ __forceinline__ void glu_vec(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    const long long iv = inter >> 3, total = (long long)rows * iv;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / iv, c = 8 * (i - r * iv);
+        const u16* g = gate_up + r * 2 * inter + c;
+        float a[8], b[8];
+        unpack8(ld16(g), a);
+        unpack8(ld16(g + inter), b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = act_f<ACT>(a[e]) * b[e];
+        st16(out + r * inter + c, pack8(a));
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ void glu_one(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
+    const long long total = (long long)rows * inter;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / inter, c = i - r * inter;
+        const u16* g = gate_up + r * 2 * inter + c;
+        out[i] = from_f32(act_f<ACT>(to_f32(g[0])) * to_f32(g[inter]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    glu_v(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter, int act) {
+#define FDPP_CALL(A) glu_vec<A>(gate_up, out, rows, inter)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    glu_s(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter, int act) {
+#define FDPP_CALL(A) glu_one<A>(gate_up, out, rows, inter)
+    FDPP_ACT_SWITCH(act, FDPP_CALL)
+#undef FDPP_CALL
+}
+
+// ---- add_positions: out[t] += table[rows[t]], grid (tokens, column blocks) -----------------------
+
+extern "C" __global__ void __launch_bounds__(128)
+    add_positions_v(u16* __restrict__ out, const u16* __restrict__ table, const int* __restrict__ rows, int hidden) {
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= hidden) return;
+    float p[8], x[8];
+    unpack8(ld16(table + (size_t)rows[blockIdx.x] * hidden + c), p);
+    u16* o = out + (size_t)blockIdx.x * hidden + c;
+    unpack8(ld16(o), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] += p[e];
+    st16(o, pack8(x));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    add_positions_s(u16* __restrict__ out, const u16* __restrict__ table, const int* __restrict__ rows, int hidden) {
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    u16* o = out + (size_t)blockIdx.x * hidden + c;
+    *o = from_f32(to_f32(*o) + to_f32(table[(size_t)rows[blockIdx.x] * hidden + c]));
+}
+
+// ---- qkv_rope_g: the general rotary (partial, interleaved, none), grid (tokens, item blocks) ----
+// One item is 8 consecutive elements of one head; see kernels_cuda/layer.cu for the layouts.
+extern "C" __global__ void __launch_bounds__(128)
+    qkv_rope_g(const u16* __restrict__ qkv, const u16* __restrict__ bias, u16* __restrict__ q, u16* __restrict__ k,
+               u16* __restrict__ v, const int* __restrict__ positions, const float* __restrict__ inv_freq, int H,
+               int G, int D, int R, int interleaved) {
+#pragma clang fp contract(off)
+    const int t = blockIdx.x;
+    const int item = blockIdx.y * blockDim.x + threadIdx.x;
+    const int dc = D >> 3, heads = H + 2 * G, hr = R >> 1;
+    if (item >= heads * dc) return;
+    const int head = item / dc, c0 = (item - head * dc) * 8;
+    const int off = head * D + c0;
+    const u16* row = qkv + (size_t)t * (size_t)(heads * D);
+    float x[8];
+    unpack8(ld16(row + off), x);
+    if (bias) {
+        float b[8];
+        unpack8(ld16(bias + off), b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] += b[e];
+    }
+    if (head < H + G && c0 < R) {
+        const float pos = (float)positions[t];
+        float y[8];
+        if (interleaved) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = x[e ^ 1];
+        } else if ((hr & 7) == 0) {
+            const int poff = head * D + (c0 < hr ? c0 + hr : c0 - hr);
+            unpack8(ld16(row + poff), y);
+            if (bias) {
+                float pb[8];
+                unpack8(ld16(bias + poff), pb);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] += pb[e];
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int i = c0 + e;
+                const int j = head * D + (i < hr ? i + hr : i - hr);
+                y[e] = i < R ? to_f32(row[j]) + (bias ? to_f32(bias[j]) : 0.f) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int i = c0 + e;
+            if (i < R) {
+                const int pair = interleaved ? (i >> 1) : (i < hr ? i : i - hr);
+                float s, c;
+                sincosf(pos * inv_freq[pair], &s, &c);
+                const bool first = interleaved ? (i & 1) == 0 : i < hr;
+                x[e] = first ? x[e] * c - y[e] * s : x[e] * c + y[e] * s;
+            }
+        }
+    }
+    u16* dst = head < H       ? q + (size_t)t * (size_t)(H * D) + off
+               : head < H + G ? k + (size_t)t * (size_t)(G * D) + (off - H * D)
+                              : v + (size_t)t * (size_t)(G * D) + (off - (H + G) * D);
+    st16(dst, pack8(x));
+}

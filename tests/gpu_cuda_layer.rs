@@ -2,6 +2,9 @@
 //! copies (embedding, gather_rows, kv_append) and the residual of add_rmsnorm bit for bit,
 //! fill_random bit for bit with `random_value`, and the computed outputs (rmsnorm, RoPE,
 //! SiLU·mul) within one rounding of the 16-bit type. Odd widths reach every vector variant.
+//! The ops of the general executor (issue #17: LayerNorm, bias + activation, GLU, learned
+//! positions, the general rotary) against the f64 reference of `fdpp::reference::layer`, and the
+//! general rotary kernel against the Llama one on permuted heads, bit for bit.
 //! Run on a GPU machine with `cargo test --test gpu_cuda_layer -- --ignored`.
 
 use fdpp::backend::cpu::CpuBackend;
@@ -12,8 +15,10 @@ use fdpp::error::FdppError;
 use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
 use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+    random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
+use fdpp::reference::layer::{add_layernorm_ref, add_positions_ref, bias_act_ref, glu_ref, qkv_rope_ref, round_f64};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
@@ -387,7 +392,16 @@ fn fused_rope_append_equals_rope_then_append() {
     let (_cpu, gpu) = open();
     let mut r = rng();
     for dt in DTYPES {
-        for (h, g, d, with_bias) in [(32, 8, 128, false), (32, 32, 128, true), (4, 2, 64, true)] {
+        for (h, g, d, with_bias, rot, rope_layout) in [
+            (32, 8, 128, false, 128, RopeLayout::Half),
+            (32, 32, 128, true, 128, RopeLayout::Half),
+            (4, 2, 64, true, 64, RopeLayout::Half),
+            // The general kernel: ChatGLM2's half-head interleaved rotary, OPT's none, and a
+            // partial rotate-half.
+            (32, 2, 128, true, 64, RopeLayout::Interleaved),
+            (4, 4, 64, true, 0, RopeLayout::Half),
+            (8, 2, 256, false, 32, RopeLayout::Half),
+        ] {
             let geom = AttnGeometry::new(h, g, d).unwrap();
             let layout = PagedKvLayout::new(16, 40, g, d, dt).unwrap();
             let mut pages: Vec<u32> = (0..40).collect();
@@ -409,13 +423,15 @@ fn fused_rope_append_equals_rope_then_append() {
                 tables: FlatBlockTables::new(&layout, &tables).unwrap(),
                 new_lens: vec![1; seq_lens.len()],
             };
-            let inv_freq: Vec<f32> = (0..d / 2).map(|i| 10_000f32.powf(-2.0 * i as f32 / d as f32)).collect();
+            let inv_freq: Vec<f32> = (0..rot / 2)
+                .map(|i| 10_000f32.powf(-2.0 * i as f32 / rot as f32))
+                .collect();
             let rope = RopeParams {
                 geom,
                 dtype: dt,
                 positions: seq_lens.iter().map(|&l| l as i32 - 1).collect(),
                 inv_freq,
-                layout: RopeLayout::Half,
+                layout: rope_layout,
             };
             let t = rope.tokens();
             let qkv = gpu
@@ -444,7 +460,7 @@ fn fused_rope_append_equals_rope_then_append() {
                 }
                 runs.push([q, &kv.k, &kv.v].map(|x| gpu.download(x).unwrap()));
             }
-            let what = format!("{dt} {} bias {with_bias}", geom.label());
+            let what = format!("{dt} {} bias {with_bias} rot {rot} {rope_layout:?}", geom.label());
             assert_eq!(runs[0][0], runs[1][0], "{what}: q");
             assert_eq!(runs[0][1], runs[1][1], "{what}: K pool");
             assert_eq!(runs[0][2], runs[1][2], "{what}: V pool");
@@ -514,4 +530,327 @@ fn recompute_total_comes_back_with_the_greedy_choice() {
     // Without a greedy choice in between, take_recomputed reads the device itself.
     gpu.attention_decode_enqueue(&p, &q, &kv, &mut out).unwrap();
     assert_eq!(gpu.take_recomputed().unwrap(), counted);
+}
+
+/// Every element of `got` within one unit in the last place of the f64 reference rounded once
+/// (what an f32 computation rounded once gives), and the count of those off by one.
+fn assert_within_one_ulp(dt: DType, got: &[u16], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let line = |x: u16| {
+        let m = (x & 0x7fff) as i32;
+        if x & 0x8000 != 0 {
+            -m
+        } else {
+            m
+        }
+    };
+    let bad: Vec<String> = got
+        .iter()
+        .zip(want)
+        .enumerate()
+        .filter(|(_, (&g, &w))| line(g).abs_diff(line(round_f64(dt, w))) > 1)
+        .map(|(i, (&g, &w))| format!("[{i}] got {} want {w}", dt.to_f32(g)))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{what} ({dt}): {} of {} more than 1 ulp off, first: {:?}",
+        bad.len(),
+        got.len(),
+        &bad[..bad.len().min(8)]
+    );
+}
+
+/// Every element within `ulps` units of the 16-bit type at its magnitude (plus `abs` for
+/// results that cancel to near zero) of the f64 reference.
+fn assert_near(dt: DType, got: &[u16], want: &[f64], ulps: f64, abs: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let eps = match dt {
+        DType::F16 => 1.0 / 1024.0,
+        DType::Bf16 => 1.0 / 128.0,
+    };
+    let bad: Vec<String> = got
+        .iter()
+        .zip(want)
+        .enumerate()
+        .filter(|(_, (&g, &w))| {
+            let g = dt.to_f32(g) as f64;
+            !(g.is_finite() && (g - w).abs() <= ulps * eps * w.abs() + abs)
+        })
+        .map(|(i, (&g, &w))| format!("[{i}] got {} want {w}", dt.to_f32(g)))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{what} ({dt}): {} of {} differ, first: {:?}",
+        bad.len(),
+        got.len(),
+        &bad[..bad.len().min(8)]
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn add_layernorm_matches_the_reference_on_both_paths_and_past_the_register_cache() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        // 40000 is past the register cache (4 vectors × 1024 threads × 8); 4097 and 133 take
+        // the scalar path.
+        for (rows, hidden, with_delta) in [
+            (3, 4096, true),
+            (17, 1000, false),
+            (2, 4097, true),
+            (3, 133, true),
+            (1, 40000, true),
+        ] {
+            let p = LayerNormParams {
+                rows,
+                hidden,
+                eps: 1e-5,
+                dtype: dt,
+            };
+            // A mean of 3 on every row: the variance must be taken around it.
+            let res: Vec<u16> = random_bits(dt, rows * hidden, 2.0, r.gen())
+                .iter()
+                .map(|&x| dt.from_f32(3.0 + dt.to_f32(x)))
+                .collect();
+            let delta = random_bits(dt, rows * hidden, 1.0, r.gen());
+            let weight = random_bits(dt, hidden, 1.0, r.gen());
+            let bias = random_bits(dt, hidden, 0.5, r.gen());
+            let mut rg = gpu.upload(dt, &res).unwrap();
+            let dg = gpu.upload(dt, &delta).unwrap();
+            let (wg, bg) = (gpu.upload(dt, &weight).unwrap(), gpu.upload(dt, &bias).unwrap());
+            let mut og = gpu.alloc(dt, rows * hidden).unwrap();
+            gpu.add_layernorm(&p, &mut rg, with_delta.then_some(&dg), &wg, &bg, &mut og)
+                .unwrap();
+            let (want_res, want) = add_layernorm_ref(&p, &res, with_delta.then_some(&delta[..]), &weight, &bias);
+            let what = format!("add_layernorm rows {rows} hidden {hidden} delta {with_delta}");
+            let got_res = gpu.download(&rg).unwrap();
+            let want_res_f: Vec<f64> = want_res.iter().map(|&b| dt.to_f32(b) as f64).collect();
+            assert_within_one_ulp(dt, &got_res, &want_res_f, &format!("{what}: residual"));
+            // Normalised values reach ~4σ: a few ulps of slack for the f32 statistics.
+            assert_near(dt, &gpu.download(&og).unwrap(), &want, 2.0, 2e-3, &what);
+        }
+    }
+}
+
+const ACTS: [Activation; 5] = [
+    Activation::None,
+    Activation::Relu,
+    Activation::Silu,
+    Activation::Gelu,
+    Activation::GeluTanh,
+];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bias_act_and_glu_are_within_one_ulp_for_every_activation() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        for act in ACTS {
+            for (rows, width, with_bias) in [(3, 4096, true), (17, 1000, true), (2, 4097, false), (1, 133, true)] {
+                let p = BiasActParams {
+                    rows,
+                    width,
+                    act,
+                    dtype: dt,
+                };
+                let x = random_bits(dt, rows * width, 6.0, r.gen());
+                let bias = random_bits(dt, width, 1.0, r.gen());
+                let mut xg = gpu.upload(dt, &x).unwrap();
+                let bg = gpu.upload(dt, &bias).unwrap();
+                gpu.bias_act(&p, &mut xg, with_bias.then_some(&bg)).unwrap();
+                let want = bias_act_ref(&p, &x, with_bias.then_some(&bias[..]));
+                let what = format!("bias_act {act:?} rows {rows} width {width} bias {with_bias}");
+                assert_within_one_ulp(dt, &gpu.download(&xg).unwrap(), &want, &what);
+            }
+            for (rows, inter) in [(1, 11008), (3, 1000), (17, 133), (2, 4097)] {
+                let p = GluParams {
+                    rows,
+                    inter,
+                    act,
+                    dtype: dt,
+                };
+                let gu = random_bits(dt, 2 * rows * inter, 6.0, r.gen());
+                let gg = gpu.upload(dt, &gu).unwrap();
+                let mut og = gpu.alloc(dt, rows * inter).unwrap();
+                gpu.glu(&p, &gg, &mut og).unwrap();
+                let what = format!("glu {act:?} rows {rows} inter {inter}");
+                assert_within_one_ulp(dt, &gpu.download(&og).unwrap(), &glu_ref(&p, &gu), &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn add_positions_adds_the_offset_rows_and_repeats_with_new_positions() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        for hidden in [768usize, 1000, 133, 4097] {
+            let table_rows = 2050;
+            let table = random_bits(dt, table_rows * hidden, 1.0, r.gen());
+            let tg = gpu.upload(dt, &table).unwrap();
+            // A prefill, then decode steps: the positions' upload changes every call.
+            for positions in [(0..17).collect::<Vec<i32>>(), vec![17], vec![18], vec![2047, 0, 5]] {
+                let p = PositionParams {
+                    positions,
+                    offset: 2,
+                    table_rows,
+                    hidden,
+                    dtype: dt,
+                };
+                let emb = random_bits(dt, p.positions.len() * hidden, 1.0, r.gen());
+                let mut og = gpu.upload(dt, &emb).unwrap();
+                gpu.add_positions(&p, &tg, &mut og).unwrap();
+                let want: Vec<f64> = add_positions_ref(&p, &table, &emb)
+                    .iter()
+                    .map(|&b| dt.to_f32(b) as f64)
+                    .collect();
+                let what = format!("add_positions hidden {hidden} {:?}", p.positions);
+                assert_within_one_ulp(dt, &gpu.download(&og).unwrap(), &want, &what);
+            }
+            let bad = PositionParams {
+                positions: vec![2048],
+                offset: 2,
+                table_rows,
+                hidden,
+                dtype: dt,
+            };
+            let mut og = gpu.alloc(dt, hidden).unwrap();
+            assert!(
+                gpu.add_positions(&bad, &tg, &mut og).is_err(),
+                "position past the table"
+            );
+        }
+    }
+}
+
+/// The element of the whole-head rotate-half layout that plays the part of element `e` of a
+/// head rotated in `layout` over `r` of `d` elements: pair i of the general form, wherever its two
+/// elements are, becomes the Llama pair (i, i + d/2); the elements that pass through take the
+/// Llama pairs past r/2, whose frequency is set to 0 (cos 1, sin 0: they pass through too).
+fn llama_slot(layout: RopeLayout, r: usize, d: usize) -> Vec<usize> {
+    let mut slot = vec![usize::MAX; d];
+    for i in 0..r / 2 {
+        let (a, b) = match layout {
+            RopeLayout::Half => (i, i + r / 2),
+            RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+        };
+        slot[a] = i;
+        slot[b] = i + d / 2;
+    }
+    let mut free = (r / 2..d / 2).chain(d / 2 + r / 2..d);
+    for s in slot.iter_mut().filter(|s| **s == usize::MAX) {
+        *s = free.next().expect("as many free slots as passed-through elements");
+    }
+    slot
+}
+
+/// The general rotary kernel (partial, interleaved, none) equals the Llama kernel bit for bit
+/// on the same data laid out as whole-head rotate-half (both compute pos · inv_freq and the
+/// rotation with the same rounded f32 products), at positions up to 131071; and the reference,
+/// within a few ulps at positions up to 4095 (past that the f32 angle itself drifts from the f64
+/// one by more than the 16-bit types resolve).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn general_rotary_equals_the_llama_kernel_on_permuted_heads_and_the_reference() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        for (h, g, d) in [(8, 2, 64), (4, 4, 128), (4, 1, 256)] {
+            for rot in [0, 20, 24, 32, d / 2, d] {
+                for layout in [RopeLayout::Half, RopeLayout::Interleaved] {
+                    if rot == d && layout == RopeLayout::Half {
+                        continue; // the Llama kernel itself
+                    }
+                    let geom = AttnGeometry::new(h, g, d).unwrap();
+                    let inv_freq: Vec<f32> = (0..rot / 2)
+                        .map(|i| 10_000f64.powf(-2.0 * i as f64 / rot.max(1) as f64) as f32)
+                        .collect();
+                    let gen = RopeParams {
+                        geom,
+                        dtype: dt,
+                        positions: vec![0, 1, 4095, 65_535, 131_071, r.gen_range(0..200_000)],
+                        inv_freq: inv_freq.clone(),
+                        layout,
+                    };
+                    let mut llama_freq = inv_freq;
+                    llama_freq.resize(d / 2, 0.0);
+                    let llama = RopeParams {
+                        inv_freq: llama_freq,
+                        layout: RopeLayout::Half,
+                        ..gen.clone()
+                    };
+                    let (t, width) = (gen.tokens(), gen.qkv_width());
+                    let qkv = random_bits(dt, t * width, 1.0, r.gen());
+                    let bias = random_bits(dt, width, 0.5, r.gen());
+                    let slot = llama_slot(layout, rot, d);
+                    // Permute the q and k heads into the Llama layout; v as it is.
+                    let permute = |row: &[u16]| {
+                        let mut out = row.to_vec();
+                        for head in 0..h + g {
+                            for e in 0..d {
+                                out[head * d + slot[e]] = row[head * d + e];
+                            }
+                        }
+                        out
+                    };
+                    let qkv_l: Vec<u16> = qkv.chunks(width).flat_map(permute).collect();
+                    let bias_l = permute(&bias);
+                    let run = |p: &RopeParams, x: &[u16], b: &[u16]| {
+                        let (xg, bg) = (gpu.upload(dt, x).unwrap(), gpu.upload(dt, b).unwrap());
+                        let mut outs = [t * h * d, t * g * d, t * g * d].map(|n| gpu.alloc(dt, n).unwrap());
+                        let [q, k, v] = &mut outs;
+                        gpu.qkv_rope(p, &xg, Some(&bg), q, k, v).unwrap();
+                        outs.map(|o| gpu.download(&o).unwrap())
+                    };
+                    let [q, k, v] = run(&gen, &qkv, &bias);
+                    let [ql, kl, vl] = run(&llama, &qkv_l, &bias_l);
+                    let what = format!("{dt} {} rot {rot} {layout:?}", geom.label());
+                    for (name, (a, b, heads)) in [("q", (&q, &ql, h)), ("k", (&k, &kl, g))] {
+                        for tok in 0..t {
+                            for head in 0..heads {
+                                for e in 0..d {
+                                    let at = (tok * heads + head) * d;
+                                    assert_eq!(
+                                        a[at + e],
+                                        b[at + slot[e]],
+                                        "{what}: {name} token {tok} head {head} element {e}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                    assert_eq!(v, vl, "{what}: v");
+                    // Against the f64 reference at the positions below 4096.
+                    let near = RopeParams {
+                        positions: vec![0, 1, 7, 4095],
+                        ..gen.clone()
+                    };
+                    let tn = near.tokens();
+                    let x = &qkv[..tn * width];
+                    let (xg, bg) = (gpu.upload(dt, x).unwrap(), gpu.upload(dt, &bias).unwrap());
+                    let mut outs = [tn * h * d, tn * g * d, tn * g * d].map(|n| gpu.alloc(dt, n).unwrap());
+                    {
+                        let [q, k, v] = &mut outs;
+                        gpu.qkv_rope(&near, &xg, Some(&bg), q, k, v).unwrap();
+                    }
+                    let (rq, rk, rv) = qkv_rope_ref(&near, x, Some(&bias));
+                    for (name, (o, want)) in ["q", "k", "v"].iter().zip(outs.iter().zip([rq, rk, rv])) {
+                        // θ = 4095 · 1 in f32 is off by up to 2.4e-4 rad: that much absolute slack.
+                        assert_near(
+                            dt,
+                            &gpu.download(o).unwrap(),
+                            &want,
+                            1.0,
+                            1e-3,
+                            &format!("{what}: {name} vs reference"),
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

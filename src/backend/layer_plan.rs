@@ -6,13 +6,16 @@
 
 use crate::error::{FdppError, Result};
 use crate::kv::paged::PagedKvLayout;
-use crate::ops::layer::{KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    Activation, BiasActParams, GluParams, KvAppendParams, LayerNormParams, PositionParams, RmsNormParams, RopeLayout,
+    RopeParams, SiluMulParams,
+};
 
 /// Threads per block of the row copies (gather, KV scatter) and of qkv_rope (must match the
 /// `__launch_bounds__` in the kernel files).
 pub const COPY_THREADS: u32 = 128;
 pub const ROPE_THREADS: u32 = 128;
-/// Threads per block of the grid-stride kernels (silu_mul, fill_random).
+/// Threads per block of the grid-stride kernels (silu_mul, glu, bias_act, fill_random).
 pub const STREAM_THREADS: u32 = 256;
 /// Most threads an add_rmsnorm block takes (its `__launch_bounds__`).
 pub const RMS_MAX_THREADS: u32 = 1024;
@@ -39,11 +42,20 @@ pub enum LayerKernel {
     ScatterKvV1,
     FillRandom,
     ScaleCols,
+    AddLayerNormV,
+    AddLayerNormS,
+    BiasActV,
+    BiasActS,
+    GluV,
+    GluS,
+    AddPositionsV,
+    AddPositionsS,
+    QkvRopeG,
 }
 
 impl LayerKernel {
     /// In declaration order: `ALL[k.index()] == k`.
-    pub const ALL: [LayerKernel; 15] = [
+    pub const ALL: [LayerKernel; 24] = [
         LayerKernel::AddRmsNormV,
         LayerKernel::AddRmsNormS,
         LayerKernel::QkvRope,
@@ -59,6 +71,15 @@ impl LayerKernel {
         LayerKernel::ScatterKvV1,
         LayerKernel::FillRandom,
         LayerKernel::ScaleCols,
+        LayerKernel::AddLayerNormV,
+        LayerKernel::AddLayerNormS,
+        LayerKernel::BiasActV,
+        LayerKernel::BiasActS,
+        LayerKernel::GluV,
+        LayerKernel::GluS,
+        LayerKernel::AddPositionsV,
+        LayerKernel::AddPositionsS,
+        LayerKernel::QkvRopeG,
     ];
 
     pub fn index(self) -> usize {
@@ -82,6 +103,15 @@ impl LayerKernel {
             LayerKernel::ScatterKvV1 => "scatter_kv_v1",
             LayerKernel::FillRandom => "fill_random",
             LayerKernel::ScaleCols => "scale_cols",
+            LayerKernel::AddLayerNormV => "add_layernorm_v",
+            LayerKernel::AddLayerNormS => "add_layernorm_s",
+            LayerKernel::BiasActV => "bias_act_v",
+            LayerKernel::BiasActS => "bias_act_s",
+            LayerKernel::GluV => "glu_v",
+            LayerKernel::GluS => "glu_s",
+            LayerKernel::AddPositionsV => "add_positions_v",
+            LayerKernel::AddPositionsS => "add_positions_s",
+            LayerKernel::QkvRopeG => "qkv_rope_g",
         }
     }
 }
@@ -115,26 +145,65 @@ fn u32_grid(v: u64, what: &str, op: &str, max: u64) -> Result<u32> {
 /// add_rmsnorm: one block per row; the vector path when hidden % 8 == 0, with one thread per
 /// 16-byte vector (rounded up to whole wavefronts of `wave` lanes, at most 1024; wider rows loop).
 pub fn rmsnorm(p: &RmsNormParams, wave: u32) -> Result<LayerLaunch> {
-    i32_dim(p.hidden, "hidden", "add_rmsnorm")?;
-    let vec = p.hidden.is_multiple_of(8);
-    let per_row = if vec { p.hidden / 8 } else { p.hidden } as u64;
+    row_norm(
+        p.rows,
+        p.hidden,
+        wave,
+        "add_rmsnorm",
+        [LayerKernel::AddRmsNormV, LayerKernel::AddRmsNormS],
+    )
+}
+
+/// add_layernorm: the same geometry as [`rmsnorm`] (one block per row, the same register cache
+/// of the row; the kernel makes one more pass over it for the centred variance).
+pub fn layernorm(p: &LayerNormParams, wave: u32) -> Result<LayerLaunch> {
+    row_norm(
+        p.rows,
+        p.hidden,
+        wave,
+        "add_layernorm",
+        [LayerKernel::AddLayerNormV, LayerKernel::AddLayerNormS],
+    )
+}
+
+/// One block per row; `kernels` is (vector path, scalar path).
+fn row_norm(rows: usize, hidden: usize, wave: u32, op: &str, kernels: [LayerKernel; 2]) -> Result<LayerLaunch> {
+    i32_dim(hidden, "hidden", op)?;
+    let vec = hidden.is_multiple_of(8);
+    let per_row = if vec { hidden / 8 } else { hidden } as u64;
     let wave = wave.max(1) as u64;
     let block = per_row.div_ceil(wave) * wave;
     Ok(LayerLaunch {
-        kernel: if vec {
-            LayerKernel::AddRmsNormV
-        } else {
-            LayerKernel::AddRmsNormS
-        },
-        grid: (u32_grid(p.rows as u64, "rows", "add_rmsnorm", i32::MAX as u64)?, 1, 1),
+        kernel: if vec { kernels[0] } else { kernels[1] },
+        grid: (u32_grid(rows as u64, "rows", op, i32::MAX as u64)?, 1, 1),
         block: block.clamp(wave, RMS_MAX_THREADS as u64) as u32,
     })
 }
 
-/// Items of one token of qkv_rope: 8 rotation pairs of a q or k head, or 8 elements of a v head.
+/// Items of one token of qkv_rope: 8 rotation pairs of a q or k head, or 8 elements of a v head
+/// (the whole-head rotate-half kernel); 8 consecutive elements of any head (the general one).
 pub fn rope_items(p: &RopeParams) -> usize {
     let g = &p.geom;
-    (g.num_heads + g.num_kv_heads) * (g.head_dim / 16) + g.num_kv_heads * (g.head_dim / 8)
+    if rope_is_whole_half(p) {
+        (g.num_heads + g.num_kv_heads) * (g.head_dim / 16) + g.num_kv_heads * (g.head_dim / 8)
+    } else {
+        (g.num_heads + 2 * g.num_kv_heads) * (g.head_dim / 8)
+    }
+}
+
+/// Llama's form (rotate-half over whole heads), which keeps its own kernel: each thread rotates
+/// 8 pairs with one sine per pair. Everything else (partial rotary, the interleaved layout, no
+/// rotation) runs the general kernel, one thread per 8 output elements.
+pub fn rope_is_whole_half(p: &RopeParams) -> bool {
+    p.layout == RopeLayout::Half && p.rotary_dim() == p.geom.head_dim
+}
+
+/// The general rotary kernel's layout flag (0 rotate-half, 1 interleaved).
+pub fn rope_layout_code(layout: RopeLayout) -> i32 {
+    match layout {
+        RopeLayout::Half => 0,
+        RopeLayout::Interleaved => 1,
+    }
 }
 
 /// qkv_rope: grid (tokens, item blocks). Needs head_dim % 16 == 0 (8 pairs per item), which
@@ -147,9 +216,19 @@ pub fn rope(p: &RopeParams) -> Result<LayerLaunch> {
             what: format!("head_dim {d} (a multiple of 16 is needed)"),
         });
     }
+    if p.rotary_dim() > d {
+        return Err(FdppError::Unsupported {
+            spec: format!("qkv_rope {}", p.geom.label()),
+            what: format!("rotary_dim {} past head_dim {d}", p.rotary_dim()),
+        });
+    }
     i32_dim(p.tokens() * p.qkv_width(), "tokens × qkv width", "qkv_rope")?;
     Ok(LayerLaunch {
-        kernel: LayerKernel::QkvRope,
+        kernel: if rope_is_whole_half(p) {
+            LayerKernel::QkvRope
+        } else {
+            LayerKernel::QkvRopeG
+        },
         grid: (
             u32_grid(p.tokens() as u64, "tokens", "qkv_rope", i32::MAX as u64)?,
             u32_grid(
@@ -183,6 +262,78 @@ pub fn silu_mul(p: &SiluMulParams) -> Result<LayerLaunch> {
         grid: (stream_blocks(items), 1, 1),
         block: STREAM_THREADS,
     })
+}
+
+/// The activation's code in the kernels' `act` argument (their `act_f<ACT>` switch).
+pub fn act_code(act: Activation) -> i32 {
+    match act {
+        Activation::None => 0,
+        Activation::Relu => 1,
+        Activation::Silu => 2,
+        Activation::Gelu => 3,
+        Activation::GeluTanh => 4,
+    }
+}
+
+/// bias_act: grid-stride, 8 elements per step when width % 8 == 0 (every row and the bias then
+/// start on a 16-byte boundary).
+pub fn bias_act(p: &BiasActParams) -> Result<LayerLaunch> {
+    i32_dim(p.rows, "rows", "bias_act")?;
+    i32_dim(p.width, "width", "bias_act")?;
+    let vec = p.width.is_multiple_of(8);
+    let items = (p.rows * p.width / if vec { 8 } else { 1 }) as u64;
+    Ok(LayerLaunch {
+        kernel: if vec {
+            LayerKernel::BiasActV
+        } else {
+            LayerKernel::BiasActS
+        },
+        grid: (stream_blocks(items), 1, 1),
+        block: STREAM_THREADS,
+    })
+}
+
+/// glu: as [`silu_mul`], any activation.
+pub fn glu(p: &GluParams) -> Result<LayerLaunch> {
+    i32_dim(p.rows, "rows", "glu")?;
+    i32_dim(p.inter, "inter", "glu")?;
+    let vec = p.inter.is_multiple_of(8);
+    let items = (p.rows * p.inter / if vec { 8 } else { 1 }) as u64;
+    Ok(LayerLaunch {
+        kernel: if vec { LayerKernel::GluV } else { LayerKernel::GluS },
+        grid: (stream_blocks(items), 1, 1),
+        block: STREAM_THREADS,
+    })
+}
+
+/// add_positions: grid (tokens, column blocks) like a row copy, 8 elements per thread when
+/// hidden % 8 == 0, else 1.
+pub fn add_positions(p: &PositionParams) -> Result<LayerLaunch> {
+    i32_dim(p.hidden, "hidden", "add_positions")?;
+    let vec = p.hidden.is_multiple_of(8);
+    let per_thread = if vec { 8 } else { 1 };
+    let cols = (p.hidden as u64).div_ceil(per_thread * COPY_THREADS as u64);
+    Ok(LayerLaunch {
+        kernel: if vec {
+            LayerKernel::AddPositionsV
+        } else {
+            LayerKernel::AddPositionsS
+        },
+        grid: (
+            u32_grid(p.positions.len() as u64, "tokens", "add_positions", i32::MAX as u64)?,
+            u32_grid(cols, "column blocks", "add_positions", MAX_GRID_Y)?,
+            1,
+        ),
+        block: COPY_THREADS,
+    })
+}
+
+/// The table row of each token of a validated add_positions (position + offset), as the kernel
+/// reads them: the offset is applied here, once, rather than per thread.
+pub fn position_rows(p: &PositionParams) -> Result<impl Iterator<Item = i32> + '_> {
+    i32_dim(p.table_rows, "table_rows", "add_positions")?;
+    // In range after validate(): position + offset < table_rows ≤ i32::MAX.
+    Ok(p.positions.iter().map(move |&x| (x as usize + p.offset) as i32))
 }
 
 /// Elements one thread of a row copy moves at once: the largest of 8, 4, 2, 1 dividing the width,
@@ -441,6 +592,118 @@ mod tests {
             }
             assert!(seen.iter().all(|&s| s == 1), "h{h} g{g} d{d}");
         }
+    }
+
+    #[test]
+    fn the_llama_form_keeps_its_kernel_and_every_other_rotary_takes_the_general_one() {
+        let mut p = rope_params(32, 8, 128, 3);
+        assert_eq!(rope(&p).unwrap().kernel, LayerKernel::QkvRope);
+        for (n_freq, layout) in [
+            (32, RopeLayout::Half),
+            (0, RopeLayout::Half),
+            (64, RopeLayout::Interleaved),
+            (32, RopeLayout::Interleaved),
+        ] {
+            p.inv_freq = vec![0.5; n_freq];
+            p.layout = layout;
+            let l = rope(&p).unwrap();
+            assert_eq!(l.kernel, LayerKernel::QkvRopeG, "{n_freq} {layout:?}");
+            assert_eq!(l.grid.1 as usize, rope_items(&p).div_ceil(ROPE_THREADS as usize));
+        }
+        assert_eq!(
+            (
+                rope_layout_code(RopeLayout::Half),
+                rope_layout_code(RopeLayout::Interleaved)
+            ),
+            (0, 1)
+        );
+    }
+
+    #[test]
+    fn general_rope_items_cover_every_element_of_a_token_row_exactly_once() {
+        for (h, g, d) in [(32, 2, 128), (4, 4, 64), (8, 1, 256)] {
+            let mut p = rope_params(h, g, d, 2);
+            p.inv_freq = vec![0.5; d / 4];
+            p.layout = RopeLayout::Interleaved;
+            let l = rope(&p).unwrap();
+            // Mirror qkv_rope_g's decode: item → (head, 8 consecutive elements).
+            let dc = d / 8;
+            let mut seen = vec![0u8; p.qkv_width()];
+            for item in 0..l.grid.1 as usize * ROPE_THREADS as usize {
+                if item < (h + 2 * g) * dc {
+                    let (head, c0) = (item / dc, (item % dc) * 8);
+                    for e in 0..8 {
+                        seen[head * d + c0 + e] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1), "h{h} g{g} d{d}");
+        }
+    }
+
+    #[test]
+    fn the_new_elementwise_ops_pick_their_vector_path_by_width() {
+        let dt = DType::Bf16;
+        let ba = |width| BiasActParams {
+            rows: 3,
+            width,
+            act: Activation::Relu,
+            dtype: dt,
+        };
+        let l = bias_act(&ba(4096)).unwrap();
+        assert_eq!(
+            (l.kernel, l.grid.0 as usize),
+            (LayerKernel::BiasActV, (3 * 4096 / 8usize).div_ceil(256))
+        );
+        assert_eq!(bias_act(&ba(4097)).unwrap().kernel, LayerKernel::BiasActS);
+        let gl = |inter| GluParams {
+            rows: 17,
+            inter,
+            act: Activation::Gelu,
+            dtype: dt,
+        };
+        assert_eq!(glu(&gl(11008)).unwrap().kernel, LayerKernel::GluV);
+        assert_eq!(glu(&gl(133)).unwrap().kernel, LayerKernel::GluS);
+        let ln = LayerNormParams {
+            rows: 5,
+            hidden: 768,
+            eps: 1e-5,
+            dtype: dt,
+        };
+        let l = layernorm(&ln, 32).unwrap();
+        assert_eq!((l.kernel, l.grid.0, l.block), (LayerKernel::AddLayerNormV, 5, 96));
+        let l = layernorm(&LayerNormParams { hidden: 133, ..ln }, 64).unwrap();
+        assert_eq!((l.kernel, l.block), (LayerKernel::AddLayerNormS, 192));
+        let codes: Vec<i32> = [
+            Activation::None,
+            Activation::Relu,
+            Activation::Silu,
+            Activation::Gelu,
+            Activation::GeluTanh,
+        ]
+        .map(act_code)
+        .to_vec();
+        assert_eq!(codes, vec![0, 1, 2, 3, 4], "the kernels' FDPP_ACT_SWITCH cases");
+    }
+
+    #[test]
+    fn add_positions_reads_offset_rows_over_column_blocks() {
+        let p = PositionParams {
+            positions: vec![0, 5, 2047],
+            offset: 2,
+            table_rows: 2050,
+            hidden: 4096,
+            dtype: DType::F16,
+        };
+        let l = add_positions(&p).unwrap();
+        assert_eq!(
+            (l.kernel, l.grid, l.block),
+            (LayerKernel::AddPositionsV, (3, 4, 1), 128)
+        );
+        assert_eq!(position_rows(&p).unwrap().collect::<Vec<_>>(), vec![2, 7, 2049]);
+        let odd = PositionParams { hidden: 1001, ..p };
+        let l = add_positions(&odd).unwrap();
+        assert_eq!((l.kernel, l.grid.1), (LayerKernel::AddPositionsS, 8));
     }
 
     #[test]

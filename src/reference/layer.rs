@@ -1,6 +1,6 @@
 //! Reference versions of the small layer ops ([`crate::ops::layer`]): one element at a time, in
-//! f64, written straight from the definitions (HF transformers' Llama), with none of the
-//! kernels' row blocking or vector tricks.
+//! f64, written straight from the definitions (HF transformers' Llama, OPT and ChatGLM2), with
+//! none of the kernels' row blocking or vector tricks.
 //!
 //! The arithmetic ops return f64 outputs (judged by NMSE); the data-movement ops and
 //! `fill_random` return the exact bit patterns the kernels must produce. Every function panics
@@ -11,7 +11,8 @@ use half::{bf16, f16};
 use crate::dtype::DType;
 use crate::kv::paged::PagedKvLayout;
 use crate::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+    erf, random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams,
+    LayerNormParams, PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 
 fn wide(dt: DType, bits: u16) -> f64 {
@@ -88,11 +89,13 @@ pub fn add_rmsnorm_ref(
 
 /// (q, k, v) in f64: `[tokens][H·D]`, `[tokens][G·D]`, `[tokens][G·D]`.
 ///
-/// Each row of the fused output plus the bias; every q and k head rotated pair by pair
-/// (i with i + D/2) by θ = position · inv_freq[i], taken in f64.
+/// Each row of the fused output plus the bias; the first R = rotary_dim elements of every q and
+/// k head rotated pair by pair by θ = position · inv_freq[i], taken in f64 (pair i is (i, i + R/2)
+/// in the rotate-half layout, (2i, 2i + 1) in the interleaved one); elements R.. and the v heads
+/// pass through.
 pub fn qkv_rope_ref(p: &RopeParams, qkv: &[u16], bias: Option<&[u16]>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let g = p.geom;
-    let (dt, d) = (p.dtype, g.head_dim);
+    let (dt, d, r) = (p.dtype, g.head_dim, p.rotary_dim());
     let width = p.qkv_width();
     let (hq, hk) = (g.num_heads, g.num_kv_heads);
     let mut q = Vec::with_capacity(p.tokens() * hq * d);
@@ -108,12 +111,16 @@ pub fn qkv_rope_ref(p: &RopeParams, qkv: &[u16], bias: Option<&[u16]>) -> (Vec<f
                 v.extend_from_slice(xh);
                 continue;
             }
-            let mut rotated = vec![0f64; d];
-            for i in 0..d / 2 {
+            let mut rotated = xh.to_vec();
+            for i in 0..r / 2 {
                 let theta = pos as f64 * p.inv_freq[i] as f64;
-                let (x1, x2) = (xh[i], xh[i + d / 2]);
-                rotated[i] = x1 * theta.cos() - x2 * theta.sin();
-                rotated[i + d / 2] = x2 * theta.cos() + x1 * theta.sin();
+                let (a, b) = match p.layout {
+                    RopeLayout::Half => (i, i + r / 2),
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (x1, x2) = (xh[a], xh[b]);
+                rotated[a] = x1 * theta.cos() - x2 * theta.sin();
+                rotated[b] = x2 * theta.cos() + x1 * theta.sin();
             }
             if head < hq {
                 q.extend(rotated);
@@ -137,6 +144,104 @@ pub fn silu_mul_ref(p: &SiluMulParams, gate_up: &[u16]) -> Vec<f64> {
         }
     }
     out
+}
+
+/// (residual after the add, as bits; the normalised output, in f64), both `[rows][hidden]`.
+///
+/// As [`add_rmsnorm_ref`] for the residual; the norm is torch's LayerNorm over the stored
+/// values: mean, the biased variance (divided by `hidden`), (x − mean) / √(var + eps) · weight +
+/// bias, in f64 with two passes over the row.
+pub fn add_layernorm_ref(
+    p: &LayerNormParams,
+    residual: &[u16],
+    delta: Option<&[u16]>,
+    weight: &[u16],
+    bias: &[u16],
+) -> (Vec<u16>, Vec<f64>) {
+    let (dt, h) = (p.dtype, p.hidden);
+    let n = p.rows * h;
+    let res: Vec<u16> = match delta {
+        Some(d) => (0..n)
+            .map(|i| round_f64(dt, wide(dt, residual[i]) + wide(dt, d[i])))
+            .collect(),
+        None => residual[..n].to_vec(),
+    };
+    let mut out = vec![0f64; n];
+    for r in 0..p.rows {
+        let x: Vec<f64> = res[r * h..(r + 1) * h].iter().map(|&b| wide(dt, b)).collect();
+        let mean = x.iter().sum::<f64>() / h as f64;
+        let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / h as f64;
+        let inv = 1.0 / (var + p.eps as f64).sqrt();
+        for i in 0..h {
+            out[r * h + i] = (x[i] - mean) * inv * wide(dt, weight[i]) + wide(dt, bias[i]);
+        }
+    }
+    (res, out)
+}
+
+/// The activation in f64, written so that it keeps its relative accuracy everywhere the
+/// kernels are judged. [`Activation::apply`] takes GELU as x·(1 + erf)/2 and its tanh form as
+/// x·(1 + tanh u)/2: in the negative tail 1 + erf and 1 + tanh cancel, and past x ≈ −6 they keep
+/// only a few digits even in f64 (1 + tanh u is 7e-16 at x = −7), less than a 16-bit result
+/// needs. Here GELU is x·erfc(−x/√2)/2 and the tanh form x·σ(2u) = x / (1 + e^(−2u)).
+pub fn act_ref(act: Activation, x: f64) -> f64 {
+    match act {
+        Activation::Gelu if x < 0.0 => 0.5 * x * erfc_pos(-x / std::f64::consts::SQRT_2),
+        Activation::GeluTanh => {
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            x / (1.0 + (-2.0 * u).exp())
+        }
+        _ => act.apply(x),
+    }
+}
+
+/// erfc(a) for a ≥ 0 to about 1e-14 relative: 1 − erf(a) where erfc is at least 4e-4, the
+/// continued fraction erfc(a) = e^(−a²)/√π · 1/(a + (1/2)/(a + 1/(a + (3/2)/(a + …)))) beyond.
+fn erfc_pos(a: f64) -> f64 {
+    if a < 2.5 {
+        return 1.0 - erf(a);
+    }
+    let mut f = 0.0;
+    for k in (1..200).rev() {
+        f = (k as f64 / 2.0) / (a + f);
+    }
+    (-a * a).exp() / std::f64::consts::PI.sqrt() / (a + f)
+}
+
+/// x[r][i] = act(x[r][i] + bias[i]), in f64.
+pub fn bias_act_ref(p: &BiasActParams, x: &[u16], bias: Option<&[u16]>) -> Vec<f64> {
+    let (dt, w) = (p.dtype, p.width);
+    (0..p.rows * w)
+        .map(|j| act_ref(p.act, wide(dt, x[j]) + bias.map_or(0.0, |b| wide(dt, b[j % w]))))
+        .collect()
+}
+
+/// out[r][i] = act(gate[r][i]) · up[r][i] over `[rows][2·inter]` (gate first), in f64.
+pub fn glu_ref(p: &GluParams, gate_up: &[u16]) -> Vec<f64> {
+    let (dt, inter) = (p.dtype, p.inter);
+    let mut out = Vec::with_capacity(p.rows * inter);
+    for r in 0..p.rows {
+        for i in 0..inter {
+            let g = wide(dt, gate_up[r * 2 * inter + i]);
+            let u = wide(dt, gate_up[r * 2 * inter + inter + i]);
+            out.push(act_ref(p.act, g) * u);
+        }
+    }
+    out
+}
+
+/// out[t] + table[positions[t] + offset], the exact sum rounded once to the dtype, as bits
+/// (out is stored in the dtype, like the residual of [`add_rmsnorm_ref`]).
+pub fn add_positions_ref(p: &PositionParams, table: &[u16], out: &[u16]) -> Vec<u16> {
+    let (dt, h) = (p.dtype, p.hidden);
+    let mut y = Vec::with_capacity(p.positions.len() * h);
+    for (t, &pos) in p.positions.iter().enumerate() {
+        let row = pos as usize + p.offset;
+        for i in 0..h {
+            y.push(round_f64(dt, wide(dt, out[t * h + i]) + wide(dt, table[row * h + i])));
+        }
+    }
+    y
 }
 
 /// The pools after the append: new token j of sequence b (position seq_len − new_len + j)
@@ -176,7 +281,6 @@ pub fn kv_append_ref(
 mod tests {
     use super::*;
     use crate::ops::attention::AttnGeometry;
-    use crate::ops::layer::RopeLayout;
 
     fn enc(dt: DType, v: &[f32]) -> Vec<u16> {
         v.iter().map(|&x| dt.from_f32(x)).collect()
@@ -234,6 +338,201 @@ mod tests {
         assert!(q[1..32].iter().chain(&q[33..]).all(|&x| x == 0.0));
         assert_eq!(v[5], 1.5);
         assert_eq!(v.iter().filter(|&&x| x != 0.0).count(), 1);
+    }
+
+    fn rope8(layout: RopeLayout, inv_freq: Vec<f32>) -> RopeParams {
+        RopeParams {
+            // head_dim 8 is below what attention supports; the reference does not mind.
+            geom: AttnGeometry {
+                num_heads: 1,
+                num_kv_heads: 1,
+                head_dim: 8,
+            },
+            dtype: DType::F16,
+            positions: vec![2],
+            inv_freq,
+            layout,
+        }
+    }
+
+    #[test]
+    fn partial_rope_rotates_only_the_first_rotary_dim_elements_in_either_layout() {
+        let dt = DType::F16;
+        // q = e_0 + 5·e_5, k = e_1, v = e_7; rotary_dim 4 (two pairs), pair 0 at θ = 2 · 0.25,
+        // pair 1 at θ = 0.
+        let mut row = vec![0f32; 3 * 8];
+        row[0] = 1.0;
+        row[5] = 5.0;
+        row[8 + 1] = 1.0;
+        row[16 + 7] = 1.0;
+        let x = enc(dt, &row);
+        let (c, s) = (0.5f64.cos(), 0.5f64.sin());
+        let near = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-15);
+
+        // Half: pair 0 is (0, 2), pair 1 is (1, 3); elements 4.. pass through.
+        let (q, k, v) = qkv_rope_ref(&rope8(RopeLayout::Half, vec![0.25, 0.0]), &x, None);
+        assert!(near(&q, &[c, 0.0, s, 0.0, 0.0, 5.0, 0.0, 0.0]), "{q:?}");
+        assert!(near(&k, &[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]), "{k:?}");
+        assert_eq!(v, vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]);
+
+        // Interleaved: pair 0 is (0, 1), pair 1 is (2, 3): k's e_1 is pair 0's second element,
+        // so it goes to (−sin, cos).
+        let (q, k, _) = qkv_rope_ref(&rope8(RopeLayout::Interleaved, vec![0.25, 0.0]), &x, None);
+        assert!(near(&q, &[c, s, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0]), "{q:?}");
+        assert!(near(&k, &[-s, c, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]), "{k:?}");
+
+        // Pair 1 of the interleaved layout uses inv_freq[1], not inv_freq[2]: e_2 at θ = 2 · 0.5.
+        let mut r2 = vec![0f32; 3 * 8];
+        r2[2] = 1.0;
+        let (q, _, _) = qkv_rope_ref(&rope8(RopeLayout::Interleaved, vec![0.0, 0.5]), &enc(dt, &r2), None);
+        assert!(
+            near(&q, &[0.0, 0.0, 1f64.cos(), 1f64.sin(), 0.0, 0.0, 0.0, 0.0]),
+            "{q:?}"
+        );
+
+        // rotary_dim 0 (OPT): the split and the bias, nothing rotated.
+        let bias: Vec<f32> = (0..24).map(|i| if i == 3 { 0.5 } else { 0.0 }).collect();
+        let (q, k, v) = qkv_rope_ref(&rope8(RopeLayout::Half, vec![]), &x, Some(&enc(dt, &bias)));
+        assert_eq!(q, vec![1.0, 0.0, 0.0, 0.5, 0.0, 5.0, 0.0, 0.0]);
+        assert_eq!(k[1], 1.0);
+        assert_eq!(v[7], 1.0);
+    }
+
+    #[test]
+    fn layernorm_of_a_hand_computed_row() {
+        // x = (0, 1, 4) + (1, 1, 2) = (1, 2, 6): mean 3, deviations (−2, −1, 3), variance 14/3.
+        let dt = DType::Bf16;
+        let p = LayerNormParams {
+            rows: 1,
+            hidden: 3,
+            eps: 1e-5,
+            dtype: dt,
+        };
+        let (res, out) = add_layernorm_ref(
+            &p,
+            &enc(dt, &[0.0, 1.0, 4.0]),
+            Some(&enc(dt, &[1.0, 1.0, 2.0])),
+            &enc(dt, &[1.0, 2.0, 0.5]),
+            &enc(dt, &[0.5, -1.0, 0.0]),
+        );
+        assert_eq!(res, enc(dt, &[1.0, 2.0, 6.0]));
+        let inv = 1.0 / (14.0f64 / 3.0 + 1e-5f32 as f64).sqrt();
+        let want = [-2.0 * inv + 0.5, -2.0 * inv - 1.0, 1.5 * inv];
+        assert!(out.iter().zip(want).all(|(o, w)| (o - w).abs() < 1e-12), "{out:?}");
+        // Without a delta the residual is read as it is.
+        let (res, _) = add_layernorm_ref(
+            &p,
+            &enc(dt, &[1.0, 2.0, 6.0]),
+            None,
+            &enc(dt, &[1.0; 3]),
+            &enc(dt, &[0.0; 3]),
+        );
+        assert_eq!(res, enc(dt, &[1.0, 2.0, 6.0]));
+    }
+
+    #[test]
+    fn bias_act_adds_the_bias_per_column_then_applies_the_activation() {
+        let dt = DType::F16;
+        let x = enc(dt, &[-1.0, 0.5, 2.0, -3.0]);
+        let bias = enc(dt, &[0.5, -1.0]);
+        let p = |act| BiasActParams {
+            rows: 2,
+            width: 2,
+            act,
+            dtype: dt,
+        };
+        // x + bias = (−0.5, −0.5, 2.5, −4).
+        assert_eq!(
+            bias_act_ref(&p(Activation::None), &x, Some(&bias)),
+            vec![-0.5, -0.5, 2.5, -4.0]
+        );
+        assert_eq!(
+            bias_act_ref(&p(Activation::Relu), &x, Some(&bias)),
+            vec![0.0, 0.0, 2.5, 0.0]
+        );
+        // torch.nn.functional.gelu(2.5) and gelu(−0.5).
+        let g = bias_act_ref(&p(Activation::Gelu), &x, Some(&bias));
+        assert!((g[2] - 2.484_475_836_685_56).abs() < 1e-9, "{g:?}");
+        assert!((g[0] + 0.154_268_769_362_99).abs() < 1e-9, "{g:?}");
+        // gelu(−0.5, approximate='tanh').
+        let t = bias_act_ref(&p(Activation::GeluTanh), &x, Some(&bias));
+        assert!((t[1] + 0.154_285_990_174_86).abs() < 1e-9, "{t:?}");
+        assert_eq!(bias_act_ref(&p(Activation::Relu), &x, None), vec![0.0, 0.5, 2.0, 0.0]);
+    }
+
+    #[test]
+    fn activations_keep_their_relative_accuracy_in_the_negative_tail() {
+        // mpmath at 40 digits: 0.5·x·(1 + tanh u) and 0.5·x·erfc(−x/√2).
+        for (x, tanh_form, erf_form) in [
+            (-7.0, -2.315_442_262_072_549e-15, -8.958_687_807_200_845e-12),
+            (-5.5, -5.927_640_263_880_262e-9, -1.044_425_935_623_824_6e-7),
+            (-3.0, -3.637_392_081_773_019e-3, -4.049_694_094_890_283_6e-3),
+        ] {
+            let t = act_ref(Activation::GeluTanh, x);
+            let g = act_ref(Activation::Gelu, x);
+            assert!(((t - tanh_form) / tanh_form).abs() < 1e-12, "gelu_tanh({x}) = {t}");
+            assert!(((g - erf_form) / erf_form).abs() < 1e-12, "gelu({x}) = {g}");
+        }
+        // Elsewhere the same as the contract's definition.
+        for x in [-2.0, -0.3, 0.0, 0.7, 4.0] {
+            for act in [
+                Activation::Gelu,
+                Activation::GeluTanh,
+                Activation::Silu,
+                Activation::Relu,
+            ] {
+                assert!((act_ref(act, x) - act.apply(x)).abs() < 1e-14, "{act:?}({x})");
+            }
+        }
+    }
+
+    #[test]
+    fn glu_multiplies_the_activated_gate_by_up() {
+        let dt = DType::F16;
+        // gate (0, 1, −2), up (3, 2, 0.5).
+        let gu = enc(dt, &[0.0, 1.0, -2.0, 3.0, 2.0, 0.5]);
+        let p = |act| GluParams {
+            rows: 1,
+            inter: 3,
+            act,
+            dtype: dt,
+        };
+        assert_eq!(glu_ref(&p(Activation::Relu), &gu), vec![0.0, 2.0, 0.0]);
+        assert_eq!(glu_ref(&p(Activation::None), &gu), vec![0.0, 2.0, -1.0]);
+        let t = glu_ref(&p(Activation::GeluTanh), &gu);
+        assert!((t[1] - 1.682_383_981_216_55).abs() < 1e-9, "{t:?}");
+        let g = glu_ref(&p(Activation::Gelu), &gu);
+        assert!((g[2] + 0.022_750_131_948_18).abs() < 1e-9, "{g:?}");
+        // SiLU is what silu_mul computes.
+        let s = glu_ref(&p(Activation::Silu), &gu);
+        let sm = silu_mul_ref(
+            &SiluMulParams {
+                rows: 1,
+                inter: 3,
+                dtype: dt,
+            },
+            &gu,
+        );
+        assert_eq!(s, sm);
+    }
+
+    #[test]
+    fn add_positions_adds_the_offset_row_and_rounds_once() {
+        let dt = DType::Bf16;
+        // 4 rows of 2; offset 2: position 1 reads row 3, position 0 row 2.
+        let table = enc(dt, &[9.0, 9.0, 9.0, 9.0, 0.25, -1.0, 0.01171875, 2.0]);
+        let p = PositionParams {
+            positions: vec![1, 0],
+            offset: 2,
+            table_rows: 4,
+            hidden: 2,
+            dtype: dt,
+        };
+        let out = enc(dt, &[1.0, 1.0, 1.0, 1.0]);
+        let y = add_positions_ref(&p, &table, &out);
+        // 1 + 0.01171875 = 1 + 1.5 · 2^−7: bf16 keeps 7 fraction bits, so this is a tie between
+        // 1 + 2^−7 and 1 + 2^−6, broken to the even 1 + 2^−6 (0x3f82).
+        assert_eq!(y, vec![0x3f82, dt.from_f32(3.0), dt.from_f32(1.25), dt.from_f32(0.0)]);
     }
 
     #[test]

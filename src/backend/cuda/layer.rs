@@ -18,7 +18,10 @@ use crate::backend::DeviceBuffer;
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams, PositionParams,
+    RmsNormParams, RopeParams, SiluMulParams,
+};
 
 /// What the backend keeps between launches of the layer kernels.
 #[derive(Default)]
@@ -27,7 +30,7 @@ pub struct LayerState {
     kernels: [Option<Vec<CudaFunction>>; 2],
     /// Device copies of `pack`, one per kind of argument list (a decode step repeats the same
     /// positions and KV slots in every layer; each slot skips an upload equal to its last).
-    uploads: [Upload; 3],
+    uploads: [Upload; 4],
     pack: ArgPack,
 }
 
@@ -37,6 +40,8 @@ enum Slot {
     Rope = 0,
     Rows = 1,
     KvSlots = 2,
+    /// add_positions' table rows (a step's positions, like the rope's, once per step).
+    Positions = 3,
 }
 
 fn dtype_slot(dt: DType) -> usize {
@@ -216,12 +221,22 @@ fn launch_rope(
     let (xp, bp, qp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
     let (kp, vp) = kv;
     let sp = slots.unwrap_or(0);
+    // The general kernel's two more arguments: rotary_dim (≤ head_dim, checked by the plan) and
+    // the layout.
+    let rot = [
+        i32_dim(p.rotary_dim(), "rotary_dim", "qkv_rope")?,
+        plan::rope_layout_code(p.layout),
+    ];
     let mut a = Launch::chained(b, &f);
     a.arg(&xp).arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq);
     a.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&sp);
+    if l.kernel == LayerKernel::QkvRopeG {
+        a.arg(&rot[0]).arg(&rot[1]);
+    }
     // SAFETY: the callers validated qkv, bias and q against tokens and the geometry, and k and v
     // (or, with slots, the pools and every slot row) against the tokens; positions (tokens i32)
-    // and inv_freq (head_dim / 2 f32, 16-byte aligned) are in the scratch.
+    // and inv_freq (rotary_dim / 2 f32, 16-byte aligned) are in the scratch; the kernel's
+    // parameters are these 11, and for qkv_rope_g the 2 more.
     unsafe { a.launch(config(&l)) }.map_err(drv("launch qkv_rope"))?;
     b.check_launch("qkv_rope")
 }
@@ -241,6 +256,108 @@ pub fn silu_mul(b: &CudaBackend, p: &SiluMulParams, gate_up: &CudaBuffer, out: &
     // SAFETY: validate() checked gate_up (rows × 2·inter) and out (rows × inter).
     unsafe { a.launch(config(&l)) }.map_err(drv("launch silu_mul"))?;
     b.check_launch("silu_mul")
+}
+
+pub fn add_layernorm(
+    b: &CudaBackend,
+    p: &LayerNormParams,
+    residual: &mut CudaBuffer,
+    delta: Option<&CudaBuffer>,
+    (weight, bias): (&CudaBuffer, &CudaBuffer),
+    out: &mut CudaBuffer,
+) -> Result<()> {
+    p.validate(
+        residual.len(),
+        delta.map(|d| d.len()),
+        weight.len(),
+        bias.len(),
+        out.len(),
+    )?;
+    check_dtypes(
+        "add_layernorm",
+        p.dtype,
+        &[("residual", residual), ("weight", weight), ("bias", bias), ("out", out)],
+    )?;
+    if let Some(d) = delta {
+        check_dtypes("add_layernorm", p.dtype, &[("delta", d)])?;
+    }
+    let l = plan::layernorm(p, 32)?;
+    let hidden = i32_dim(p.hidden, "hidden", "add_layernorm")?;
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (rp, dp, wp, bp, op) = (
+        b.ptr(residual),
+        delta.map_or(0, |d| b.ptr(d)),
+        b.ptr(weight),
+        b.ptr(bias),
+        b.ptr(out),
+    );
+    let mut a = Launch::chained(b, &f);
+    a.arg(&rp).arg(&dp).arg(&wp).arg(&bp).arg(&op).arg(&hidden).arg(&p.eps);
+    // SAFETY: validate() checked every buffer against rows × hidden (weight and bias: hidden);
+    // delta 0 is the kernel's "none".
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch add_layernorm"))?;
+    b.check_launch("add_layernorm")
+}
+
+pub fn bias_act(b: &CudaBackend, p: &BiasActParams, x: &mut CudaBuffer, bias: Option<&CudaBuffer>) -> Result<()> {
+    p.validate(x.len(), bias.map(|v| v.len()))?;
+    check_dtypes("bias_act", p.dtype, &[("x", x)])?;
+    if let Some(v) = bias {
+        check_dtypes("bias_act", p.dtype, &[("bias", v)])?;
+    }
+    let l = plan::bias_act(p)?;
+    let (rows, width, act) = (
+        i32_dim(p.rows, "rows", "bias_act")?,
+        i32_dim(p.width, "width", "bias_act")?,
+        plan::act_code(p.act),
+    );
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (xp, bp) = (b.ptr(x), bias.map_or(0, |v| b.ptr(v)));
+    let mut a = Launch::chained(b, &f);
+    a.arg(&xp).arg(&bp).arg(&rows).arg(&width).arg(&act);
+    // SAFETY: validate() checked x (rows × width) and bias (width); bias 0 is "none".
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch bias_act"))?;
+    b.check_launch("bias_act")
+}
+
+/// act(gate) · up for any activation but SiLU, which the dispatch sends to [`silu_mul`].
+pub fn glu(b: &CudaBackend, p: &GluParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+    p.validate(gate_up.len(), out.len())?;
+    check_dtypes("glu", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
+    let l = plan::glu(p)?;
+    let (rows, inter, act) = (
+        i32_dim(p.rows, "rows", "glu")?,
+        i32_dim(p.inter, "inter", "glu")?,
+        plan::act_code(p.act),
+    );
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (gp, op) = (b.ptr(gate_up), b.ptr(out));
+    let mut a = Launch::chained(b, &f);
+    a.arg(&gp).arg(&op).arg(&rows).arg(&inter).arg(&act);
+    // SAFETY: validate() checked gate_up (rows × 2·inter) and out (rows × inter).
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch glu"))?;
+    b.check_launch("glu")
+}
+
+/// out[t] += table[positions[t] + offset]. The table rows go up through their own upload slot,
+/// skipped when equal to the last (the uploads of a decode step, graph.rs).
+pub fn add_positions(b: &CudaBackend, p: &PositionParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+    p.validate(table.len(), out.len())?;
+    check_dtypes("add_positions", p.dtype, &[("table", table), ("out", out)])?;
+    let l = plan::add_positions(p)?;
+    let hidden = i32_dim(p.hidden, "hidden", "add_positions")?;
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, p.dtype, l.kernel)?;
+    st.pack.clear();
+    st.pack.push_i32s(plan::position_rows(p)?);
+    let rp = upload_pack(b, &mut st, Slot::Positions)?;
+    let (op, tp) = (b.ptr(out), b.ptr(table));
+    let mut a = Launch::chained(b, &f);
+    a.arg(&op).arg(&tp).arg(&rp).arg(&hidden);
+    // SAFETY: validate() checked out (tokens × hidden), the table (table_rows × hidden) and
+    // every position + offset against table_rows.
+    unsafe { a.launch(config(&l)) }.map_err(drv("launch add_positions"))?;
+    b.check_launch("add_positions")
 }
 
 /// Where a gather's row indices come from: the host (uploaded with the launch) or the device.

@@ -29,7 +29,10 @@ use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmSpec};
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeParams, SiluMulParams,
+};
 
 pub use probe::probe as probe_status;
 
@@ -421,7 +424,6 @@ impl Backend for CudaBackend {
         k: &mut CudaBuffer,
         v: &mut CudaBuffer,
     ) -> Result<()> {
-        p.require_whole_half("cuda qkv_rope")?;
         layer::qkv_rope(self, p, qkv, bias, q, k, v)
     }
 
@@ -436,12 +438,44 @@ impl Backend for CudaBackend {
         v: &mut CudaBuffer,
         kv: &mut PagedKv<CudaBuffer>,
     ) -> Result<()> {
-        rope.require_whole_half("cuda qkv_rope")?;
         layer::qkv_rope_append(self, rope, append, qkv, bias, q, k, v, kv)
     }
 
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
         layer::silu_mul(self, p, gate_up, out)
+    }
+
+    fn add_layernorm(
+        &self,
+        p: &LayerNormParams,
+        residual: &mut CudaBuffer,
+        delta: Option<&CudaBuffer>,
+        weight: &CudaBuffer,
+        bias: &CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        layer::add_layernorm(self, p, residual, delta, (weight, bias), out)
+    }
+
+    fn bias_act(&self, p: &BiasActParams, x: &mut CudaBuffer, bias: Option<&CudaBuffer>) -> Result<()> {
+        layer::bias_act(self, p, x, bias)
+    }
+
+    fn glu(&self, p: &GluParams, gate_up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        if p.act == Activation::Silu {
+            // Llama's SwiGLU keeps its own kernel.
+            let sp = SiluMulParams {
+                rows: p.rows,
+                inter: p.inter,
+                dtype: p.dtype,
+            };
+            return layer::silu_mul(self, &sp, gate_up, out);
+        }
+        layer::glu(self, p, gate_up, out)
+    }
+
+    fn add_positions(&self, p: &PositionParams, table: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        layer::add_positions(self, p, table, out)
     }
 
     fn kv_append(

@@ -12,7 +12,10 @@ use crate::backend::DeviceBuffer;
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams, PositionParams,
+    RmsNormParams, RopeParams, SiluMulParams,
+};
 
 // Kernel arguments are passed as 8-byte slots holding each value in its low bytes (below).
 const _: () = assert!(
@@ -23,8 +26,8 @@ const _: () = assert!(
 /// Block sizes of add_rmsnorm are rounded to this many threads: a multiple of both wavefront
 /// widths, so the kernel's per-wavefront reduction sees whole wavefronts whatever the arch.
 const RMS_WAVE: u32 = 64;
-/// Most arguments a layer kernel takes (qkv_rope: 10).
-const MAX_ARGS: usize = 10;
+/// Most arguments a layer kernel takes (qkv_rope_g: 12).
+const MAX_ARGS: usize = 12;
 
 /// Device bytes freed on drop.
 struct Scratch {
@@ -238,8 +241,12 @@ pub fn qkv_rope(
         arg_i32(i32_dim(g.num_heads, "num_heads", "qkv_rope")?),
         arg_i32(i32_dim(g.num_kv_heads, "num_kv_heads", "qkv_rope")?),
         arg_i32(i32_dim(g.head_dim, "head_dim", "qkv_rope")?),
+        // qkv_rope_g's two more: rotary_dim and the layout (the whole-half kernel takes 10).
+        arg_i32(i32_dim(p.rotary_dim(), "rotary_dim", "qkv_rope")?),
+        arg_i32(plan::rope_layout_code(p.layout)),
     ];
-    launch(b, f, &l, &args, "launch qkv_rope")
+    let n = if l.kernel == LayerKernel::QkvRopeG { 12 } else { 10 };
+    launch(b, f, &l, &args[..n], "launch qkv_rope")
 }
 
 pub fn silu_mul(b: &RocmBackend, p: &SiluMulParams, gate_up: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
@@ -254,6 +261,97 @@ pub fn silu_mul(b: &RocmBackend, p: &SiluMulParams, gate_up: &RocmBuffer, out: &
         arg_i32(i32_dim(p.inter, "inter", "silu_mul")?),
     ];
     launch(b, f, &l, &args, "launch silu_mul")
+}
+
+pub fn add_layernorm(
+    b: &RocmBackend,
+    p: &LayerNormParams,
+    residual: &mut RocmBuffer,
+    delta: Option<&RocmBuffer>,
+    (weight, bias): (&RocmBuffer, &RocmBuffer),
+    out: &mut RocmBuffer,
+) -> Result<()> {
+    p.validate(
+        residual.len(),
+        delta.map(|d| d.len()),
+        weight.len(),
+        bias.len(),
+        out.len(),
+    )?;
+    check_dtypes(
+        "add_layernorm",
+        p.dtype,
+        &[("residual", residual), ("weight", weight), ("bias", bias), ("out", out)],
+    )?;
+    if let Some(d) = delta {
+        check_dtypes("add_layernorm", p.dtype, &[("delta", d)])?;
+    }
+    let l = plan::layernorm(p, RMS_WAVE)?;
+    let hidden = i32_dim(p.hidden, "hidden", "add_layernorm")?;
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let args = [
+        arg_ptr(residual),
+        delta.map_or(0, arg_ptr),
+        arg_ptr(weight),
+        arg_ptr(bias),
+        arg_ptr(out),
+        arg_i32(hidden),
+        arg_f32(p.eps),
+    ];
+    launch(b, f, &l, &args, "launch add_layernorm")
+}
+
+pub fn bias_act(b: &RocmBackend, p: &BiasActParams, x: &mut RocmBuffer, bias: Option<&RocmBuffer>) -> Result<()> {
+    p.validate(x.len(), bias.map(|v| v.len()))?;
+    check_dtypes("bias_act", p.dtype, &[("x", x)])?;
+    if let Some(v) = bias {
+        check_dtypes("bias_act", p.dtype, &[("bias", v)])?;
+    }
+    let l = plan::bias_act(p)?;
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let args = [
+        arg_ptr(x),
+        bias.map_or(0, arg_ptr),
+        arg_i32(i32_dim(p.rows, "rows", "bias_act")?),
+        arg_i32(i32_dim(p.width, "width", "bias_act")?),
+        arg_i32(plan::act_code(p.act)),
+    ];
+    launch(b, f, &l, &args, "launch bias_act")
+}
+
+/// act(gate) · up for any activation but SiLU, which the dispatch sends to [`silu_mul`].
+pub fn glu(b: &RocmBackend, p: &GluParams, gate_up: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+    p.validate(gate_up.len(), out.len())?;
+    check_dtypes("glu", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
+    let l = plan::glu(p)?;
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let args = [
+        arg_ptr(gate_up),
+        arg_ptr(out),
+        arg_i32(i32_dim(p.rows, "rows", "glu")?),
+        arg_i32(i32_dim(p.inter, "inter", "glu")?),
+        arg_i32(plan::act_code(p.act)),
+    ];
+    launch(b, f, &l, &args, "launch glu")
+}
+
+pub fn add_positions(b: &RocmBackend, p: &PositionParams, table: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+    p.validate(table.len(), out.len())?;
+    check_dtypes("add_positions", p.dtype, &[("table", table), ("out", out)])?;
+    let l = plan::add_positions(p)?;
+    let hidden = i32_dim(p.hidden, "hidden", "add_positions")?;
+    let mut st = b.layer.borrow_mut();
+    let f = kernel(b, &mut st, p.dtype, l.kernel)?;
+    st.pack.clear();
+    st.pack.push_i32s(plan::position_rows(p)?);
+    let rp = upload_pack(b, &mut st)?;
+    launch(
+        b,
+        f,
+        &l,
+        &[arg_ptr(out), arg_ptr(table), rp, arg_i32(hidden)],
+        "launch add_positions",
+    )
 }
 
 fn gather(

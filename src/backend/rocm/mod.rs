@@ -26,7 +26,10 @@ use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use crate::ops::layer::{EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams};
+use crate::ops::layer::{
+    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeParams, SiluMulParams,
+};
 use hip::{Function, HipApi, Module, Stream};
 
 pub fn probe() -> BackendStatus {
@@ -445,12 +448,43 @@ impl Backend for RocmBackend {
         k: &mut RocmBuffer,
         v: &mut RocmBuffer,
     ) -> Result<()> {
-        p.require_whole_half("rocm qkv_rope")?;
         layer::qkv_rope(self, p, qkv, bias, q, k, v)
     }
 
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
         layer::silu_mul(self, p, gate_up, out)
+    }
+
+    fn add_layernorm(
+        &self,
+        p: &LayerNormParams,
+        residual: &mut RocmBuffer,
+        delta: Option<&RocmBuffer>,
+        weight: &RocmBuffer,
+        bias: &RocmBuffer,
+        out: &mut RocmBuffer,
+    ) -> Result<()> {
+        layer::add_layernorm(self, p, residual, delta, (weight, bias), out)
+    }
+
+    fn bias_act(&self, p: &BiasActParams, x: &mut RocmBuffer, bias: Option<&RocmBuffer>) -> Result<()> {
+        layer::bias_act(self, p, x, bias)
+    }
+
+    fn glu(&self, p: &GluParams, gate_up: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+        if p.act == Activation::Silu {
+            let sp = SiluMulParams {
+                rows: p.rows,
+                inter: p.inter,
+                dtype: p.dtype,
+            };
+            return layer::silu_mul(self, &sp, gate_up, out);
+        }
+        layer::glu(self, p, gate_up, out)
+    }
+
+    fn add_positions(&self, p: &PositionParams, table: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
+        layer::add_positions(self, p, table, out)
     }
 
     fn kv_append(
