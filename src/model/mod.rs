@@ -1,6 +1,7 @@
 //! Model descriptions: what the engine needs to know to derive shapes and run a forward pass.
 
 pub mod config;
+pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod presets;
