@@ -239,11 +239,9 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
             )
         })?;
         let offset = c.u64(&name)?;
-        let elements = dims
-            .iter()
-            .try_fold(1u64, |a, &d| a.checked_mul(d))
-            .filter(|&n| n <= bytes.len() as u64 * 8)
-            .ok_or_else(|| format!("tensor '{name}': shape {dims:?} has more elements than the file can hold"))?;
+        if dims.contains(&0) {
+            return Err(format!("tensor '{name}' has a zero dimension (shape {dims:?})"));
+        }
         if dims[0] % ty.block_elems() as u64 != 0 {
             return Err(format!(
                 "tensor '{name}' ({ty}, shape {dims:?}): rows of {} elements are not whole {ty} blocks of {}",
@@ -251,7 +249,12 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
                 ty.block_elems()
             ));
         }
-        let size = elements / ty.block_elems() as u64 * ty.block_bytes() as u64;
+        // Checked products: a shape whose byte size overflows is as wrong as one past the end.
+        let size = dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|n| (n / ty.block_elems() as u64).checked_mul(ty.block_bytes() as u64))
+            .ok_or_else(|| format!("tensor '{name}' ({ty}): shape {dims:?} overflows a 64-bit byte count"))?;
         if seen.insert(name.clone(), i).is_some() {
             return Err(format!("tensor '{name}' appears twice"));
         }
