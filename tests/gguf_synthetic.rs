@@ -11,7 +11,10 @@ use fdpp::model::weights::TensorSource;
 use gguf_common::*;
 
 fn hex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 fn err_of<T>(r: fdpp::error::Result<T>) -> String {
@@ -33,11 +36,25 @@ fn every_quant_type_matches_gguf_py() {
     let mut expect = Vec::new();
     for t in fx["types"].as_array().unwrap() {
         let name = t["type"].as_str().unwrap();
-        w.tensor(name, &[cols, rows], t["id"].as_u64().unwrap() as u32, hex(t["hex"].as_str().unwrap()));
-        let vals: Vec<f32> = t["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        w.tensor(
+            name,
+            &[cols, rows],
+            t["id"].as_u64().unwrap() as u32,
+            hex(t["hex"].as_str().unwrap()),
+        );
+        let vals: Vec<f32> = t["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
         expect.push((name.to_string(), vals));
     }
-    assert_eq!(expect.len(), 11, "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K");
+    assert_eq!(
+        expect.len(),
+        11,
+        "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"
+    );
     let dir = tempfile::tempdir().unwrap();
     let f = GgufFile::open(&w.write(dir.path(), "q.gguf")).unwrap();
     for (name, vals) in &expect {
@@ -107,7 +124,14 @@ fn tiny_llama_config_names_shapes_and_qk_order() {
     assert_eq!(c.arch, ModelArch::Llama);
     assert_eq!(c.name, "tiny-llama");
     assert_eq!(
-        (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size),
+        (
+            c.hidden_size,
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size
+        ),
         (HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN)
     );
     assert_eq!(c.vocab_size, gpt2_vocab().0.len());
@@ -134,10 +158,19 @@ fn tiny_llama_config_names_shapes_and_qk_order() {
         }
     }
     // A wrong shape asked for is an error naming both.
-    let e = err_of(m.store.load("model.layers.0.self_attn.q_proj.weight", &[HIDDEN, 3], DType::F16));
-    assert!(e.contains("q_proj") && e.contains("[64, 3]") && e.contains("[64, 64]"), "{e}");
+    let e = err_of(
+        m.store
+            .load("model.layers.0.self_attn.q_proj.weight", &[HIDDEN, 3], DType::F16),
+    );
+    assert!(
+        e.contains("q_proj") && e.contains("[64, 3]") && e.contains("[64, 64]"),
+        "{e}"
+    );
     let e = err_of(m.store.shape("model.layers.9.mlp.up_proj.weight"));
-    assert!(e.contains("blk.9.ffn_up.weight") && e.contains("tiny-llama.gguf"), "{e}");
+    assert!(
+        e.contains("blk.9.ffn_up.weight") && e.contains("tiny-llama.gguf"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -153,7 +186,10 @@ fn qwen2_is_not_permuted_and_has_biases() {
             assert!((DType::Bf16.to_f32(*g) - v).abs() <= 4e-3, "{name}");
         }
     }
-    assert!(m.store.names().contains(&"model.layers.1.self_attn.k_proj.bias".to_string()));
+    assert!(m
+        .store
+        .names()
+        .contains(&"model.layers.1.self_attn.k_proj.bias".to_string()));
 }
 
 #[test]
@@ -161,7 +197,10 @@ fn unsupported_architecture_lists_the_supported_ones() {
     let (w, _) = tiny_model("gemma");
     let dir = tempfile::tempdir().unwrap();
     let e = err_of(gguf::open(&w.write(dir.path(), "g.gguf")));
-    assert!(e.contains("'gemma'") && e.contains("llama, qwen2") && e.contains("g.gguf"), "{e}");
+    assert!(
+        e.contains("'gemma'") && e.contains("llama, qwen2") && e.contains("g.gguf"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -200,7 +239,17 @@ fn spm_tokenizer_uses_scores_and_byte_fallback() {
     }
     // Pieces and scores: "▁the" must come from "▁t" + "he" (the better-scored path), not
     // "▁th" + "e".
-    for (p, sc) in [("▁", -1.0), ("t", -2.0), ("h", -2.0), ("e", -2.0), ("▁t", -3.0), ("he", -3.5), ("▁th", -9.0), ("▁the", -4.0), ("a", -2.0)] {
+    for (p, sc) in [
+        ("▁", -1.0),
+        ("t", -2.0),
+        ("h", -2.0),
+        ("e", -2.0),
+        ("▁t", -3.0),
+        ("he", -3.5),
+        ("▁th", -9.0),
+        ("▁the", -4.0),
+        ("a", -2.0),
+    ] {
         tokens.push(p.into());
         types.push(1);
         scores.push(sc);
@@ -208,9 +257,18 @@ fn spm_tokenizer_uses_scores_and_byte_fallback() {
     let mut w = Writer::new();
     w.kv("general.architecture", s("llama"))
         .kv("tokenizer.ggml.model", s("llama"))
-        .kv("tokenizer.ggml.tokens", MetaValue::Array(tokens.iter().map(|t| s(t)).collect()))
-        .kv("tokenizer.ggml.scores", MetaValue::Array(scores.iter().map(|&x| MetaValue::F32(x)).collect()))
-        .kv("tokenizer.ggml.token_type", MetaValue::Array(types.iter().map(|&x| MetaValue::I32(x)).collect()))
+        .kv(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.iter().map(|t| s(t)).collect()),
+        )
+        .kv(
+            "tokenizer.ggml.scores",
+            MetaValue::Array(scores.iter().map(|&x| MetaValue::F32(x)).collect()),
+        )
+        .kv(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(types.iter().map(|&x| MetaValue::I32(x)).collect()),
+        )
         .kv("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
         .kv("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
         .kv("tokenizer.ggml.unknown_token_id", MetaValue::U32(0));
@@ -242,7 +300,8 @@ fn open_bytes(b: &[u8]) -> String {
 
 fn small() -> Writer {
     let mut w = Writer::new();
-    w.kv("general.architecture", s("llama")).kv("x.list", strs(&["a", "b", "c"]));
+    w.kv("general.architecture", s("llama"))
+        .kv("x.list", strs(&["a", "b", "c"]));
     w.f32_tensor("a", &[8, 2], &[0.5; 16]);
     w.tensor("b", &[64], 8, vec![0u8; 68]); // two Q8_0 blocks
     w
@@ -350,7 +409,10 @@ fn a_known_but_unsupported_type_parses_and_refuses_to_load() {
     let dir = tempfile::tempdir().unwrap();
     let f = GgufFile::open(&w.write(dir.path(), "q2.gguf")).unwrap();
     let e = err_of(f.dequantize_f32("q2"));
-    assert!(e.contains("'q2' is Q2_K") && e.contains("supported: F32, F16, BF16, Q8_0"), "{e}");
+    assert!(
+        e.contains("'q2' is Q2_K") && e.contains("supported: F32, F16, BF16, Q8_0"),
+        "{e}"
+    );
 }
 
 trait WithData {

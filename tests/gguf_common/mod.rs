@@ -256,24 +256,102 @@ pub fn tiny_model(arch: &str) -> (Writer, Vec<(String, Vec<usize>, Vec<f32>)>) {
         w.f32_tensor(gguf, &dims, &file_vals);
         out.push((hf.to_string(), hf_shape, hf_vals));
     };
-    add(&mut w, "token_embd.weight", "model.embed_tokens.weight", vec![vocab, HIDDEN], None);
+    add(
+        &mut w,
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+        vec![vocab, HIDDEN],
+        None,
+    );
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         let g = |x: &str| format!("blk.{l}.{x}");
-        add(&mut w, &g("attn_norm.weight"), &format!("{p}.input_layernorm.weight"), vec![HIDDEN], None);
-        add(&mut w, &g("attn_q.weight"), &format!("{p}.self_attn.q_proj.weight"), vec![HEADS * HEAD_DIM, HIDDEN], Some(HEADS));
-        add(&mut w, &g("attn_k.weight"), &format!("{p}.self_attn.k_proj.weight"), vec![KV_HEADS * HEAD_DIM, HIDDEN], Some(KV_HEADS));
-        add(&mut w, &g("attn_v.weight"), &format!("{p}.self_attn.v_proj.weight"), vec![KV_HEADS * HEAD_DIM, HIDDEN], None);
+        add(
+            &mut w,
+            &g("attn_norm.weight"),
+            &format!("{p}.input_layernorm.weight"),
+            vec![HIDDEN],
+            None,
+        );
+        add(
+            &mut w,
+            &g("attn_q.weight"),
+            &format!("{p}.self_attn.q_proj.weight"),
+            vec![HEADS * HEAD_DIM, HIDDEN],
+            Some(HEADS),
+        );
+        add(
+            &mut w,
+            &g("attn_k.weight"),
+            &format!("{p}.self_attn.k_proj.weight"),
+            vec![KV_HEADS * HEAD_DIM, HIDDEN],
+            Some(KV_HEADS),
+        );
+        add(
+            &mut w,
+            &g("attn_v.weight"),
+            &format!("{p}.self_attn.v_proj.weight"),
+            vec![KV_HEADS * HEAD_DIM, HIDDEN],
+            None,
+        );
         if arch == "qwen2" {
-            add(&mut w, &g("attn_q.bias"), &format!("{p}.self_attn.q_proj.bias"), vec![HEADS * HEAD_DIM], None);
-            add(&mut w, &g("attn_k.bias"), &format!("{p}.self_attn.k_proj.bias"), vec![KV_HEADS * HEAD_DIM], None);
-            add(&mut w, &g("attn_v.bias"), &format!("{p}.self_attn.v_proj.bias"), vec![KV_HEADS * HEAD_DIM], None);
+            add(
+                &mut w,
+                &g("attn_q.bias"),
+                &format!("{p}.self_attn.q_proj.bias"),
+                vec![HEADS * HEAD_DIM],
+                None,
+            );
+            add(
+                &mut w,
+                &g("attn_k.bias"),
+                &format!("{p}.self_attn.k_proj.bias"),
+                vec![KV_HEADS * HEAD_DIM],
+                None,
+            );
+            add(
+                &mut w,
+                &g("attn_v.bias"),
+                &format!("{p}.self_attn.v_proj.bias"),
+                vec![KV_HEADS * HEAD_DIM],
+                None,
+            );
         }
-        add(&mut w, &g("attn_output.weight"), &format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, HEADS * HEAD_DIM], None);
-        add(&mut w, &g("ffn_norm.weight"), &format!("{p}.post_attention_layernorm.weight"), vec![HIDDEN], None);
-        add(&mut w, &g("ffn_gate.weight"), &format!("{p}.mlp.gate_proj.weight"), vec![FFN, HIDDEN], None);
-        add(&mut w, &g("ffn_up.weight"), &format!("{p}.mlp.up_proj.weight"), vec![FFN, HIDDEN], None);
-        add(&mut w, &g("ffn_down.weight"), &format!("{p}.mlp.down_proj.weight"), vec![HIDDEN, FFN], None);
+        add(
+            &mut w,
+            &g("attn_output.weight"),
+            &format!("{p}.self_attn.o_proj.weight"),
+            vec![HIDDEN, HEADS * HEAD_DIM],
+            None,
+        );
+        add(
+            &mut w,
+            &g("ffn_norm.weight"),
+            &format!("{p}.post_attention_layernorm.weight"),
+            vec![HIDDEN],
+            None,
+        );
+        add(
+            &mut w,
+            &g("ffn_gate.weight"),
+            &format!("{p}.mlp.gate_proj.weight"),
+            vec![FFN, HIDDEN],
+            None,
+        );
+        add(
+            &mut w,
+            &g("ffn_up.weight"),
+            &format!("{p}.mlp.up_proj.weight"),
+            vec![FFN, HIDDEN],
+            None,
+        );
+        add(
+            &mut w,
+            &g("ffn_down.weight"),
+            &format!("{p}.mlp.down_proj.weight"),
+            vec![HIDDEN, FFN],
+            None,
+        );
     }
     add(&mut w, "output_norm.weight", "model.norm.weight", vec![HIDDEN], None);
     (w, out)

@@ -62,9 +62,10 @@ fn usize_req(file: &GgufFile, key: &str) -> Result<usize> {
 fn f64_opt(file: &GgufFile, key: &str) -> Result<Option<f64>> {
     match file.get(key) {
         None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            file.err(format!("metadata '{key}' is a {}, expected a number", v.type_name()))
-        }),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| file.err(format!("metadata '{key}' is a {}, expected a number", v.type_name()))),
     }
 }
 
@@ -168,9 +169,7 @@ pub fn model_config(file: &GgufFile) -> Result<(ModelConfig, HfExtras)> {
     };
     cfg.validate().map_err(|e| file.err(e))?;
 
-    let id = |key: &str| -> Result<Option<u32>> {
-        Ok(usize_opt(file, key)?.and_then(|n| u32::try_from(n).ok()))
-    };
+    let id = |key: &str| -> Result<Option<u32>> { Ok(usize_opt(file, key)?.and_then(|n| u32::try_from(n).ok())) };
     let mut eos_token_ids: Vec<u32> = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
         if let Some(e) = id(key)? {

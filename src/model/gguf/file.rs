@@ -179,9 +179,11 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
     match version {
         2 | 3 => {}
         1 => {
-            return Err("GGUF version 1 (32-bit counts, 2023) is not read; fdpp reads versions 2 and \
+            return Err(
+                "GGUF version 1 (32-bit counts, 2023) is not read; fdpp reads versions 2 and \
                         3: convert the model again with a current llama.cpp"
-                .into())
+                    .into(),
+            )
         }
         v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
             return Err(format!(
@@ -189,7 +191,11 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
                 v.swap_bytes()
             ))
         }
-        v => return Err(format!("GGUF version {v} is not supported (fdpp reads versions 2 and 3)")),
+        v => {
+            return Err(format!(
+                "GGUF version {v} is not supported (fdpp reads versions 2 and 3)"
+            ))
+        }
     }
     // Each tensor info is at least a name length, a dimension count, a type and an offset; each
     // metadata pair at least a key length, a type and one byte of value.
@@ -224,7 +230,9 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
         let name = c.string(&format!("tensor name #{i}"))?;
         let nd = c.u32(&name)?;
         if nd == 0 || nd > MAX_DIMS {
-            return Err(format!("tensor '{name}' has {nd} dimensions (1 to {MAX_DIMS} are valid)"));
+            return Err(format!(
+                "tensor '{name}' has {nd} dimensions (1 to {MAX_DIMS} are valid)"
+            ));
         }
         let mut dims = Vec::with_capacity(nd as usize);
         for _ in 0..nd {
@@ -322,7 +330,12 @@ impl GgufFile {
             path: path.to_path_buf(),
             msg,
         })?;
-        let index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let index = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         Ok(GgufFile {
             path: path.to_path_buf(),
             map,
@@ -411,7 +424,9 @@ impl GgufFile {
         let src = self.bytes(t);
         let order: Vec<usize> = (0..rows).map(row_of).collect();
         if let Some(bad) = order.iter().find(|&&r| r >= rows) {
-            return Err(self.err(format!("tensor '{name}': row {bad} of {rows} asked for (a bug in the row map)")));
+            return Err(self.err(format!(
+                "tensor '{name}': row {bad} of {rows} asked for (a bug in the row map)"
+            )));
         }
         let mut out = vec![0u16; n0 * rows];
         // Chunks of rows big enough to amortize the scheduling, small enough to balance.

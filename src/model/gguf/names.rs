@@ -90,7 +90,10 @@ mod tests {
 
     #[test]
     fn names_map_to_hf() {
-        assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
+        assert_eq!(
+            hf_name("token_embd.weight").as_deref(),
+            Some("model.embed_tokens.weight")
+        );
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(hf_name("output_norm.weight").as_deref(), Some("model.norm.weight"));
         assert_eq!(

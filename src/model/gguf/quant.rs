@@ -204,7 +204,11 @@ pub fn dequant_row(ty: GgmlType, src: &[u8], out: &mut [f32]) -> bool {
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
             let affine = ty == GgmlType::Q5_1;
             for (b, o) in blocks {
-                let (d, m, at) = if affine { (h(b, 0), h(b, 2), 4) } else { (h(b, 0), 0.0, 2) };
+                let (d, m, at) = if affine {
+                    (h(b, 0), h(b, 2), 4)
+                } else {
+                    (h(b, 0), 0.0, 2)
+                };
                 let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
                 let qs = &b[at + 4..at + 20];
                 let (lo, hi) = o.split_at_mut(16);
@@ -227,7 +231,11 @@ pub fn dequant_row(ty: GgmlType, src: &[u8], out: &mut [f32]) -> bool {
             for (b, o) in blocks {
                 let (d, dmin) = (h(b, 0), h(b, 2));
                 let scales = &b[4..16];
-                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                let (qh, qs) = if five {
+                    (&b[16..48], &b[48..176])
+                } else {
+                    (&b[0..0], &b[16..144])
+                };
                 // Four groups of 64 elements: the low nibbles of 32 bytes, then their high nibbles,
                 // each half a sub-block of 32 with its own (scale, min).
                 for g in 0..4 {

@@ -58,10 +58,8 @@ impl GgufStore {
 
     fn entry(&self, name: &str) -> Result<(&Entry, &super::file::TensorInfo)> {
         let e = self.entries.get(name).ok_or_else(|| {
-            self.file.err(format!(
-                "missing tensor '{name}' (GGUF name {})",
-                gguf_name_hint(name)
-            ))
+            self.file
+                .err(format!("missing tensor '{name}' (GGUF name {})", gguf_name_hint(name)))
         })?;
         Ok((e, &self.file.tensors()[e.index]))
     }

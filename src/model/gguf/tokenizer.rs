@@ -28,7 +28,8 @@ const TYPE_USER_DEFINED: i64 = 4;
 /// Llama 3's split: case-insensitive contractions, digits in runs of at most three.
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split: as Llama 3's, but every digit alone.
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// `tokenizer.ggml.pre` values fdpp builds, and how each splits text.
 pub const PRE_TOKENIZERS: &[&str] = &[
@@ -77,14 +78,21 @@ struct Vocab<'a> {
 
 fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>> {
     let Some(v) = file.get(key) else { return Ok(None) };
-    let arr = v
-        .as_array()
-        .ok_or_else(|| file.err(format!("metadata '{key}' is a {}, expected an array of strings", v.type_name())))?;
+    let arr = v.as_array().ok_or_else(|| {
+        file.err(format!(
+            "metadata '{key}' is a {}, expected an array of strings",
+            v.type_name()
+        ))
+    })?;
     arr.iter()
         .enumerate()
         .map(|(i, x)| {
-            x.as_str()
-                .ok_or_else(|| file.err(format!("metadata '{key}'[{i}] is a {}, expected a string", x.type_name())))
+            x.as_str().ok_or_else(|| {
+                file.err(format!(
+                    "metadata '{key}'[{i}] is a {}, expected a string",
+                    x.type_name()
+                ))
+            })
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
@@ -104,8 +112,12 @@ fn number_array(file: &GgufFile, key: &str, len: usize) -> Result<Option<Vec<f64
     arr.iter()
         .enumerate()
         .map(|(i, x)| {
-            x.as_f64()
-                .ok_or_else(|| file.err(format!("metadata '{key}'[{i}] is a {}, expected a number", x.type_name())))
+            x.as_f64().ok_or_else(|| {
+                file.err(format!(
+                    "metadata '{key}'[{i}] is a {}, expected a number",
+                    x.type_name()
+                ))
+            })
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
@@ -171,7 +183,9 @@ pub fn build(file: &GgufFile) -> Result<tokenizers::Tokenizer> {
             let mut pairs = Vec::with_capacity(merges.len());
             for (i, m) in merges.iter().enumerate() {
                 let (a, b) = m.split_once(' ').ok_or_else(|| {
-                    file.err(format!("tokenizer.ggml.merges[{i}] ({m:?}) is not two pieces separated by a space"))
+                    file.err(format!(
+                        "tokenizer.ggml.merges[{i}] ({m:?}) is not two pieces separated by a space"
+                    ))
                 })?;
                 pairs.push(json!([a, b]));
             }
@@ -180,7 +194,8 @@ pub fn build(file: &GgufFile) -> Result<tokenizers::Tokenizer> {
                 "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
                 "ignore_merges": false, "vocab": Value::Object(vocab), "merges": pairs
             });
-            let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+            let decoder =
+                json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
             (model_json, Value::Null, pre_tokenizer, decoder, false)
         }
         "llama" => {
@@ -231,12 +246,18 @@ pub fn build(file: &GgufFile) -> Result<tokenizers::Tokenizer> {
         if !bool_meta(flag).unwrap_or(default) {
             return Ok(None);
         }
-        let Some(id) = token_id(file, key, n)? else { return Ok(None) };
+        let Some(id) = token_id(file, key, n)? else {
+            return Ok(None);
+        };
         let t = v.tokens[id];
         specials.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
         Ok(Some(json!({"SpecialToken": {"id": t, "type_id": 0}})))
     };
-    let bos = special("tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", default_bos)?;
+    let bos = special(
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.add_bos_token",
+        default_bos,
+    )?;
     let eos = special("tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_eos_token", false)?;
     single.extend(bos.clone());
     single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
