@@ -20,7 +20,6 @@ use fdpp::model::gguf::{self, names::unpermute_row, GgufModel};
 use fdpp::model::weights::{llama_tensors, TensorSource};
 
 const NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-const NEEDS: &str = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)";
 
 fn path() -> PathBuf {
     let dir = std::env::var_os("FDPP_MODELS")
@@ -48,7 +47,6 @@ fn json(name: &str) -> serde_json::Value {
 #[test]
 #[ignore = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)"]
 fn header_and_config() {
-    let _ = NEEDS;
     let m = model();
     let h = m.store.file().header();
     assert_eq!(h.version, 3);
@@ -247,4 +245,41 @@ fn tokenizer_agrees_with_hf() {
         hf.len(),
         differ.len()
     );
+}
+
+/// The committed HF reference agrees with fdpp's windowing (no model file needed): the same
+/// windows of 512 over HF's token ids, the same count of scored tokens, PPL = exp(mean NLL),
+/// one top-1 id and gap per scored position; and HF says " Paris" for the capital of France.
+#[test]
+fn the_hf_reference_is_consistent_with_fdpp_windows() {
+    use fdpp::cli::perplexity::windows;
+    let fx = json("hf_reference.json");
+    assert_eq!(fx["versions"]["transformers"], "5.17.0");
+    assert_eq!(fx["dtype"], "float32");
+    let t = &fx["text"];
+    let n = t["ids"].as_array().unwrap().len();
+    let ctx = t["ctx"].as_u64().unwrap() as usize;
+    let ws = windows(n, ctx).unwrap();
+    let hf_ws = t["windows"].as_array().unwrap();
+    assert_eq!(ws.len(), hf_ws.len());
+    for (w, h) in ws.iter().zip(hf_ws) {
+        assert_eq!(w.start, h["start"].as_u64().unwrap() as usize);
+        assert_eq!(w.len(), h["len"].as_u64().unwrap() as usize);
+    }
+    let scored: usize = ws.iter().map(|w| w.len() - 1).sum();
+    assert_eq!(t["tokens_scored"].as_u64().unwrap() as usize, scored);
+    assert_eq!(t["top1"].as_array().unwrap().len(), scored);
+    assert_eq!(t["top2_gap"].as_array().unwrap().len(), scored);
+    let nll: f64 = hf_ws.iter().map(|h| h["nll"].as_f64().unwrap()).sum();
+    assert!((nll - t["nll_sum"].as_f64().unwrap()).abs() < 1e-6);
+    let ppl = (nll / scored as f64).exp();
+    assert!((ppl - t["ppl"].as_f64().unwrap()).abs() < 1e-9);
+    assert!(ppl > 5.0 && ppl < 40.0, "a trained model on English legal text: {ppl}");
+    let p0 = &fx["prompts"][0];
+    assert_eq!(p0["prompt"], "The capital of France is");
+    assert!(p0["text"].as_str().unwrap().starts_with(" Paris"));
+    for p in fx["prompts"].as_array().unwrap() {
+        assert_eq!(p["greedy"].as_array().unwrap().len(), 16);
+        assert_eq!(p["gaps"].as_array().unwrap().len(), 16);
+    }
 }

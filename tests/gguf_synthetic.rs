@@ -379,6 +379,12 @@ fn tensor_extents_types_and_sizes() {
     w.tensors[1].dims = vec![64 * 50];
     let e = open_bytes(&w.bytes_with_data_of(&small()));
     assert!(e.contains("'b'") && e.contains("past the end"), "{e}");
+    // A size just under 2^64 bytes (2^62 − 1 f32 elements): no wrap-around to a small end.
+    let mut w = small();
+    w.tensors[1].ty = 0;
+    w.tensors[1].dims = vec![(1 << 62) - 1];
+    let e = open_bytes(&w.bytes_with_data_of(&small()));
+    assert!(e.contains("'b'") && e.contains("past the end"), "{e}");
     // An unknown quantization type.
     let mut w = small();
     w.tensors[1].ty = 99;

@@ -196,7 +196,10 @@ pub fn gpt2_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
 /// A tiny `llama`-architecture model of F32 tensors (Q8_0 for the FFN down projection), with a
 /// gpt2 vocabulary; `arch` may be "qwen2" (then Q/K/V biases are added) or anything else to
 /// test the refusal. Returns the writer and the HF-layout values of every tensor written.
-pub fn tiny_model(arch: &str) -> (Writer, Vec<(String, Vec<usize>, Vec<f32>)>) {
+/// (HF name, HF shape, values in HF layout) of every tensor written.
+pub type Expected = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+pub fn tiny_model(arch: &str) -> (Writer, Expected) {
     let (tokens, merges, types) = gpt2_vocab();
     let vocab = tokens.len();
     let mut w = Writer::new();
