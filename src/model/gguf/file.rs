@@ -293,8 +293,8 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
                 t.name, t.ty, t.dims, t.size, t.offset
             ));
         }
-        // Checked: a size near 2^64 must not wrap around to a small end.
-        let end = t.offset.checked_add(t.size).unwrap_or(u64::MAX);
+        // Saturating: a size near 2^64 must not wrap around to a small end.
+        let end = t.offset.saturating_add(t.size);
         if end > data_len {
             return Err(format!(
                 "tensor '{}' ({}, shape {:?}) needs {} bytes at data offset {}, past the end of the \
