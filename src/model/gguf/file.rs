@@ -313,6 +313,16 @@ pub fn parse_header(bytes: &[u8]) -> PResult<Header> {
     })
 }
 
+/// f32 → 16-bit bits through `half`'s slice conversion (vectorized where the CPU has F16C),
+/// several times faster than element by element on a 7B load.
+fn narrow(dtype: DType, src: &[f32], dst: &mut [u16]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    match dtype {
+        DType::F16 => dst.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(src),
+        DType::Bf16 => dst.reinterpret_cast_mut::<half::bf16>().convert_from_f32_slice(src),
+    }
+}
+
 /// A GGUF file, memory-mapped, its header parsed and checked.
 pub struct GgufFile {
     path: PathBuf,
@@ -437,7 +447,7 @@ impl GgufFile {
             for (k, o) in chunk.chunks_mut(n0.max(1)).enumerate() {
                 let r = order[c * per + k];
                 dequant_row(t.ty, &src[r * rb..(r + 1) * rb], &mut buf);
-                dtype.narrow(&buf, o);
+                narrow(dtype, &buf, o);
             }
         });
         Ok(out)
