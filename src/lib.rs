@@ -15,6 +15,7 @@ pub mod profile;
 pub mod provenance;
 pub mod reference;
 pub mod report;
+pub mod run_config;
 pub mod select;
 pub mod tune;
 

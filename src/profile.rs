@@ -18,6 +18,8 @@ use crate::error::{FdppError, Result};
 use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
 use crate::ops::gemm::GemmImpl;
 
+pub mod lookup;
+
 /// Bumped whenever a field changes meaning or a required field is added.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -44,6 +46,10 @@ pub struct Provenance {
     pub kernel_hash: String,
     /// UTC, RFC 3339.
     pub created: String,
+    /// The run-configuration switches set when it was made (`crate::run_config`); empty in
+    /// profiles made before it was recorded.
+    #[serde(default)]
+    pub run_config: String,
 }
 
 impl Provenance {
@@ -56,6 +62,7 @@ impl Provenance {
             git_commit: build.git_commit,
             kernel_hash: b.kernel_hash(),
             created: crate::provenance::now_utc(),
+            run_config: build.run_config,
         }
     }
 }
@@ -465,6 +472,13 @@ impl Profile {
                 "no such file; make one with `fdpp tune --model <model>` (default path profiles/<device>/<model>.json)"
                     .into(),
             )),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                return Err(err(
+                    "not a text file (its bytes are not UTF-8), so not an fdpp profile; give the .json that \
+                     `fdpp tune` wrote"
+                        .into(),
+                ))
+            }
             Err(e) => return Err(err(format!("cannot read: {e}"))),
         };
         Profile::from_json(&text).map_err(err)
@@ -478,7 +492,21 @@ impl Profile {
         struct Head {
             schema_version: Option<serde_json::Value>,
         }
-        let head: Head = serde_json::from_str(text).map_err(|e| json_error(&e))?;
+        // Anything but an object is not a profile, whatever else it is.
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| json_error(&e))?;
+        if !value.is_object() {
+            let kind = match value {
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            return Err(format!(
+                "the file holds {kind}, not a JSON object: this is not an fdpp profile (`fdpp tune` writes one)"
+            ));
+        }
+        let head: Head = serde_json::from_value(value).map_err(|e| json_error(&e))?;
         let version = match head.schema_version {
             None => return Err("no `schema_version`: this is not an fdpp profile".into()),
             Some(v) => v
@@ -609,7 +637,9 @@ impl std::fmt::Display for Mismatch {
 }
 
 /// Load a profile for use on this machine and model: hard mismatches (other backend, arch or
-/// kernels, another model) are refused with the reason; soft ones come back as warnings.
+/// kernels) and a profile that measures none of the model's shapes are refused with the reason;
+/// soft mismatches, shapes that fall back to the vendor GEMM and a softmax window calibrated on
+/// another model come back as warnings.
 pub fn load_for_use(
     path: &Path,
     cfg: &ModelConfig,
@@ -617,7 +647,12 @@ pub fn load_for_use(
     kernel_hash: &str,
 ) -> Result<(Profile, Vec<String>)> {
     let p = Profile::load(path)?;
-    p.check_model(cfg)?;
+    let coverage = lookup::Coverage::of(&p, cfg);
+    // A profile without a sweep (made by `tune --calibrate`) must be the model's own; one with
+    // a sweep must measure at least one of its shapes.
+    if p.shapes.is_empty() || coverage.covered.is_empty() {
+        p.check_model(cfg)?;
+    }
     let mismatches = classify_mismatches(&p.provenance, current, kernel_hash);
     let hard: Vec<String> = mismatches
         .iter()
@@ -633,10 +668,33 @@ pub fn load_for_use(
             ),
         });
     }
-    Ok((
-        p,
-        mismatches.iter().map(|m| format!("{}: {m}", path.display())).collect(),
-    ))
+    let mut warnings = load_for_use_warnings(path, &p, current, kernel_hash);
+    if !p.shapes.is_empty() && !coverage.missing.is_empty() {
+        warnings.push(format!(
+            "{}: no entry for {} (made for '{}'): the vendor GEMM runs it",
+            path.display(),
+            coverage.missing_label(),
+            p.model.name
+        ));
+    }
+    if p.softmax.is_some() && !lookup::same_model(&p, cfg) {
+        warnings.push(format!(
+            "{}: its softmax window was calibrated on '{}', not on '{}'; used as given",
+            path.display(),
+            p.model.name,
+            cfg.name
+        ));
+    }
+    Ok((p, warnings))
+}
+
+/// The soft mismatches of a profile with this machine, as warnings naming the file.
+pub fn load_for_use_warnings(path: &Path, p: &Profile, current: &DeviceInfo, kernel_hash: &str) -> Vec<String> {
+    classify_mismatches(&p.provenance, current, kernel_hash)
+        .iter()
+        .filter(|m| m.severity == Severity::Soft)
+        .map(|m| format!("{}: {m}", path.display()))
+        .collect()
 }
 
 /// Compare the machine a profile was made on with this one. Hard: another backend, another
@@ -731,6 +789,7 @@ mod tests {
             git_commit: "abc".into(),
             kernel_hash: "k1".into(),
             created: "2025-01-01T00:00:00Z".into(),
+            run_config: "defaults".into(),
         }
     }
 

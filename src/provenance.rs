@@ -1,4 +1,5 @@
-//! Who made a result: fdpp version, git commit, date. Every report row and profile carries it.
+//! Who made a result: fdpp version, git commit, the run configuration, date. Every report row
+//! and profile carries it.
 
 use serde::{Deserialize, Serialize};
 
@@ -6,6 +7,10 @@ use serde::{Deserialize, Serialize};
 pub struct BuildInfo {
     pub fdpp_version: String,
     pub git_commit: String,
+    /// The run-configuration switches that were set (`crate::run_config`), or "defaults";
+    /// empty in rows written before it was recorded.
+    #[serde(default)]
+    pub run_config: String,
 }
 
 impl BuildInfo {
@@ -13,6 +18,7 @@ impl BuildInfo {
         BuildInfo {
             fdpp_version: crate::VERSION.to_string(),
             git_commit: env!("FDPP_GIT_COMMIT").to_string(),
+            run_config: crate::run_config::get().label(),
         }
     }
 }

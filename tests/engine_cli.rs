@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use fdpp::dtype::{random_bits, DType};
-use fdpp::model::weights::llama_tensors;
+use fdpp::model::weights::checkpoint_tensors;
 use fdpp::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -128,7 +128,7 @@ fn text_streams_through_the_tokenizer_and_weights_load_from_safetensors() {
     word_tokenizer(dir.path());
     let cfg = ModelConfig::resolve(dir.path().to_str().expect("utf-8")).expect("config");
     let mut blobs = Vec::new();
-    for (i, (name, shape)) in llama_tensors(&cfg).into_iter().enumerate() {
+    for (i, (name, shape)) in checkpoint_tensors(&cfg).into_iter().enumerate() {
         let len: usize = shape.iter().product();
         let scale = if name.contains("norm") { 0.0 } else { 0.3 };
         let bits: Vec<u16> = random_bits(DType::F16, len, scale, i as u64)
@@ -231,18 +231,46 @@ fn the_profile_is_found_given_or_refused_and_drives_the_gemm_choice() {
         work.path(),
     ));
     assert!(se.contains("softmax: sync (asked for)"), "{se}");
-    // A profile of another model's shapes is refused.
-    let other = model_dir(&CONFIG.replace("\"intermediate_size\": 256", "\"intermediate_size\": 384"));
+    // A profile that measures some of another model's shapes serves those and says which
+    // fall back to the vendor GEMM; one that measures none of them is refused.
     let path = line.trim_start_matches("profile: ");
     let abs = work.path().join(path);
-    let out = fdpp(
+    let given = |config: &str| {
+        let other = model_dir(config);
+        fdpp(
+            &args(
+                other.path().to_str().expect("utf-8"),
+                &[
+                    "--token-ids",
+                    "1,2",
+                    "--max-tokens",
+                    "1",
+                    "--profile",
+                    abs.to_str().expect("utf-8"),
+                ],
+            ),
+            work.path(),
+        )
+    };
+    let (_, se) = ok(&given(
+        &CONFIG.replace("\"intermediate_size\": 256", "\"intermediate_size\": 384"),
+    ));
+    assert!(se.contains("no entry for ffn1[K=128,N=768], ffn2[K=384,N=128]"), "{se}");
+    let out = given(&CONFIG.replace("\"hidden_size\": 128", "\"hidden_size\": 192"));
+    fails(&out, &["other shapes"]);
+    // Without --profile, a model of the same shapes under another name finds it by shape.
+    let twin = tempfile::tempdir().expect("twin");
+    let twin_dir = twin.path().join("twin-model");
+    std::fs::create_dir(&twin_dir).expect("mkdir");
+    std::fs::copy(dir.path().join("config.json"), twin_dir.join("config.json")).expect("copy");
+    let (_, se) = ok(&fdpp(
         &args(
-            other.path().to_str().expect("utf-8"),
-            &["--token-ids", "1,2", "--profile", abs.to_str().expect("utf-8")],
+            twin_dir.to_str().expect("utf-8"),
+            &["--token-ids", "1,2", "--max-tokens", "1"],
         ),
         work.path(),
-    );
-    fails(&out, &["other shapes"]);
+    ));
+    assert!(se.contains("found by shape"), "{se}");
 }
 
 #[test]
@@ -269,10 +297,20 @@ fn bad_inputs_are_clear_errors() {
         ),
         &["no *.safetensors"],
     );
-    // An architecture without a forward pass names the supported ones.
+    // An architecture the engine does not run names the field that said so and the supported
+    // ones.
+    let gpt2 = model_dir(
+        r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "hidden_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 256}"#,
+    );
     fails(
-        &fdpp(&args("opt-6.7b", &["--token-ids", "1"]), here),
-        &["'opt'", "llama, mistral, qwen2"],
+        &fdpp(&args(gpt2.path().to_str().expect("utf-8"), &["--token-ids", "1"]), here),
+        &[
+            "architecture 'GPT2LMHeadModel' (model_type 'gpt2')",
+            "OPTForCausalLM",
+            "ChatGLMModel",
+            "llama, mistral, qwen2, opt, chatglm",
+        ],
     );
     // A prompt longer than the context (max_position_embeddings 64).
     let long: Vec<String> = (0..70).map(|i| (i % 200).to_string()).collect();
@@ -332,5 +370,45 @@ fn bad_inputs_are_clear_errors() {
     fails(
         &fdpp(&args(yarn.path().to_str().expect("utf-8"), &[]), here),
         &["'yarn' is not supported; supported: default, linear, llama3"],
+    );
+}
+
+/// `fdpp generate --random-weights` runs OPT and ChatGLM2 (tiny configs with their own field
+/// names) on the CPU; an OPT with post-LayerNorm is refused naming the field.
+#[test]
+fn generate_runs_opt_and_chatglm_configs_and_names_what_it_refuses() {
+    let opt = r#"{"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 128,
+        "ffn_dim": 256, "word_embed_proj_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 64, "activation_function": "relu",
+        "do_layer_norm_before": true, "enable_bias": true, "eos_token_id": 2}"#;
+    let glm = r#"{"architectures": ["ChatGLMModel"], "model_type": "chatglm", "hidden_size": 128,
+        "num_layers": 2, "num_attention_heads": 4, "kv_channels": 64, "multi_query_attention": true,
+        "multi_query_group_num": 2, "ffn_hidden_size": 256, "padded_vocab_size": 256,
+        "seq_length": 64, "layernorm_epsilon": 1e-5, "rmsnorm": true, "post_layer_norm": true,
+        "add_qkv_bias": true, "add_bias_linear": false, "eos_token_id": 2}"#;
+    for (name, config) in [("opt", opt), ("chatglm", glm)] {
+        let dir = model_dir(config);
+        let d = dir.path().to_str().expect("utf-8");
+        let (so, _) = ok(&fdpp(
+            &args(
+                d,
+                &["--token-ids", "5,6,7,8", "--max-tokens", "6", "--ignore-eos", "--json"],
+            ),
+            dir.path(),
+        ));
+        let v = json(&so);
+        let tokens = v["seqs"][0]["tokens"].as_array().expect("tokens");
+        assert_eq!(tokens.len(), 6, "{name}: {so}");
+        assert!(
+            tokens.iter().all(|t| t.as_u64().is_some_and(|t| t < 256)),
+            "{name}: {so}"
+        );
+    }
+    let post_ln = opt.replace(r#""do_layer_norm_before": true"#, r#""do_layer_norm_before": false"#);
+    let dir = model_dir(&post_ln);
+    let d = dir.path().to_str().expect("utf-8");
+    fails(
+        &fdpp(&args(d, &["--token-ids", "5,6", "--max-tokens", "2"]), dir.path()),
+        &["do_layer_norm_before", "post-LayerNorm"],
     );
 }

@@ -205,3 +205,79 @@ fn greedy_decode_chooses_the_argmax_of_the_logits_decode() {
         next = ids;
     }
 }
+
+/// A tiny OPT (LayerNorm with bias, learned positions, ReLU MLP with biases, tied head) whose
+/// embedding is projected (64 ↔ 128), and a tiny ChatGLM2 (rotary over half of each head,
+/// interleaved; MQA groups; QKV bias).
+fn other_families() -> Vec<ModelSpec> {
+    let opt = ModelSpec {
+        cfg: ModelConfig {
+            name: "tiny-opt".into(),
+            arch: ModelArch::Opt,
+            num_kv_heads: 2,
+            num_heads: 2,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            gated_ffn: false,
+            ..tiny(false, false).cfg
+        },
+        extras: HfExtras {
+            embed_proj_dim: Some(64),
+            ..HfExtras::default()
+        },
+        dir: None,
+    };
+    let glm = ModelSpec {
+        cfg: ModelConfig {
+            name: "tiny-glm".into(),
+            arch: ModelArch::ChatGlm,
+            qkv_bias: true,
+            ..tiny(false, false).cfg
+        },
+        extras: HfExtras::default(),
+        dir: None,
+    };
+    vec![opt, glm]
+}
+
+#[test]
+fn opt_and_chatglm_keep_the_cache_batch_chunk_and_reuse_invariants() {
+    for spec in other_families() {
+        let name = spec.cfg.name.clone();
+        let opts = EngineOptions::default();
+        let b = CpuBackend::new();
+        // Prefill then decode equals one longer prefill (positions and the cache).
+        let full = prompt(21, 1);
+        let (head, tail) = full.split_at(18);
+        let mut e = engine(&b, &spec, &opts, &[full.len()]);
+        let mut tables = vec![BlockTable::default()];
+        e.prefill(&mut tables, &[head], opts.chunk, &mut |_, _| Ok(()))
+            .expect("prefill");
+        let mut last = Vec::new();
+        for &tok in tail {
+            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+            last = e.decode(&mut refs, &[tok]).expect("decode").remove(0);
+        }
+        let whole = prefill_alone(&spec, &opts, &full);
+        assert_close(&last, &whole, &format!("{name}: prefill + decode"));
+        // A batch of two equals each alone; chunked equals unchunked.
+        let (p0, p1) = (prompt(13, 2), prompt(30, 3));
+        let chunked = EngineOptions {
+            chunk: 8,
+            ..EngineOptions::default()
+        };
+        let mut e = engine(&b, &spec, &chunked, &[p0.len(), p1.len()]);
+        let mut tables = vec![BlockTable::default(), BlockTable::default()];
+        let got = e
+            .prefill(&mut tables, &[&p0, &p1], 8, &mut |_, _| Ok(()))
+            .expect("prefill");
+        assert_close(&got[0], &prefill_alone(&spec, &opts, &p0), &format!("{name}: batch 0"));
+        assert_close(&got[1], &prefill_alone(&spec, &opts, &p1), &format!("{name}: batch 1"));
+        // Buffers without reuse: the same bits.
+        let no_reuse = EngineOptions {
+            reuse: false,
+            ..EngineOptions::default()
+        };
+        assert_eq!(prefill_alone(&spec, &no_reuse, &full), whole, "{name}: no reuse");
+    }
+}

@@ -1,14 +1,19 @@
 //! The engine against HF transformers itself, on the fixtures that
 //! scripts/make_hf_fixtures.py writes under tests/fixtures/hf (issue #5, item 9): small
 //! random-weight checkpoints (Llama with GQA and llama3 rope_scaling; Qwen2 with q/k/v bias and
-//! tied embeddings; Mistral) saved in fp16 by `save_pretrained`, their tokenizer.json, and
-//! HF's fp32 logits and greedy tokens for three prompts.
+//! tied embeddings; Mistral; OPT with LayerNorms, biases, ReLU, learned positions and
+//! project_in/out; Qwen2 with GQA ratio 6; ChatGLM2, whose reference is the script's own torch
+//! forward since transformers has no ChatGLM class) saved in fp16, their tokenizer.json, and
+//! the reference's fp32 logits and greedy tokens for three prompts.
 //!
 //! For each fixture and prompt, batch 1: the prompt's ids must match what the tokenizer.json
-//! gives here; the logits at the last prompt position and after each greedy token must be
-//! within [`TOLERANCE`] of HF's, as the relative error max_v |fdpp_v − hf_v| / max_v |hf_v| over
-//! the vocabulary; the 32 greedy tokens must be HF's. Then all prompts at once through
-//! `generate` (batched decode, prefill in chunks of 16 tokens): the same tokens.
+//! gives here; fed HF's greedy tokens, the logits at the last prompt position and after each
+//! greedy token must be within [`TOLERANCE`] of HF's, as the relative error
+//! max_v |fdpp_v − hf_v| / max_v |hf_v| over the vocabulary; fdpp's greedy choice must be HF's
+//! at every step, except at a near-tie: where the fixture records HF's top-2 gap per step
+//! (`gaps`), a different choice at a step whose gap is below [`NEAR_TIE`] is reported, not
+//! failed. Then all prompts at once through `generate` (batched decode, prefill in chunks of 16
+//! tokens): the same tokens, up to such a near-tie.
 //!
 //! On CUDA the fixtures run twice: without a profile (every GEMM on the vendor library, the
 //! layers unfused) and with a made-up profile that puts every shape on gemv below M = 9 (four
@@ -35,6 +40,16 @@ use serde::Deserialize;
 /// fp16 weights and activations against HF in fp32 (the issue's bound).
 const TOLERANCE: f64 = 1e-2;
 
+/// A greedy choice may differ from HF's where HF's top-2 gap over max|logit| is below this:
+/// logits within [`TOLERANCE`] of HF's can then pick the other token (the fixture script's
+/// margin is twice the tolerance for the same reason).
+const NEAR_TIE: f64 = 2.0 * TOLERANCE;
+
+/// Fixtures whose geometry waits for another helper's branch: helper "attn"'s any-GQA-ratio
+/// attention (issue #17 item 3) for `qwen2-gqa6` (6 query heads on 1 KV head). The main tests
+/// skip them; `cpu_engine_matches_hf_transformers_pending` runs them once that branch is in.
+const AWAITING_ATTN: &[&str] = &["qwen2-gqa6"];
+
 /// Prefill chunk of the batched run: the three prompts span several steps.
 const BATCH_CHUNK: usize = 16;
 
@@ -53,6 +68,9 @@ struct PromptCase {
     text: String,
     ids: Vec<u32>,
     greedy: Vec<u32>,
+    /// HF's top-2 gap over max|logit| at each greedy step (fixtures made after the first three).
+    #[serde(default)]
+    gaps: Option<Vec<f64>>,
     /// Row 0: the last prompt position; row i: after i greedy tokens.
     logits: Vec<Vec<f32>>,
 }
@@ -64,9 +82,10 @@ fn fixtures_root() -> PathBuf {
     }
 }
 
-/// Every fixture directory (one holding expected.json), sorted; a missing or empty root fails
-/// the test, saying how to make the fixtures.
-fn fixture_dirs() -> Vec<PathBuf> {
+/// Every fixture directory (one holding expected.json), sorted, those of [`AWAITING_ATTN`] only
+/// (`pending`) or all others; a missing or empty root fails the test, saying how to make the
+/// fixtures.
+fn fixture_dirs(pending: bool) -> Vec<PathBuf> {
     let root = fixtures_root();
     let entries = std::fs::read_dir(&root).unwrap_or_else(|e| {
         panic!(
@@ -77,6 +96,10 @@ fn fixture_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("expected.json").is_file())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            AWAITING_ATTN.contains(&name) == pending
+        })
         .collect();
     dirs.sort();
     assert!(
@@ -188,7 +211,8 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
     let name = if gemv { format!("{name} [gemv profile]") } else { name };
     let mut e = build(b, &spec, &source, profile, &opts, plan).unwrap_or_else(|e| panic!("{name}: {e}"));
 
-    // Batch 1, step by step: every step's logits against HF's, fed the engine's own argmax.
+    // Batch 1, step by step: every step's logits against HF's, fed HF's greedy tokens (so the
+    // logits are always compared on the same prefix).
     for (i, p) in exp.prompts.iter().enumerate() {
         let mut tables = vec![BlockTable::default()];
         let mut logits = e
@@ -196,7 +220,7 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
             .expect("prefill")
             .remove(0);
         let (mut first_err, mut worst, mut worst_step) = (0.0, 0.0, 0);
-        let mut tokens = Vec::new();
+        let mut ties = Vec::new();
         for step in 0..exp.steps {
             let err = rel_err(&logits, &p.logits[step]);
             if step == 0 {
@@ -205,32 +229,39 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
             if err > worst {
                 (worst, worst_step) = (err, step);
             }
-            let t = argmax(&logits) as u32;
-            tokens.push(t);
+            let (mine, hf) = (argmax(&logits) as u32, p.greedy[step]);
+            if mine != hf {
+                match near_tie(p, step) {
+                    Some(gap) => ties.push(format!("step {step} (HF gap {gap:.2e})")),
+                    None => out.failures.push(format!(
+                        "{name} prompt {i}: greedy token {mine} at step {step}, HF's is {hf} (HF's top-2 gap {})",
+                        gap_text(p, step)
+                    )),
+                }
+            }
             if step + 1 < exp.steps {
                 let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
-                logits = e.decode(&mut refs, &[t]).expect("decode").remove(0);
+                logits = e.decode(&mut refs, &[hf]).expect("decode").remove(0);
             }
         }
         e.release(&mut tables[0]).expect("release");
-        let same = tokens.iter().zip(&p.greedy).take_while(|(a, b)| a == b).count();
         out.lines.push(format!(
             "{name} ({}) prompt {i} ({} tokens): last-prompt rel err {first_err:.2e}, \
-             max over {} steps {worst:.2e} (step {worst_step}), greedy {same}/{} identical",
+             max over {} steps {worst:.2e} (step {worst_step}), greedy {}/{} identical{}",
             exp.architecture,
             p.ids.len(),
             exp.steps,
-            exp.steps
+            exp.steps - ties.len(),
+            exp.steps,
+            if ties.is_empty() {
+                String::new()
+            } else {
+                format!(", near-ties: {}", ties.join(", "))
+            }
         ));
         if worst > TOLERANCE {
             out.failures.push(format!(
                 "{name} prompt {i}: logits at step {worst_step} are {worst:.3e} off HF's (tolerance {TOLERANCE})"
-            ));
-        }
-        if tokens != p.greedy {
-            out.failures.push(format!(
-                "{name} prompt {i}: greedy tokens diverge at step {same}: fdpp {:?}, HF {:?}",
-                tokens, p.greedy
             ));
         }
     }
@@ -249,11 +280,20 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
     };
     let res = generate(&mut e, &prompts, &gen, Some(&tok), &mut |_, _, _| {}).expect("generate");
     for (i, (s, p)) in res.seqs.iter().zip(&exp.prompts).enumerate() {
-        if s.tokens != p.greedy {
-            out.failures.push(format!(
-                "{name} prompt {i}, batched generate: fdpp {:?}, HF {:?}",
-                s.tokens, p.greedy
-            ));
+        let same = s.tokens.iter().zip(&p.greedy).take_while(|(a, b)| a == b).count();
+        if s.tokens == p.greedy {
+            continue;
+        }
+        match near_tie(p, same) {
+            Some(gap) => out.lines.push(format!(
+                "{name} prompt {i}, batched generate: diverges at step {same}, a near-tie (HF gap {gap:.2e})"
+            )),
+            None => out.failures.push(format!(
+                "{name} prompt {i}, batched generate diverges at step {same} (HF's top-2 gap {}): fdpp {:?}, HF {:?}",
+                gap_text(p, same),
+                s.tokens,
+                p.greedy
+            )),
         }
     }
     out.lines.push(format!(
@@ -269,10 +309,26 @@ fn check_fixture<B: Backend>(b: &B, dir: &Path, gemv: bool) -> Outcome {
     out
 }
 
+/// HF's top-2 gap at `step` when the fixture records it and it is below [`NEAR_TIE`].
+fn near_tie(p: &PromptCase, step: usize) -> Option<f64> {
+    p.gaps.as_ref()?.get(step).copied().filter(|&g| g < NEAR_TIE)
+}
+
+fn gap_text(p: &PromptCase, step: usize) -> String {
+    match p.gaps.as_ref().and_then(|g| g.get(step)) {
+        Some(g) => format!("{g:.2e}"),
+        None => format!("not recorded; at least {NEAR_TIE} over the path"),
+    }
+}
+
 fn check_all<B: Backend>(b: &B, gemv: bool) {
+    check_dirs(b, &fixture_dirs(false), gemv);
+}
+
+fn check_dirs<B: Backend>(b: &B, dirs: &[PathBuf], gemv: bool) {
     let mut failures = Vec::new();
-    for dir in fixture_dirs() {
-        let o = check_fixture(b, &dir, gemv);
+    for dir in dirs {
+        let o = check_fixture(b, dir, gemv);
         for l in &o.lines {
             eprintln!("{l}");
         }
@@ -290,6 +346,14 @@ fn check_all<B: Backend>(b: &B, gemv: bool) {
 #[test]
 fn cpu_engine_matches_hf_transformers() {
     check_all(&CpuBackend::new(), false);
+}
+
+/// The fixtures of [`AWAITING_ATTN`]: GQA ratio 6 runs once helper "attn"'s any-ratio attention
+/// is merged (issue #17 item 3); then drop the `ignore` (and the fixture from AWAITING_ATTN).
+#[test]
+#[ignore = "GQA ratio 6: needs the any-ratio attention of helper attn's branch (issue #17 item 3)"]
+fn cpu_engine_matches_hf_transformers_pending() {
+    check_dirs(&CpuBackend::new(), &fixture_dirs(true), false);
 }
 
 #[test]

@@ -15,9 +15,11 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use fdpp::dtype::DType;
+use fdpp::model::arch::Arch;
 use fdpp::model::config::ModelArch;
+use fdpp::model::family;
 use fdpp::model::gguf::{self, names::unpermute_row, GgufModel};
-use fdpp::model::weights::{llama_tensors, TensorSource};
+use fdpp::model::weights::TensorSource;
 
 const NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -116,7 +118,10 @@ fn hf_names_shapes_and_qk_order() {
     let f = m.store.file();
     let t0 = Instant::now();
     let mut n = 0usize;
-    for (name, shape) in llama_tensors(&m.cfg) {
+    // Every checkpoint tensor the engine's family map asks for (embedding, 30 layers, final norm).
+    let arch = Arch::of(&m.cfg, &m.extras).unwrap();
+    family::check(&m.store, &arch).unwrap();
+    for (name, shape) in family::names(&arch).names() {
         let got = m.store.load(&name, &shape, DType::F16).unwrap();
         n += got.len();
         let gguf_name = gguf::names::gguf_name(&name).unwrap();
@@ -281,5 +286,223 @@ fn the_hf_reference_is_consistent_with_fdpp_windows() {
     for p in fx["prompts"].as_array().unwrap() {
         assert_eq!(p["greedy"].as_array().unwrap().len(), 16);
         assert_eq!(p["gaps"].as_array().unwrap().len(), 16);
+    }
+}
+
+/// The GGUF's tensors with each K/V head repeated `ratio` times: mathematically the same model
+/// with as many KV heads as query heads. The engine does not run SmolLM2's GQA ratio of 3 yet
+/// (issue #18 depends on it); until it does, this adapter lets the test run the real weights.
+struct RepeatKv<'a> {
+    inner: &'a dyn TensorSource,
+    ratio: usize,
+    head_dim: usize,
+}
+
+impl RepeatKv<'_> {
+    fn is_kv(name: &str) -> bool {
+        name.contains(".k_proj.") || name.contains(".v_proj.")
+    }
+}
+
+impl TensorSource for RepeatKv<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+    fn shape(&self, name: &str) -> fdpp::error::Result<Vec<usize>> {
+        let mut s = self.inner.shape(name)?;
+        if Self::is_kv(name) {
+            s[0] *= self.ratio;
+        }
+        Ok(s)
+    }
+    fn load(&self, name: &str, shape: &[usize], dtype: DType) -> fdpp::error::Result<Vec<u16>> {
+        if !Self::is_kv(name) {
+            return self.inner.load(name, shape, dtype);
+        }
+        let mut orig = shape.to_vec();
+        orig[0] /= self.ratio;
+        let v = self.inner.load(name, &orig, dtype)?;
+        let per_head = self.head_dim * v.len() / orig[0];
+        let mut out = Vec::with_capacity(v.len() * self.ratio);
+        for head in v.chunks(per_head) {
+            for _ in 0..self.ratio {
+                out.extend_from_slice(head);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// fdpp's engine on the GGUF's tensors (CPU backend, f16, sync softmax): the first 8 greedy
+/// tokens of every prompt are HF fp32's (hf_reference.json), and "The capital of France is"
+/// continues with " Paris". This exercises the path a `--model FILE.gguf` will take: config,
+/// Q/K order, tied embeddings, tokenizer (with K/V heads repeated, see [`RepeatKv`]).
+/// fdpp's engine over the GGUF (CPU backend, f16, sync softmax), sized for sequences of
+/// `seq` tokens with `prompt_tokens` of prompt in all.
+fn engine_on_gguf<'b>(
+    b: &'b fdpp::backend::cpu::CpuBackend,
+    seq: &[usize],
+    prompt_tokens: usize,
+) -> fdpp::engine::runner::Engine<'b, fdpp::backend::cpu::CpuBackend> {
+    use fdpp::engine::build::{memory_plan, EngineOptions};
+    use fdpp::engine::forward::Model;
+    use fdpp::engine::linear::LinearPlanner;
+    use fdpp::engine::runner::Engine;
+    use fdpp::model::spec::ModelSpec;
+    use fdpp::ops::attention::SoftmaxScheme;
+
+    let m = model();
+    let dtype = DType::F16;
+    let mut cfg = m.cfg.clone();
+    cfg.num_kv_heads = cfg.num_heads;
+    let src = RepeatKv {
+        inner: &m.store,
+        ratio: m.cfg.num_heads / m.cfg.num_kv_heads,
+        head_dim: m.cfg.head_dim,
+    };
+    let arch = Arch::of(&cfg, &m.extras).unwrap();
+    let weights = family::load(b, &src, &arch, dtype).unwrap();
+    let spec = ModelSpec {
+        cfg: cfg.clone(),
+        extras: m.extras.clone(),
+        dir: None,
+    };
+    let opts = EngineOptions {
+        dtype,
+        scheme: SoftmaxScheme::Sync,
+        ..EngineOptions::default()
+    };
+    let plan = memory_plan(b, &spec, &opts, seq, prompt_tokens).unwrap();
+    let linears = LinearPlanner::new(&cfg, dtype, None);
+    let model = Model::new(b, cfg, &m.extras, dtype, weights, linears, opts.scheme).unwrap();
+    Engine::new(model, plan).unwrap()
+}
+
+/// fdpp's engine on the GGUF's tensors (CPU backend, f16, sync softmax): the first 8 greedy
+/// tokens of every prompt are HF fp32's (hf_reference.json), and "The capital of France is"
+/// continues with " Paris". This exercises the path a `--model FILE.gguf` will take: config,
+/// Q/K order, tied embeddings, tokenizer (with K/V heads repeated, see [`RepeatKv`]).
+#[test]
+#[ignore = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)"]
+fn fdpp_greedy_matches_hf_on_the_gguf() {
+    use fdpp::engine::batch::{generate, GenerateOptions};
+    use fdpp::engine::sampler::SamplingParams;
+
+    let m = model();
+    let b = fdpp::backend::cpu::CpuBackend::new();
+    let fx = json("hf_reference.json");
+    let prompts: Vec<Vec<u32>> = fx["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let steps = 8;
+    let seq: Vec<usize> = prompts.iter().map(|p| p.len() + steps).collect();
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    let mut engine = engine_on_gguf(&b, &seq, total);
+    let gen = GenerateOptions {
+        max_tokens: steps,
+        eos_ids: vec![],
+        ignore_eos: true,
+        stop: vec![],
+        sampling: SamplingParams::default(),
+        chunk: fdpp::engine::build::EngineOptions::default().chunk,
+        context_len: m.cfg.max_position_embeddings,
+        pipeline: false,
+    };
+    let out = generate(&mut engine, &prompts, &gen, Some(&m.tokenizer), &mut |_, _, _| {}).unwrap();
+    for (p, s) in fx["prompts"].as_array().unwrap().iter().zip(&out.seqs) {
+        let want: Vec<u32> = p["greedy"].as_array().unwrap()[..steps]
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        println!(
+            "{:?} -> {:?}",
+            p["prompt"].as_str().unwrap(),
+            s.text.as_deref().unwrap_or("")
+        );
+        assert_eq!(s.tokens, want, "{}", p["prompt"]);
+    }
+    assert!(out.seqs[0].text.as_deref().unwrap().starts_with(" Paris"));
+}
+
+/// Teacher-forced over the Apache-2.0 text in HF's token ids (windows of 512): fdpp's top-1
+/// agrees with HF fp32's at >= 99 % of the positions whose HF top-2 gap exceeds 0.05, and, over
+/// the whole text, the perplexity is within 0.5 % of HF's. Every position's logits come from a
+/// decode step (the engine's prefill returns only the last position's logits today), so a debug
+/// build scores the first 96 tokens only (agreement only); an optimized build (`cargo test
+/// --release`) scores all 2219.
+#[test]
+#[ignore = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)"]
+fn fdpp_teacher_forced_agrees_with_hf() {
+    use fdpp::cli::perplexity::{score_text, top1_agreement};
+    use fdpp::kv::BlockTable;
+
+    let fx = json("hf_reference.json");
+    let t = &fx["text"];
+    let ids: Vec<u32> = t["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let ctx = t["ctx"].as_u64().unwrap() as usize;
+    let full = !cfg!(debug_assertions);
+    let ids = if full { &ids[..] } else { &ids[..96] };
+    let b = fdpp::backend::cpu::CpuBackend::new();
+    let mut engine = engine_on_gguf(&b, &[ctx], 1);
+    let mut fwd = |w: &[u32]| -> fdpp::error::Result<Vec<Vec<f32>>> {
+        let mut table = BlockTable::default();
+        let mut rows = engine.prefill(std::slice::from_mut(&mut table), &[&w[..1]], 1, &mut |_, _| Ok(()))?;
+        for &tok in &w[1..] {
+            rows.extend(engine.decode(&mut [&mut table], &[tok])?);
+        }
+        engine.release(&mut table)?;
+        Ok(rows)
+    };
+    let r = score_text(ids, ctx, &mut fwd).unwrap();
+    let hf_top1: Vec<u32> = t["top1"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let gaps: Vec<f64> = t["top2_gap"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let (agree, counted) = top1_agreement(&r.top1, &hf_top1, &gaps, 0.05);
+    let exact = r.top1.iter().zip(&hf_top1).filter(|(a, b)| a == b).count();
+    println!(
+        "{} tokens scored: PPL {:.4} (HF fp32 over the whole text: {:.4}); top-1 agreement {agree}/{counted} \
+         where HF's gap > 0.05, {exact}/{} overall; {:.1} tok/s",
+        r.tokens_scored,
+        r.ppl(),
+        t["ppl"].as_f64().unwrap(),
+        r.top1.len(),
+        r.tokens_per_second()
+    );
+    assert!(counted > 0);
+    assert!(
+        agree as f64 >= 0.99 * counted as f64,
+        "top-1 agreement {agree}/{counted}"
+    );
+    if full {
+        assert_eq!(r.tokens_scored, t["tokens_scored"].as_u64().unwrap() as usize);
+        let hf = t["ppl"].as_f64().unwrap();
+        assert!((r.ppl() / hf - 1.0).abs() < 0.005, "PPL {} vs HF {hf}", r.ppl());
     }
 }

@@ -4,8 +4,11 @@
 
 mod gguf_common;
 
+use fdpp::backend::cpu::CpuBackend;
 use fdpp::dtype::DType;
+use fdpp::model::arch::Arch;
 use fdpp::model::config::ModelArch;
+use fdpp::model::family;
 use fdpp::model::gguf::{self, GgufFile, MetaValue};
 use fdpp::model::weights::TensorSource;
 use gguf_common::*;
@@ -157,6 +160,10 @@ fn tiny_llama_config_names_shapes_and_qk_order() {
             assert!((g - v).abs() <= 1e-3, "{name}[{i}]: {g} vs {v}");
         }
     }
+    // The engine's family map finds every tensor it needs and loads them onto the CPU backend.
+    let arch = Arch::of(&m.cfg, &m.extras).unwrap();
+    family::check(&m.store, &arch).unwrap();
+    family::load(&CpuBackend::new(), &m.store, &arch, DType::F16).unwrap();
     // A wrong shape asked for is an error naming both.
     let e = err_of(
         m.store

@@ -8,7 +8,8 @@ use fdpp::error::FdppError;
 use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
 use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+    random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 use fdpp::reference::gemm::nmse;
 use fdpp::reference::layer::{
@@ -333,4 +334,228 @@ fn bad_inputs_are_refused_and_leave_buffers_untouched() {
     let mut buf = b.alloc(dt, 10).expect("alloc");
     let m = msg(b.fill_random(&mut buf, 1, f32::NAN).expect_err("NaN scale"));
     assert!(m.contains("scale"), "{m}");
+}
+
+/// `got` (16-bit bits) within `tol` of each hand-computed value.
+fn assert_close(dt: DType, got: &[u16], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = dt.to_f32(g) as f64;
+        assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+fn bits(dt: DType, v: &[f64]) -> Vec<u16> {
+    v.iter().map(|&x| dt.from_f32(x as f32)).collect()
+}
+
+// The new ops against values worked out by hand (fp16 and bf16 rounding: 2e-3 and 1e-2
+// relative). helper "ops" checks them against the f64 reference at odd sizes (`fdpp check`).
+#[test]
+fn layernorm_with_bias_and_its_residual_add_by_hand() {
+    let b = CpuBackend::new();
+    for (dt, tol) in [(DType::F16, 2e-3), (DType::Bf16, 1e-2)] {
+        // Row [1, 2, 3, 4] (given as [0.5, 1.5, 2.5, 3.5] + delta 0.5): mean 2.5, variance
+        // 1.25, so (x − mean)/√1.25 = [−1.341641, −0.447214, 0.447214, 1.341641]; the second row
+        // is the first negated.
+        let p = LayerNormParams {
+            rows: 2,
+            hidden: 4,
+            eps: 1e-5,
+            dtype: dt,
+        };
+        let mut res = up(&b, dt, &bits(dt, &[0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, -3.5]));
+        let delta = up(&b, dt, &bits(dt, &[0.5, 0.5, 0.5, 0.5, -0.5, -0.5, -0.5, -0.5]));
+        let w = up(&b, dt, &bits(dt, &[1.0, 1.0, 2.0, 1.0]));
+        let bias = up(&b, dt, &bits(dt, &[0.0, 0.5, 0.0, -1.0]));
+        let mut out = b.alloc(dt, 8).expect("alloc");
+        b.add_layernorm(&p, &mut res, Some(&delta), &w, &bias, &mut out)
+            .expect("add_layernorm");
+        assert_close(
+            dt,
+            &res.data,
+            &[1.0, 2.0, 3.0, 4.0, -1.0, -2.0, -3.0, -4.0],
+            0.0,
+            "residual",
+        );
+        // √(1.25 + 1e-5) moves the values by 4e-6 relative: far below the tolerance.
+        let n = [-1.341641, -0.447214, 0.447214, 1.341641];
+        let want: Vec<f64> = n
+            .iter()
+            .chain(n.iter().map(|x| -x).collect::<Vec<_>>().iter())
+            .zip([1.0, 1.0, 2.0, 1.0].iter().cycle())
+            .zip([0.0, 0.5, 0.0, -1.0].iter().cycle())
+            .map(|((x, w), b)| x * w + b)
+            .collect();
+        assert_close(dt, &out.data, &want, tol, &format!("{dt} layernorm"));
+        // Without a delta the residual is only read.
+        let before = res.data.clone();
+        b.add_layernorm(&p, &mut res, None, &w, &bias, &mut out)
+            .expect("no delta");
+        assert_eq!(res.data, before);
+        assert_close(dt, &out.data, &want, tol, &format!("{dt} layernorm, no delta"));
+    }
+}
+
+#[test]
+fn bias_activation_and_glu_by_hand() {
+    let b = CpuBackend::new();
+    let dt = DType::F16;
+    let x0 = [-1.0, 0.5, 2.0, -0.25, 1.0, -2.0, 0.0, 3.0];
+    let bias = up(&b, dt, &bits(dt, &[0.5, -1.0, 0.0, 0.5]));
+    // x + bias = [−0.5, −0.5, 2, 0.25, 1.5, −3, 0, 3.5].
+    let cases: [(Activation, [f64; 8]); 4] = [
+        (Activation::None, [-0.5, -0.5, 2.0, 0.25, 1.5, -3.0, 0.0, 3.5]),
+        (Activation::Relu, [0.0, 0.0, 2.0, 0.25, 1.5, 0.0, 0.0, 3.5]),
+        // x·Φ(x): Φ(−0.5) = 0.308538, Φ(2) = 0.977250, Φ(0.25) = 0.598706, Φ(1.5) = 0.933193,
+        // Φ(−3) = 0.001350, Φ(3.5) = 0.999767.
+        (
+            Activation::Gelu,
+            [
+                -0.154269, -0.154269, 1.954500, 0.149677, 1.399789, -0.004050, 0.0, 3.499186,
+            ],
+        ),
+        // x·sigmoid(x): sigmoid(−0.5) = 0.377541, sigmoid(2) = 0.880797, sigmoid(0.25) =
+        // 0.562177, sigmoid(1.5) = 0.817574, sigmoid(−3) = 0.047426, sigmoid(3.5) = 0.970688.
+        (
+            Activation::Silu,
+            [
+                -0.188771, -0.188771, 1.761594, 0.140544, 1.226361, -0.142278, 0.0, 3.397408,
+            ],
+        ),
+    ];
+    for (act, want) in cases {
+        let mut x = up(&b, dt, &bits(dt, &x0));
+        let p = BiasActParams {
+            rows: 2,
+            width: 4,
+            act,
+            dtype: dt,
+        };
+        b.bias_act(&p, &mut x, Some(&bias)).expect("bias_act");
+        assert_close(dt, &x.data, &want, 2e-3, act.name());
+    }
+    // No bias, ReLU alone.
+    let mut x = up(&b, dt, &bits(dt, &x0));
+    let p = BiasActParams {
+        rows: 2,
+        width: 4,
+        act: Activation::Relu,
+        dtype: dt,
+    };
+    b.bias_act(&p, &mut x, None).expect("relu");
+    assert_close(dt, &x.data, &[0.0, 0.5, 2.0, 0.0, 1.0, 0.0, 0.0, 3.0], 0.0, "relu");
+
+    // GLU over [gate | up] rows: gate [1, −2], up [3, 4]: GELU gives [0.841345·3, −0.045500·4],
+    // ReLU [3, 0], the tanh GELU 0.841192·3 and −0.045402·4, SiLU 0.731059·3 and −0.238406·4.
+    let gate_up = up(&b, dt, &bits(dt, &[1.0, -2.0, 3.0, 4.0]));
+    for (act, want) in [
+        (Activation::Gelu, [2.524034, -0.182001]),
+        (Activation::Relu, [3.0, 0.0]),
+        (Activation::GeluTanh, [2.523577, -0.181609]),
+        (Activation::Silu, [2.193176, -0.953624]),
+    ] {
+        let mut out = b.alloc(dt, 2).expect("alloc");
+        let p = GluParams {
+            rows: 1,
+            inter: 2,
+            act,
+            dtype: dt,
+        };
+        b.glu(&p, &gate_up, &mut out).expect("glu");
+        assert_close(dt, &out.data, &want, 2e-3, &format!("glu {}", act.name()));
+    }
+}
+
+#[test]
+fn learned_positions_add_the_offset_row() {
+    let b = CpuBackend::new();
+    let dt = DType::F16;
+    // Row r of the table is [r, 10r]; positions 0 and 2 with OPT's offset 2 read rows 2 and 4.
+    let table: Vec<f64> = (0..5).flat_map(|r| [r as f64, 10.0 * r as f64]).collect();
+    let table = up(&b, dt, &bits(dt, &table));
+    let mut out = up(&b, dt, &bits(dt, &[1.0, 1.0, 0.0, 0.5]));
+    let p = PositionParams {
+        positions: vec![0, 2],
+        offset: 2,
+        table_rows: 5,
+        hidden: 2,
+        dtype: dt,
+    };
+    b.add_positions(&p, &table, &mut out).expect("add_positions");
+    assert_close(dt, &out.data, &[3.0, 21.0, 4.0, 40.5], 0.0, "positions");
+    // Position 3 + 2 is past the 5 rows: refused, out untouched.
+    let before = out.data.clone();
+    let p = PositionParams {
+        positions: vec![3],
+        ..p
+    };
+    let m = msg(b.add_positions(&p, &table, &mut out).expect_err("past the table"));
+    assert!(m.contains("position 3") && m.contains("5 rows"), "{m}");
+    assert_eq!(out.data, before);
+}
+
+#[test]
+fn partial_rotary_in_both_layouts_and_none_by_hand() {
+    let b = CpuBackend::new();
+    let dt = DType::F16;
+    // One q head, one k head, one v head of 64; token at position 1; two frequencies [1, 0.5]
+    // rotate the first 4 elements of q and k; the other 60 pass through (plus the bias).
+    let geom = AttnGeometry::new(1, 1, 64).expect("geom");
+    let head: Vec<f64> = [1.0, 0.0, 0.0, 1.0]
+        .into_iter()
+        .chain((4..64).map(|i| i as f64 / 16.0))
+        .collect();
+    let v_head: Vec<f64> = (0..64).map(|i| -(i as f64) / 32.0).collect();
+    let row: Vec<f64> = head.iter().chain(&head).chain(&v_head).copied().collect();
+    let qkv = up(&b, dt, &bits(dt, &row));
+    let (c1, s1, ch, sh) = (1f64.cos(), 1f64.sin(), 0.5f64.cos(), 0.5f64.sin());
+    // Interleaved: pairs (0, 1) at angle 1 and (2, 3) at angle 0.5.
+    let inter = [1.0 * c1, 1.0 * s1, -sh, ch];
+    // Rotate-half over R = 4: pairs (0, 2) at angle 1 and (1, 3) at angle 0.5.
+    let half = [c1, -sh, s1, ch];
+    for (layout, inv_freq, first) in [
+        (RopeLayout::Interleaved, vec![1.0, 0.5], inter),
+        (RopeLayout::Half, vec![1.0, 0.5], half),
+        (RopeLayout::Half, vec![], [1.0, 0.0, 0.0, 1.0]),
+    ] {
+        let p = RopeParams {
+            geom,
+            dtype: dt,
+            positions: vec![1],
+            inv_freq,
+            layout,
+        };
+        let (mut q, mut k, mut v) = (
+            b.alloc(dt, 64).expect("alloc"),
+            b.alloc(dt, 64).expect("alloc"),
+            b.alloc(dt, 64).expect("alloc"),
+        );
+        b.qkv_rope(&p, &qkv, None, &mut q, &mut k, &mut v).expect("qkv_rope");
+        let want: Vec<f64> = first.iter().chain(&head[4..]).copied().collect();
+        let what = format!("{layout:?} over {}", p.rotary_dim());
+        assert_close(dt, &q.data, &want, 2e-3, &format!("q {what}"));
+        assert_close(dt, &k.data, &want, 2e-3, &format!("k {what}"));
+        assert_close(dt, &v.data, &v_head, 0.0, &format!("v {what}"));
+    }
+    // With a bias of 0.25 everywhere and no rotation (OPT): the split plus the bias.
+    let p = RopeParams {
+        geom,
+        dtype: dt,
+        positions: vec![1],
+        inv_freq: vec![],
+        layout: RopeLayout::Half,
+    };
+    let bias = up(&b, dt, &bits(dt, &[0.25; 192]));
+    let (mut q, mut k, mut v) = (
+        b.alloc(dt, 64).expect("alloc"),
+        b.alloc(dt, 64).expect("alloc"),
+        b.alloc(dt, 64).expect("alloc"),
+    );
+    b.qkv_rope(&p, &qkv, Some(&bias), &mut q, &mut k, &mut v)
+        .expect("split + bias");
+    let want: Vec<f64> = head.iter().map(|x| x + 0.25).collect();
+    assert_close(dt, &q.data, &want, 2e-3, "q + bias");
+    let want_v: Vec<f64> = v_head.iter().map(|x| x + 0.25).collect();
+    assert_close(dt, &v.data, &want_v, 2e-3, "v + bias");
 }

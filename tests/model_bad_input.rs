@@ -2,7 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use fdpp::model::{hf, presets, ModelConfig};
+use fdpp::model::arch::Arch;
+use fdpp::model::weights::WeightStore;
+use fdpp::model::{family, hf, presets, ModelConfig};
 use fdpp::FdppError;
 
 fn bad(rel: &str) -> PathBuf {
@@ -186,7 +188,7 @@ fn hidden_not_divisible_by_heads_without_head_dim() {
 }
 
 #[test]
-fn zero_sizes_and_opt_projection_are_rejected_with_the_file() {
+fn zero_sizes_are_rejected_with_the_file() {
     let msg = hf::parse(
         r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 0,
             "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100}"#,
@@ -196,15 +198,77 @@ fn zero_sizes_and_opt_projection_are_rejected_with_the_file() {
     .unwrap_err()
     .to_string();
     assert_has(&msg, &["zero.json", "intermediate_size"]);
-    let msg = hf::parse(
-        r#"{"model_type": "opt", "hidden_size": 1024, "ffn_dim": 4096, "word_embed_proj_dim": 512,
-            "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50272}"#,
-        Path::new("opt-350m/config.json"),
-        "opt-350m".into(),
-    )
-    .unwrap_err()
-    .to_string();
-    assert_has(&msg, &["opt-350m", "'word_embed_proj_dim' (512)", "hidden_size (1024)"]);
+}
+
+/// OPT-350m's narrower embedding parses (project_in/project_out run); its post-LayerNorm
+/// (do_layer_norm_before = false) is refused by the engine, naming the field.
+#[test]
+fn opt_projection_runs_and_post_layernorm_is_refused_by_name() {
+    let text = r#"{"model_type": "opt", "hidden_size": 1024, "ffn_dim": 4096, "word_embed_proj_dim": 512,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50272,
+        "do_layer_norm_before": false}"#;
+    let path = Path::new("opt-350m/config.json");
+    let cfg = hf::parse(text, path, "opt-350m".into()).expect("parses");
+    let extras = hf::parse_extras(text, path).expect("extras");
+    assert_eq!(extras.embed_proj_dim, Some(512));
+    let msg = Arch::of(&cfg, &extras).unwrap_err().to_string();
+    assert_has(&msg, &["opt-350m", "do_layer_norm_before", "post-LayerNorm"]);
+    let pre = text.replace(r#""do_layer_norm_before": false"#, r#""do_layer_norm_before": true"#);
+    let arch = Arch::of(&cfg, &hf::parse_extras(&pre, path).expect("extras")).expect("pre-LN OPT runs");
+    assert_eq!((arch.embed_dim, arch.hidden), (512, 1024));
+}
+
+#[test]
+fn settings_the_engine_does_not_run_name_their_field() {
+    let glm = r#"{"architectures": ["ChatGLMModel"], "hidden_size": 256, "num_layers": 2,
+        "num_attention_heads": 4, "kv_channels": 64, "ffn_hidden_size": 512,
+        "padded_vocab_size": 1000, "multi_query_attention": true, "multi_query_group_num": 2,
+        "rmsnorm": false}"#;
+    let path = Path::new("glm/config.json");
+    let cfg = hf::parse(glm, path, "glm".into()).expect("parses");
+    let msg = Arch::of(&cfg, &hf::parse_extras(glm, path).expect("extras"))
+        .unwrap_err()
+        .to_string();
+    assert_has(&msg, &["glm", "chatglm", "'rmsnorm' = false"]);
+    let llama = r#"{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100, "hidden_act": "quick_gelu"}"#;
+    let msg = hf::parse_extras(llama, Path::new("act.json")).unwrap_err().to_string();
+    assert_has(
+        &msg,
+        &["act.json", "hidden_act", "quick_gelu", "silu", "gelu_pytorch_tanh"],
+    );
+}
+
+/// A checkpoint whose weight names belong to another family: the error names the family tried,
+/// the first missing names and how many are missing.
+#[test]
+fn a_checkpoint_of_other_names_lists_the_missing_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // An OPT-shaped checkpoint read as a Llama.
+    let data = vec![0u8; 2 * 4];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![4], &data).expect("view");
+    let bytes =
+        safetensors::tensor::serialize(vec![("model.decoder.embed_tokens.weight", view)], None).expect("serialize");
+    std::fs::write(dir.path().join("model.safetensors"), bytes).expect("write");
+    let store = WeightStore::open(dir.path()).expect("open");
+    let cfg = presets::preset("llama2-7b").unwrap();
+    let arch = Arch::from_config(&cfg).unwrap();
+    let msg = family::check(&store, &arch).unwrap_err().to_string();
+    assert_has(
+        &msg,
+        &[
+            "match no family",
+            "llama (Llama, Mistral, Qwen2 names)",
+            "'model.embed_tokens.weight'",
+            "'model.layers.0.input_layernorm.weight'",
+            "…",
+            "the first named 'model.decoder.embed_tokens.weight'",
+        ],
+    );
+    assert!(
+        msg.contains(&format!("{} of its {} tensors are missing", 291, 291)),
+        "{msg}"
+    );
 }
 
 #[test]

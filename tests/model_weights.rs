@@ -7,7 +7,7 @@ use std::path::Path;
 
 use fdpp::dtype::{random_bits, DType};
 use fdpp::error::FdppError;
-use fdpp::model::weights::{check_llama, llama_tensors, WeightStore};
+use fdpp::model::weights::{check_checkpoint, checkpoint_tensors, WeightStore};
 use fdpp::model::{ModelArch, ModelConfig};
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -70,10 +70,10 @@ fn write(path: &Path, ts: &[(String, Vec<usize>, Vec<u8>)], dtype: Dtype) {
 fn a_complete_checkpoint_loads_and_round_trips_the_bits() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(true, false);
-    let ts = tensors(&llama_tensors(&cfg), Dtype::F16, 1);
+    let ts = tensors(&checkpoint_tensors(&cfg), Dtype::F16, 1);
     write(&dir.path().join("model.safetensors"), &ts, Dtype::F16);
     let store = WeightStore::open(dir.path()).unwrap();
-    check_llama(&store, &cfg).unwrap();
+    check_checkpoint(&store, &cfg).unwrap();
     for (name, shape, bytes) in &ts {
         let got = store.load(name, shape, DType::F16).unwrap();
         let want: Vec<u16> = bytes
@@ -84,7 +84,7 @@ fn a_complete_checkpoint_loads_and_round_trips_the_bits() {
     }
     // Qwen2-style biases are part of the expected set; tied embeddings drop lm_head.
     assert!(store.contains("model.layers.1.self_attn.k_proj.bias"));
-    assert!(!llama_tensors(&tiny(false, true))
+    assert!(!checkpoint_tensors(&tiny(false, true))
         .iter()
         .any(|(n, _)| n == "lm_head.weight"));
 }
@@ -119,7 +119,7 @@ fn f32_and_bf16_files_are_converted_at_load() {
 fn a_sharded_checkpoint_is_read_through_its_index() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(false, true);
-    let all = llama_tensors(&cfg);
+    let all = checkpoint_tensors(&cfg);
     let (first, second) = all.split_at(all.len() / 2);
     let (t1, t2) = (tensors(first, Dtype::BF16, 3), tensors(second, Dtype::BF16, 4));
     write(&dir.path().join("model-00001-of-00002.safetensors"), &t1, Dtype::BF16);
@@ -134,7 +134,7 @@ fn a_sharded_checkpoint_is_read_through_its_index() {
     let index = serde_json::json!({ "metadata": {}, "weight_map": map });
     std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
     let store = WeightStore::open(dir.path()).unwrap();
-    check_llama(&store, &cfg).unwrap();
+    check_checkpoint(&store, &cfg).unwrap();
     assert_eq!(store.names().len(), all.len());
 }
 
@@ -142,7 +142,7 @@ fn a_sharded_checkpoint_is_read_through_its_index() {
 fn a_missing_tensor_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(false, false);
-    let mut names = llama_tensors(&cfg);
+    let mut names = checkpoint_tensors(&cfg);
     names.retain(|(n, _)| n != "model.layers.1.mlp.up_proj.weight");
     write(
         &dir.path().join("model.safetensors"),
@@ -150,7 +150,7 @@ fn a_missing_tensor_is_named() {
         Dtype::F16,
     );
     let store = WeightStore::open(dir.path()).unwrap();
-    let e = check_llama(&store, &cfg).unwrap_err().to_string();
+    let e = check_checkpoint(&store, &cfg).unwrap_err().to_string();
     assert!(e.contains("missing tensor 'model.layers.1.mlp.up_proj.weight'"), "{e}");
     assert!(e.contains("model.safetensors"), "{e}");
 }
@@ -159,7 +159,7 @@ fn a_missing_tensor_is_named() {
 fn a_tensor_of_the_wrong_shape_says_expected_and_found() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(false, false);
-    let mut names = llama_tensors(&cfg);
+    let mut names = checkpoint_tensors(&cfg);
     for (n, s) in names.iter_mut() {
         if n == "model.layers.0.self_attn.k_proj.weight" {
             *s = vec![64, 64]; // as if kv heads were 4, not 2
@@ -171,7 +171,7 @@ fn a_tensor_of_the_wrong_shape_says_expected_and_found() {
         Dtype::F16,
     );
     let store = WeightStore::open(dir.path()).unwrap();
-    match check_llama(&store, &cfg) {
+    match check_checkpoint(&store, &cfg) {
         Err(FdppError::Shape { what, expected, found }) => {
             assert!(what.contains("model.layers.0.self_attn.k_proj.weight"), "{what}");
             assert_eq!((expected.as_str(), found.as_str()), ("[32, 64]", "[64, 64]"));
@@ -189,7 +189,7 @@ fn a_truncated_file_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(false, false);
     let path = dir.path().join("model.safetensors");
-    write(&path, &tensors(&llama_tensors(&cfg), Dtype::F16, 9), Dtype::F16);
+    write(&path, &tensors(&checkpoint_tensors(&cfg), Dtype::F16, 9), Dtype::F16);
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
     let e = WeightStore::open(dir.path())

@@ -245,7 +245,7 @@ fn bad_profiles(dir: &Path, good: &str) {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("warning: driver version: profile has 1.2.3"), "{err}");
-    assert!(out.contains("usable here"), "{out}");
+    assert!(out.contains("usable on this machine"), "{out}");
 }
 
 #[test]
@@ -284,7 +284,43 @@ fn interrupted_tune_leaves_the_previous_profile_intact() {
     assert_eq!(fs::read_to_string(&out).unwrap(), "previous\n");
     assert_eq!(
         listing(dir.path()),
-        vec!["mid", "p.json", "reports"],
-        "no temp file left"
+        vec!["mid", "p-report", "p.json"],
+        "no temp file left (the report directory beside --out is made before the sweep)"
     );
+}
+
+#[test]
+fn a_tune_to_another_file_writes_its_report_beside_it_not_over_the_default_reports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_model(tmp.path(), "elsewhere", 64, 96);
+    let out = tmp.path().join("mine/elsewhere.json");
+    let o = fdpp(
+        tmp.path(),
+        &[
+            "tune",
+            "--model",
+            model.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--m-max",
+            "2",
+            "--reps",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let (_, se) = text(&o);
+    assert!(o.status.success(), "{se}");
+    assert!(!tmp.path().join("reports").exists(), "nothing under reports/: {se}");
+    let report = tmp.path().join("mine/elsewhere-report");
+    assert!(report.join("elsewhere.csv").is_file(), "{se}");
+    // The report's JSON sits in its own folder: the profile of the same stem is intact.
+    assert!(fdpp_profile_loads(&out), "{}", out.display());
+}
+
+fn fdpp_profile_loads(path: &Path) -> bool {
+    fdpp(Path::new("."), &["profile", "show", path.to_str().unwrap()])
+        .status
+        .success()
 }

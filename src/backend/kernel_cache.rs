@@ -42,7 +42,7 @@ impl KernelSource {
 
 /// `$FDPP_CACHE_DIR`, else `$XDG_CACHE_HOME/fdpp`, else `~/.cache/fdpp`.
 pub fn cache_root() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("FDPP_CACHE_DIR") {
+    if let Some(p) = crate::run_config::get().get(crate::run_config::Key::CacheDir) {
         return Some(p.into());
     }
     if let Ok(p) = std::env::var("XDG_CACHE_HOME") {

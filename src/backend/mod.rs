@@ -84,6 +84,16 @@ pub struct DeviceInfo {
     pub runtime_version: Option<String>,
 }
 
+/// The kernel hash a backend of `kind` built from this binary reports (no device needed): what
+/// a profile's `kernel_hash` is compared with.
+pub fn kernel_hash_of(kind: BackendKind) -> String {
+    match kind {
+        BackendKind::Cpu => cpu::kernel_source_hash(),
+        BackendKind::Cuda => cuda::sources::kernel_hash(),
+        BackendKind::Rocm => rocm::sources::kernel_hash(),
+    }
+}
+
 /// Lowercase, alphanumerics kept, every other run of characters becomes one '-'.
 pub fn slugify(name: &str) -> String {
     let mut out = String::new();
@@ -483,7 +493,9 @@ pub trait Backend {
     fn synchronize(&self) -> Result<()>;
 
     /// Measured copy bandwidth in GB/s, counting bytes read plus bytes written (a large
-    /// buffer-to-buffer copy, median of several). The memory roofline of every report.
+    /// buffer-to-buffer copy, median of several). The memory roofline of every report. The CPU
+    /// takes the faster of a copy and a read stream, each its best of several (a CPU copy moves
+    /// 1.5x the bytes it counts, so a read-only kernel would seem to beat it).
     fn copy_gbps(&self) -> Result<f64>;
 
     /// Run `f(i)` for i in 0..reps and return each run's time in milliseconds. GPU backends queue
@@ -532,7 +544,7 @@ fn attention_unsupported(info: &DeviceInfo, op: &str) -> FdppError {
 }
 
 /// Availability of one backend on this machine, for `fdpp devices` and `--backend auto`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BackendStatus {
     pub backend: BackendKind,
     pub available: bool,
@@ -577,11 +589,21 @@ macro_rules! with_backend {
 /// Open the chosen backend. `Auto` takes CUDA when a device is present, then ROCm, else the CPU; the
 /// returned note says which and why, for the user.
 pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)> {
+    let cpu_device = || {
+        if device != 0 {
+            return Err(FdppError::InvalidArgument(format!(
+                "--device {device}: the CPU backend has one device, 0 (all cores); --device picks a GPU"
+            )));
+        }
+        Ok(())
+    };
     match choice {
-        BackendChoice::Cpu => Ok((
-            AnyBackend::Cpu(cpu::CpuBackend::new()),
-            "backend: cpu (asked for)".into(),
-        )),
+        BackendChoice::Cpu => cpu_device().map(|_| {
+            (
+                AnyBackend::Cpu(cpu::CpuBackend::new()),
+                "backend: cpu (asked for)".into(),
+            )
+        }),
         BackendChoice::Cuda => Ok((
             AnyBackend::Cuda(cuda::CudaBackend::open(device)?),
             "backend: cuda (asked for)".into(),
@@ -600,10 +622,13 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
                     let note = format!("backend: rocm (auto: found {})", b.info().name);
                     Ok((AnyBackend::Rocm(b), note))
                 }
-                Err(rocm_err) => Ok((
-                    AnyBackend::Cpu(cpu::CpuBackend::new()),
-                    format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
-                )),
+                Err(rocm_err) => {
+                    cpu_device()?;
+                    Ok((
+                        AnyBackend::Cpu(cpu::CpuBackend::new()),
+                        format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
+                    ))
+                }
             },
         },
     }

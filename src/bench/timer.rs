@@ -4,9 +4,9 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendKind, DeviceInfo};
 use crate::dtype::{random_bits, DType};
-use crate::error::Result;
+use crate::error::{FdppError, Result};
 use crate::ops::gemm::{GemmDims, GemmSpec};
 
 #[derive(Clone, Copy, Debug)]
@@ -53,6 +53,61 @@ impl Stats {
     }
 }
 
+/// Share of a memory that a sweep may take (the rest is the runtime's, the OS's, other buffers').
+const USABLE_MEMORY: f64 = 0.9;
+
+/// The memory one [`GemmInputs`] copy of a [K, N] shape at up to `max_m` rows takes: (device,
+/// host). The device holds x, W and y; the host keeps x and W for the verifier and builds each
+/// copy before its upload (twice x and W at the peak).
+pub fn gemm_inputs_bytes(dtype: DType, n: usize, k: usize, max_m: usize) -> (u128, u128) {
+    let e = dtype.size_bytes() as u128;
+    let (n, k, m) = (n as u128, k as u128, max_m as u128);
+    let device = (m * k + n * k + m * n) * e;
+    let host = 2 * (m * k + n * k) * e;
+    (device, host)
+}
+
+/// Refuses a GEMM sweep whose inputs would not fit, before anything is allocated: the bytes it
+/// needs, the memory it has, and `flag`, the option that sets the rows (`--m-max`, `--m`). On the
+/// CPU the device is the host, so both needs add up. A memory size of 0 (unknown) is not checked.
+pub fn check_gemm_fits(
+    info: &DeviceInfo,
+    host_bytes: u64,
+    dtype: DType,
+    shapes: &[(usize, usize)],
+    max_m: usize,
+    flag: &str,
+) -> Result<()> {
+    let gib = |b: u128| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    for &(k, n) in shapes {
+        let (device, host) = gemm_inputs_bytes(dtype, n, k, max_m);
+        let mut needs = vec![("device", device, info.memory_bytes as u128)];
+        if info.backend == BackendKind::Cpu {
+            needs = vec![("host", device + host, info.memory_bytes as u128)];
+        } else {
+            needs.push(("host", host, host_bytes as u128));
+        }
+        for (what, need, have) in needs {
+            let usable = (have as f64 * USABLE_MEMORY) as u128;
+            if have > 0 && need > usable {
+                return Err(FdppError::InvalidArgument(format!(
+                    "GEMM [K={k}, N={n}] at M={max_m} ({dtype}) needs {} of {what} memory for x, W and y, \
+                     more than the {} usable of {}'s {}; lower {flag}",
+                    gib(need),
+                    gib(usable),
+                    if what == "host" && info.backend != BackendKind::Cpu {
+                        "the host"
+                    } else {
+                        &info.name
+                    },
+                    gib(have)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Random inputs for one [K, N] shape at the largest M of a sweep, in several copies so that a
 /// timed run does not find the weights in L2 (H100: 50 MB). Smaller M reuse the leading rows.
 pub struct GemmInputs<B: Backend> {
@@ -75,9 +130,22 @@ pub struct GemmInputs<B: Backend> {
 impl<B: Backend> GemmInputs<B> {
     /// `cache_bytes`: the last-level cache to defeat (device L2, or a CPU's LLC estimate).
     pub fn new(b: &B, dtype: DType, n: usize, k: usize, max_m: usize, cache_bytes: u64, seed: u64) -> Result<Self> {
+        // A clean error, not the allocator's abort, when one copy does not fit (the callers check
+        // first with their own flag's name; this guards every other path).
+        let host = crate::backend::cpu::info::host_memory_bytes();
+        check_gemm_fits(b.info(), host, dtype, &[(k, n)], max_m, "the number of rows M")?;
         let w_bytes = (n * k * 2) as u64;
         // Enough copies that the set being cycled through is at least 3x the cache.
-        let copies = (3 * cache_bytes).div_ceil(w_bytes.max(1)).clamp(1, 8) as usize;
+        let mut copies = (3 * cache_bytes).div_ceil(w_bytes.max(1)).clamp(1, 8) as usize;
+        // As many copies as fit the device beside y (one always does: checked above).
+        let mem = b.info().memory_bytes as u128;
+        if mem > 0 {
+            let (one, _) = gemm_inputs_bytes(dtype, n, k, max_m);
+            let y = (max_m * n * dtype.size_bytes()) as u128;
+            let usable = (mem as f64 * USABLE_MEMORY) as u128;
+            let fit = usable.saturating_sub(y) / (one - y).max(1);
+            copies = copies.min(fit.max(1) as usize);
+        }
         // Scale x by 1/sqrt(K) so outputs stay O(1) in fp16 at any K.
         let xs_scale = 1.0 / (k as f32).sqrt();
         let mut xs = Vec::with_capacity(copies);

@@ -158,6 +158,12 @@ fn m_list(given: &[usize], kind: BackendKind) -> anyhow::Result<Vec<usize>> {
     if ms.contains(&0) {
         bail!("--m: M must be at least 1 (got {given:?})");
     }
+    if let Some(big) = ms.iter().find(|&&m| m > crate::tune::grid::MAX_M) {
+        bail!(
+            "--m: M = {big} is above {}, past where any implementation but the vendor GEMM runs; give smaller M",
+            crate::tune::grid::MAX_M
+        );
+    }
     ms.sort_unstable();
     ms.dedup();
     Ok(ms)
@@ -215,11 +221,17 @@ fn bench_gemm<B: Backend>(
     profile: Option<&Profile>,
 ) -> anyhow::Result<()> {
     let info = b.info().clone();
+    if a.reps == 0 {
+        bail!("--reps: at least 1 timed run is needed");
+    }
     let ms = m_list(&a.m, info.backend)?;
     let opts = TimingOpts {
         warmup: a.warmup,
-        reps: a.reps.max(1),
+        reps: a.reps,
     };
+    let host = crate::backend::cpu::info::host_memory_bytes();
+    let dims: Vec<(usize, usize)> = shapes.iter().map(|s| (s.k, s.n)).collect();
+    crate::bench::timer::check_gemm_fits(&info, host, a.dtype, &dims, ms.last().copied().unwrap_or(1), "--m")?;
     // Weights must not be served from cache between timed runs; the CPU backend reports no
     // L2, so assume a large LLC.
     let cache_bytes = if info.l2_bytes > 0 { info.l2_bytes } else { 32 << 20 };

@@ -32,6 +32,8 @@ use crate::tune::sweep::TIMING_ROUNDS;
 pub const DEFAULT_PEAK_TFLOPS: f64 = 790.0;
 
 #[derive(Args, Debug)]
+// Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
+#[command(allow_negative_numbers = true)]
 pub struct AttnBenchArgs {
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,

@@ -10,7 +10,7 @@ use anyhow::bail;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::model_setup::{default_profile_path, find_profile, load_profile, weight_source};
+use super::model_setup::{default_profile_path, find_by_shape, find_profile, weight_source};
 use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::e2e::{case_plan, max_batch, memory_need, run_case, E2eCase, E2eMeasure, MemoryNeed};
@@ -39,6 +39,8 @@ pub enum ReuseChoice {
 }
 
 #[derive(Args, Debug, Clone)]
+// Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
+#[command(allow_negative_numbers = true)]
 pub struct E2eBenchArgs {
     /// A preset name (with --random-weights), an HF model directory, or its config.json.
     #[arg(long)]
@@ -184,22 +186,26 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
         scheme: none_scheme,
         softmax: none_softmax.clone(),
     };
-    let default = default_profile_path(b, spec);
     let out = match a.profile.as_deref() {
         Some("both") => {
-            if !default.exists() {
+            let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
+            eprintln!("{note}");
+            let Some(f) = found else {
                 bail!(
-                    "--profile both: no profile at {}; run `fdpp tune --model {}` first, or pass --profile FILE --compare-none",
-                    default.display(),
+                    "--profile both: no profile at {} nor any of this model's shapes beside it; run `fdpp tune --model {}` first, or pass --profile FILE --compare-none",
+                    default_profile_path(b, spec).display(),
                     a.model
                 );
-            }
-            let p = load_profile(b, &default, spec, a.dtype)?;
-            vec![with(p, default)?, none()]
+            };
+            vec![with(f.profile, f.path)?, none()]
         }
-        None if default.exists() => {
-            let p = load_profile(b, &default, spec, a.dtype)?;
-            vec![with(p, default)?, none()]
+        None => {
+            let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
+            eprintln!("{note}");
+            match found {
+                Some(f) => vec![with(f.profile, f.path)?, none()],
+                None => vec![none()],
+            }
         }
         arg => {
             let (found, note) = find_profile(b, arg, spec, &a.model, a.dtype)?;

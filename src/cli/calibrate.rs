@@ -19,6 +19,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use rand::{Rng, SeedableRng};
 
+use super::tune::default_report_dir;
 use super::tune::TuneArgs;
 use crate::backend::{self, Backend};
 use crate::engine::build::{build, memory_plan, EngineOptions, WeightSource};
@@ -409,7 +410,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
     let report_dir = a
         .report_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from("reports/tune").join(profile::file_stem(&info.slug)));
+        .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
     let mut prof = if profile_path.exists() {
         let (p, warnings) = profile::load_for_use(&profile_path, cfg, &info, &b.kernel_hash())?;
         for w in warnings {
@@ -422,13 +423,34 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         ));
         p
     } else {
-        lines.push(format!(
-            "profile: none at {}: writing one with the softmax section only (no GEMM sweep: the vendor \
-             gemm everywhere until `fdpp tune --model {}` adds it, keeping this section)",
-            profile_path.display(),
-            a.model
-        ));
-        Profile::without_gemm(b, cfg, a.dtype)
+        let dir = profile_path.parent().map(PathBuf::from).unwrap_or_default();
+        match profile::lookup::find(&dir, cfg, a.dtype, &info, &b.kernel_hash()) {
+            // The GEMM sweep of a profile found by shape serves this model too (the module docs
+            // of profile::lookup); the softmax section written here is this model's own.
+            Ok(found) if !found.coverage.covered.is_empty() => {
+                lines.push(format!(
+                    "profile: none at {}: writing one with the GEMM entries of {} (found by shape: {} of 4 \
+                     shapes) and this model's softmax section",
+                    profile_path.display(),
+                    found.path.display(),
+                    found.coverage.covered.len()
+                ));
+                let mut p = found.profile;
+                let own = Profile::without_gemm(b, cfg, a.dtype);
+                p.model = own.model;
+                p.softmax = None;
+                p
+            }
+            _ => {
+                lines.push(format!(
+                    "profile: none at {}: writing one with the softmax section only (no GEMM sweep: the vendor \
+                     gemm everywhere until `fdpp tune --model {}` adds it, keeping this section)",
+                    profile_path.display(),
+                    a.model
+                ));
+                Profile::without_gemm(b, cfg, a.dtype)
+            }
+        }
     };
     profile::check_writable(&profile_path)?;
 

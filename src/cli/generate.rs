@@ -26,6 +26,8 @@ use crate::model::tokenizer::Tokenizer;
 const DEFAULT_RANDOM_PROMPT: usize = 16;
 
 #[derive(Args, Debug, Clone)]
+// Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
+#[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
     /// An HF model directory (config.json, *.safetensors, tokenizer.json), or a preset name
     /// (with --random-weights).
@@ -134,11 +136,39 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.max_kv_tokens == Some(0) {
+        bail!("--max-kv-tokens must be at least 1 (it caps the KV cache, in tokens); leave it out to size the cache from the prompts");
+    }
+    if let Some(i) = a.stop.iter().position(String::is_empty) {
+        bail!(
+            "--stop (number {}) is empty: it would end every sequence at once; give the text to stop at",
+            i + 1
+        );
+    }
+    if let Some(i) = a.prompt.iter().position(|p| p.is_empty()) {
+        bail!(
+            "--prompt (number {}) is empty: give the text to continue, or --token-ids / --random-prompt",
+            i + 1
+        );
+    }
     let spec = ModelSpec::resolve(&a.model)?;
     check_supported(&spec.cfg)?;
     let source = weight_source(&spec, &a.model, a.random_weights, a.seed)?;
+    // A tokenizer that does not load is an error only where text must be encoded; with token ids
+    // the output is shown as ids.
+    let needs_text = !a.prompt.is_empty() || !a.prompt_file.is_empty();
     let tok = match spec.dir.as_deref().and_then(Tokenizer::find) {
-        Some(p) => Some(Tokenizer::load(&p)?),
+        Some(p) => match Tokenizer::load(&p) {
+            Ok(t) => Some(t),
+            Err(e) if !needs_text => {
+                eprintln!(
+                    "warning: {} does not load ({e}); generating from the token ids given, output shown as ids",
+                    p.display()
+                );
+                None
+            }
+            Err(e) => return Err(e.into()),
+        },
         None => None,
     };
     let prompts = collect_prompts(&a, tok.as_ref(), spec.cfg.vocab_size)?;
@@ -182,18 +212,38 @@ fn collect_prompts(a: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> a
             bail!("--random-prompt must be at least 1 token");
         }
         let ids: Vec<u32> = (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect();
-        eprintln!("random prompt of {n} tokens: {}", join_ids(&ids));
+        // A long prompt's ids would bury the output: the first and last few say which it was.
+        const SHOWN: usize = 8;
+        if n <= 4 * SHOWN {
+            eprintln!("random prompt of {n} tokens: {}", join_ids(&ids));
+        } else {
+            eprintln!(
+                "random prompt of {n} tokens: {},…,{} (seed {}; the first and last {SHOWN} shown)",
+                join_ids(&ids[..SHOWN]),
+                join_ids(&ids[n - SHOWN..]),
+                a.seed
+            );
+        }
         out.push(ids);
     }
     Ok(out)
 }
 
 fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
+    if s.trim().is_empty() {
+        bail!("--token-ids '{s}' holds no ids; give e.g. --token-ids 1,2,3");
+    }
     let ids = s
         .split(',')
         .map(|t| t.trim())
-        .filter(|t| !t.is_empty())
-        .map(|t| {
+        .enumerate()
+        .map(|(i, t)| {
+            if t.is_empty() {
+                bail!(
+                    "--token-ids '{s}': entry {} is empty (two commas in a row, or one at an end)",
+                    i + 1
+                );
+            }
             t.parse::<u32>()
                 .with_context(|| format!("--token-ids '{s}': '{t}' is not a token id (a non-negative integer)"))
         })
@@ -351,6 +401,15 @@ fn print_timings(out: &GenerateOutput) {
                 s.tokens.len(),
                 s.first_token_ms,
                 s.finish
+            );
+        }
+        // Running out of context is not what --max-tokens asked for: say so, not only in --json.
+        if s.finish == crate::engine::batch::FinishReason::Context {
+            eprintln!(
+                "note: sequence {i} stopped after {} tokens at the end of the model's context ({} prompt + {} generated), before --max-tokens",
+                s.tokens.len(),
+                s.prompt.len(),
+                s.tokens.len()
             );
         }
     }

@@ -12,6 +12,7 @@ pub mod kernels_rocm;
 pub mod model_setup;
 pub mod perplexity;
 pub mod profile;
+pub mod profile_list;
 pub mod shapes;
 pub mod tune;
 
@@ -23,7 +24,12 @@ use clap::{Parser, Subcommand};
     version,
     about = "Benchmark and autotune LLM inference kernels (FlashDecoding++), and run prefill/decode with the tuned profile"
 )]
+#[command(after_long_help = crate::run_config::help())]
 pub struct Cli {
+    /// A run-configuration switch, NAME=VALUE (repeatable); `fdpp --help` lists them. Overrides
+    /// the switch's FDPP_* environment variable.
+    #[arg(long = "set", global = true, value_name = "NAME=VALUE")]
+    pub set: Vec<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -50,6 +56,11 @@ pub enum Command {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    // Built once, before anything reads a switch.
+    crate::run_config::init(crate::run_config::RunConfig::build(
+        |v| std::env::var(v).ok(),
+        &cli.set,
+    )?)?;
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),

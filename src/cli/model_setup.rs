@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::engine::build::WeightSource;
 use crate::model::llama::ModelSpec;
-use crate::profile::{self, Profile};
+use crate::profile::{self, lookup, Profile};
 
 /// `--random-weights` or the HF directory's safetensors; a preset without `--random-weights`
 /// has no weights to read.
@@ -39,8 +39,10 @@ pub struct FoundProfile {
     pub path: PathBuf,
 }
 
-/// `--profile P`, `--profile none` (None), or, when not given, the default path when a profile
-/// is there. The string says what was chosen, for the user.
+/// `--profile P`, `--profile none` (None), or, when not given, the best profile of this device
+/// for the model's shapes ([`lookup::find`]: any model whose four linear shapes match, the
+/// softmax section only from the model's own). The string says what was chosen and why, one
+/// line per fact, the first `profile: <path>`.
 pub fn find_profile<B: Backend>(
     b: &B,
     arg: Option<&str>,
@@ -48,29 +50,58 @@ pub fn find_profile<B: Backend>(
     model_arg: &str,
     dtype: DType,
 ) -> anyhow::Result<(Option<FoundProfile>, String)> {
-    let path: PathBuf = match arg {
-        Some("none") => return Ok((None, "profile: none (vendor GEMM for every linear op)".into())),
-        Some(p) => PathBuf::from(p),
-        None => {
-            let p = default_profile_path(b, spec);
-            if !p.exists() {
-                return Ok((
-                    None,
-                    format!(
-                        "profile: none found at {} (defaults: vendor GEMM; run `fdpp tune --model {model_arg}` to make one)",
-                        p.display(),
-                    ),
-                ));
-            }
-            p
+    match arg {
+        Some("none") => Ok((None, "profile: none (vendor GEMM for every linear op)".into())),
+        Some(p) => {
+            let path = PathBuf::from(p);
+            let profile = load_profile(b, &path, spec, dtype)?;
+            Ok((
+                Some(FoundProfile {
+                    profile,
+                    path: path.clone(),
+                }),
+                format!("profile: {}", path.display()),
+            ))
         }
-    };
-    let profile = load_profile(b, &path, spec, dtype)?;
-    let note = format!("profile: {}", path.display());
-    Ok((Some(FoundProfile { profile, path }), note))
+        None => find_by_shape(b, spec, model_arg, dtype),
+    }
 }
 
-/// Load a profile for this device and model, printing its warnings (another dtype included).
+/// The lookup of [`find_profile`] when no `--profile` is given.
+pub fn find_by_shape<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    model_arg: &str,
+    dtype: DType,
+) -> anyhow::Result<(Option<FoundProfile>, String)> {
+    let own = default_profile_path(b, spec);
+    let dir = own.parent().map(PathBuf::from).unwrap_or_default();
+    match lookup::find(&dir, &spec.cfg, dtype, b.info(), &b.kernel_hash()) {
+        Ok(f) => {
+            for w in profile::load_for_use_warnings(&f.path, &f.profile, b.info(), &b.kernel_hash()) {
+                eprintln!("warning: {w}");
+            }
+            Ok((
+                Some(FoundProfile {
+                    profile: f.profile,
+                    path: f.path,
+                }),
+                f.notes.join("\n"),
+            ))
+        }
+        Err(why) => Ok((
+            None,
+            format!(
+                "profile: none found at {} ({why}; defaults: vendor GEMM; run `fdpp tune --model {model_arg}` to make one)",
+                own.display(),
+            ),
+        )),
+    }
+}
+
+/// Load a profile for use with this device and model, printing its warnings (another dtype,
+/// shapes that fall back to the vendor GEMM). A profile that measures none of the model's
+/// shapes is refused.
 pub fn load_profile<B: Backend>(
     b: &B,
     path: &std::path::Path,

@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use super::Format;
-use crate::backend::{self, Backend, BackendChoice, BackendKind};
+use crate::backend::{self, Backend, BackendChoice, BackendKind, DeviceInfo};
 use crate::error::FdppError;
 use crate::ops::gemm::GemmImpl;
 use crate::profile::{classify_mismatches, Measurement, Mismatch, Profile, Severity, ShapeProfile};
@@ -24,6 +24,8 @@ pub enum ProfileCmd {
     Show(ShowArgs),
     /// Compare the profile's machine with this one: refuse on a hard mismatch, warn on a soft one.
     Check(CheckArgs),
+    /// Every profile on disk: device, model, shapes, softmax; with --model, which one it runs with.
+    List(super::profile_list::ListArgs),
 }
 
 #[derive(Args, Debug)]
@@ -44,6 +46,11 @@ pub struct CheckArgs {
     /// Also check that the profile was made for this model's shapes.
     #[arg(long)]
     pub model: Option<String>,
+    /// Compare with a device described in a file instead of this machine's: the JSON that
+    /// `fdpp devices --format json` prints on the target machine (or one device object of it).
+    /// Without it, a machine that lacks the profile's backend is compared on the kernels alone.
+    #[arg(long)]
+    pub against: Option<PathBuf>,
 }
 
 pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
@@ -54,6 +61,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             Ok(())
         }
         ProfileCmd::Check(c) => check(c),
+        ProfileCmd::List(l) => super::profile_list::run(l),
     }
 }
 
@@ -67,9 +75,22 @@ fn check(c: CheckArgs) -> anyhow::Result<()> {
         BackendKind::Cuda => BackendChoice::Cuda,
         BackendKind::Rocm => BackendChoice::Rocm,
     });
-    let (any, note) = backend::open(choice, c.device)?;
-    eprintln!("{note}");
-    let (info, hash) = crate::with_backend!(&any, b => (b.info().clone(), b.kernel_hash()));
+    let kind = match choice {
+        BackendChoice::Cpu => BackendKind::Cpu,
+        BackendChoice::Cuda => BackendKind::Cuda,
+        BackendChoice::Rocm => BackendKind::Rocm,
+        BackendChoice::Auto => p.provenance.backend,
+    };
+    let (info, hash) = match &c.against {
+        Some(file) => (device_from_file(file, kind, c.device)?, backend::kernel_hash_of(kind)),
+        None => match backend::open(choice, c.device) {
+            Ok((any, note)) => {
+                eprintln!("{note}");
+                crate::with_backend!(&any, b => (b.info().clone(), b.kernel_hash()))
+            }
+            Err(e) => return check_kernels_only(&c, &p, kind, &e.to_string()),
+        },
+    };
     let mismatches = classify_mismatches(&p.provenance, &info, &hash);
     let verdict = verdict(&mismatches);
     for m in &mismatches {
@@ -79,9 +100,13 @@ fn check(c: CheckArgs) -> anyhow::Result<()> {
         };
         eprintln!("{tag}: {m}");
     }
+    let target = match &c.against {
+        Some(f) => format!("the device of {}", f.display()),
+        None => "this machine".to_string(),
+    };
     match verdict {
         Verdict::Refuse(why) => Err(anyhow::anyhow!(
-            "{}: made on {} ({}) and does not fit this machine ({}): {why}; re-run `fdpp tune --model {}`",
+            "{}: made on {} ({}) and does not fit {target} ({}): {why}; re-run `fdpp tune --model {}`",
             c.file.display(),
             p.provenance.device.name,
             p.provenance.device.arch,
@@ -89,14 +114,66 @@ fn check(c: CheckArgs) -> anyhow::Result<()> {
             p.model.name
         )),
         Verdict::Warn => {
-            println!("{}: usable here, with the warnings above", c.file.display());
+            println!("{}: usable on {target}, with the warnings above", c.file.display());
             Ok(())
         }
         Verdict::Ok => {
-            println!("{}: matches this machine ({})", c.file.display(), info.name);
+            println!("{}: matches {target} ({})", c.file.display(), info.name);
             Ok(())
         }
     }
+}
+
+/// The device to compare with, from `fdpp devices --format json` output (the `ordinal`-th device
+/// of the `kind` backend) or from one device object.
+fn device_from_file(file: &std::path::Path, kind: BackendKind, ordinal: usize) -> anyhow::Result<DeviceInfo> {
+    let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("--against {}: {e}", file.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        anyhow::anyhow!(
+            "--against {}: not JSON ({e}); give `fdpp devices --format json` output",
+            file.display()
+        )
+    })?;
+    if v.is_object() {
+        return serde_json::from_value(v)
+            .map_err(|e| anyhow::anyhow!("--against {}: not a device description ({e})", file.display()));
+    }
+    let backends: Vec<crate::backend::BackendStatus> = serde_json::from_value(v).map_err(|e| {
+        anyhow::anyhow!(
+            "--against {}: neither `fdpp devices --format json` output nor a device ({e})",
+            file.display()
+        )
+    })?;
+    backends
+        .into_iter()
+        .find(|s| s.backend == kind)
+        .and_then(|s| s.devices.into_iter().nth(ordinal))
+        .ok_or_else(|| anyhow::anyhow!("--against {}: no {kind} device {ordinal} in it", file.display()))
+}
+
+/// No device of the profile's backend here: compare what this binary can, its kernels, and say
+/// that the device itself was not compared.
+fn check_kernels_only(c: &CheckArgs, p: &Profile, kind: BackendKind, why: &str) -> anyhow::Result<()> {
+    let hash = backend::kernel_hash_of(kind);
+    eprintln!(
+        "note: no {kind} device here ({why}); comparing the kernels only (give --against FILE to compare a device)"
+    );
+    if hash != p.provenance.kernel_hash {
+        anyhow::bail!(
+            "{}: its kernels (hash {}) are not this build's ({hash}): refused on any machine; re-run `fdpp tune --model {}`",
+            c.file.display(),
+            p.provenance.kernel_hash,
+            p.model.name
+        );
+    }
+    println!(
+        "{}: its kernels are this build's; usable on a machine with {} ({} {}), not checked here",
+        c.file.display(),
+        p.provenance.device.name,
+        kind,
+        p.provenance.device.arch
+    );
+    Ok(())
 }
 
 #[derive(Debug, PartialEq, Eq)]

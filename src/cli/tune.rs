@@ -20,6 +20,8 @@ use crate::report::{self, GemmRecord, Mark, ReportFiles, RunContext};
 use crate::tune::sweep::{self, SweepOpts};
 
 #[derive(Args, Debug, Clone)]
+// Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
+#[command(allow_negative_numbers = true)]
 pub struct TuneArgs {
     /// Preset name, or a path to an HF config.json (or a directory holding one).
     #[arg(long)]
@@ -40,7 +42,7 @@ pub struct TuneArgs {
     /// Profile path [default: profiles/<device-slug>/<model>.json].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Report directory [default: reports/tune/<device-slug>].
+    /// Report directory [default: reports/tune/<device-slug>, or <profile>-report/ beside --out].
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
     /// Format of the table printed on stdout.
@@ -60,6 +62,26 @@ pub struct TuneOutcome {
     pub table: String,
     /// One line per shape: M1, M2 and rejected candidates.
     pub summary: Vec<String>,
+}
+
+/// Where a tune's report goes without --report-dir: beside the profile when --out names one, in
+/// `<profile stem>-report/` (so that a tune to another file never overwrites the reports of the
+/// default profile, and the report's own JSON never lands on the profile), else
+/// reports/tune/<device>/.
+pub fn default_report_dir(out: Option<&std::path::Path>, device_slug: &str) -> PathBuf {
+    match out {
+        Some(o) => {
+            let stem = o
+                .file_stem()
+                .map_or("profile".into(), |s| s.to_string_lossy().into_owned());
+            let dir = o
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            dir.join(format!("{stem}-report"))
+        }
+        None => PathBuf::from("reports/tune").join(profile::file_stem(device_slug)),
+    }
 }
 
 /// `--model`: a preset or an HF config. The single place to switch to `ModelConfig::resolve`.
@@ -107,20 +129,27 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     let report_dir = a
         .report_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from("reports/tune").join(profile::file_stem(&info.slug)));
-    // Find an unwritable output before the sweep, not after it.
+        .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
+    // Find an unwritable output, or inputs that cannot fit, before the sweep, not during it.
     profile::check_writable(&profile_path)?;
+    let dims: Vec<(usize, usize)> = ModelShapes::of(cfg).linears.iter().map(|s| (s.k, s.n)).collect();
+    let max_m = opts.m_grid.last().copied().unwrap_or(1);
+    let host = crate::backend::cpu::info::host_memory_bytes();
+    crate::bench::timer::check_gemm_fits(&info, host, a.dtype, &dims, max_m, "--m-max")?;
     std::fs::create_dir_all(&report_dir)
         .map_err(|e| FdppError::io(&report_dir, format!("cannot create the report directory: {e}")))?;
 
     let shapes = ModelShapes::of(cfg);
-    let bar = ProgressBar::new(sweep::count_steps(b, &shapes.linears, &opts));
-    if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}") {
+    // Weighted by each step's FLOPs: the bar's estimate then holds although the steps at large M
+    // take far longer than those at small M.
+    let bar = ProgressBar::new(sweep::count_work(b, &shapes.linears, &opts));
+    if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {percent}% (about {eta} left) {msg}")
+    {
         bar.set_style(style.progress_chars("=> "));
     }
-    let profile = sweep::tune(b, cfg, &opts, &mut |msg| {
-        bar.set_message(msg.to_string());
-        bar.inc(1);
+    let profile = sweep::tune(b, cfg, &opts, &mut |step| {
+        bar.set_message(step.label.to_string());
+        bar.inc(step.work);
     })
     .with_context(|| format!("tuning {} on {}", cfg.name, info.name))?;
     bar.finish_and_clear();

@@ -5,13 +5,14 @@ use std::path::PathBuf;
 
 use crate::backend::{Backend, BackendKind};
 use crate::dtype::DType;
-use crate::engine::forward::Llama;
+use crate::engine::forward::Model;
 use crate::engine::linear::LinearPlanner;
-use crate::engine::memory::{self, MemoryPlan, MemoryRequest};
+use crate::engine::memory::{self, ActDims, MemoryPlan, MemoryRequest};
 use crate::engine::runner::{Engine, DEFAULT_CHUNK};
 use crate::error::{FdppError, Result};
 use crate::kv::DEFAULT_PAGE_SIZE;
-use crate::model::llama::{self, check_supported, ModelSpec};
+use crate::model::family;
+use crate::model::spec::ModelSpec;
 use crate::model::weights::WeightStore;
 use crate::ops::attention::SoftmaxScheme;
 use crate::profile::Profile;
@@ -19,7 +20,7 @@ use crate::profile::Profile;
 /// Where the weights come from.
 #[derive(Clone, Debug)]
 pub enum WeightSource {
-    /// Generated on the backend from this seed (see [`llama::random`]).
+    /// Generated on the backend from this seed (see [`family::random`]).
     Random { seed: u64 },
     /// The safetensors of an HF directory.
     Dir(PathBuf),
@@ -66,6 +67,7 @@ pub fn memory_plan<B: Backend>(
     if opts.chunk == 0 {
         return Err(FdppError::InvalidArgument("--chunk-size must be at least 1".into()));
     }
+    let arch = spec.arch()?;
     let batch = seq_tokens.len().max(1);
     let max_step = opts.chunk.min(prompt_tokens).max(batch);
     let cap = match (opts.max_kv_tokens, b.info().backend) {
@@ -80,11 +82,12 @@ pub fn memory_plan<B: Backend>(
     };
     memory::plan(
         &spec.cfg,
+        &ActDims::of(&arch),
         &MemoryRequest {
             dtype: opts.dtype,
             device_memory: b.info().memory_bytes,
             mem_fraction: opts.mem_fraction,
-            weights_bytes: llama::weights_bytes(&spec.cfg, opts.dtype),
+            weights_bytes: family::weights_bytes(&arch, opts.dtype),
             max_step_tokens: max_step,
             max_batch: batch,
             page_size: opts.page_size,
@@ -116,17 +119,17 @@ pub fn build_model<'b, B: Backend>(
     source: &WeightSource,
     profile: Option<Profile>,
     opts: &EngineOptions,
-) -> Result<Llama<'b, B>> {
-    check_supported(&spec.cfg)?;
+) -> Result<Model<'b, B>> {
+    let arch = spec.arch()?;
     let weights = match source {
-        WeightSource::Random { seed } => llama::random(b, &spec.cfg, opts.dtype, *seed)?,
+        WeightSource::Random { seed } => family::random(b, &arch, opts.dtype, *seed)?,
         WeightSource::Dir(dir) => {
             let store = WeightStore::open(dir)?;
-            llama::load(b, &store, &spec.cfg, opts.dtype)?
+            family::load(b, &store, &arch, opts.dtype)?
         }
     };
     let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile);
-    let model = Llama::new(
+    let model = Model::new(
         b,
         spec.cfg.clone(),
         &spec.extras,

@@ -1,24 +1,29 @@
-//! The Llama-family forward pass over the [`Backend`] trait: one step runs every layer for the
-//! new tokens of a batch of sequences (a prefill chunk or a decode step) and returns the logits
-//! of the sequences that asked for them.
+//! The forward pass over the [`Backend`] trait, for any [`Arch`]: one step runs every layer for
+//! the new tokens of a batch of sequences (a prefill chunk or a decode step) and returns the
+//! logits of the sequences that asked for them.
 //!
-//! Per layer: add_rmsnorm → QKV GEMM → qkv_rope → attention (prefill writes the new K/V into
-//! the cache itself; decode appends them in the rotation's kernel, qkv_rope_append, then
-//! attends) → O GEMM → add_rmsnorm (the residual add fused in) → FFN1 GEMM (gate and up fused)
-//! → silu_mul → FFN2 GEMM. The FFN2 output is added to the residual by the next layer's
-//! add_rmsnorm, and by the final norm after the last layer. Every GEMM's implementation comes
-//! from the profile at this step's M (FlashDecoding++ §4); attention uses the profile's softmax
-//! scheme (§3). On CUDA a decode step launches layer 0 and replays layers 1.. from a graph keyed
-//! by layer 0's launches (backend/cuda/graph.rs).
+//! A step: embedding (→ project_in, + learned positions, as the model has them) → layers →
+//! final norm → gather of the wanted rows (→ project_out) → LM head. A layer: norm (RMSNorm, or
+//! LayerNorm with bias; the residual add of the previous layer's output fused in) → QKV GEMM →
+//! qkv_rope (bias, rotary over all, part or none of each head, in either pairing layout; a
+//! decode step appends the new K/V to the cache in the same op, qkv_rope_append) → attention
+//! (prefill writes the new K/V into the cache itself) → O GEMM (+ bias) → norm → FFN1 GEMM →
+//! GLU (gated MLP) or bias + activation in place (plain MLP) → FFN2 GEMM (+ bias). The FFN2
+//! output is added to the residual by the next layer's norm, and by the final norm after the
+//! last layer. Every GEMM's implementation comes from the profile at this step's M
+//! (FlashDecoding++ §4); attention uses the profile's softmax scheme (§3). On CUDA a decode
+//! step launches layer 0 and replays layers 1.. from a graph keyed by layer 0's launches
+//! (backend/cuda/graph.rs).
 //!
-//! Fused decode layers: where the backend has fused gemv kernels ([`Backend::fused_gemv_ops`]),
-//! the norms' γ are folded into W_qkv and W_ffn1 at load (and the norm weights become ones, so
-//! the unfused path computes the same product). A step whose four GEMMs all run on gemv then
-//! drops both add_rmsnorm launches of every layer: QKV and FFN1 read the raw residual and scale
-//! by its 1/rms (`gemm_rms_in`), O and FFN2 add their output to the residual in their epilogue
-//! (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself (`gemm_rms_glu`, no silu_mul
-//! launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused launches; `FDPP_FUSED_GLU=0`
-//! keeps silu_mul apart.
+//! Fused decode layers, where the architecture allows them ([`Arch::fusable`]: RMSNorm, SiLU
+//! GLU, no bias after O or FFN2) and the backend has fused gemv kernels
+//! ([`Backend::fused_gemv_ops`]): the norms' γ are folded into W_qkv and W_ffn1 at load (and
+//! the norm weights become ones, so the unfused path computes the same product). A step whose
+//! four GEMMs all run on gemv then drops both norm launches of every layer: QKV and FFN1 read
+//! the raw residual and scale by its 1/rms (`gemm_rms_in`), O and FFN2 add their output to the
+//! residual in their epilogue (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself
+//! (`gemm_rms_glu`, no GLU launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused
+//! launches; `FDPP_FUSED_GLU=0` keeps the GLU apart.
 
 use std::cell::RefCell;
 
@@ -29,28 +34,34 @@ use crate::dtype::DType;
 use crate::engine::activations::Activations;
 use crate::engine::kv::KvCache;
 use crate::engine::linear::{LinearPlanner, StepGemms};
-use crate::engine::rope;
 use crate::error::{FdppError, Result};
 use crate::kv::{BlockTable, FlatBlockTables};
+use crate::model::arch::{Arch, Mlp, NormKind, Positions};
 use crate::model::hf::HfExtras;
-use crate::model::llama::{check_supported, LlamaWeights};
+use crate::model::spec::check_arch;
+use crate::model::tensors::{ModelWeights, Norm};
 use crate::model::ModelConfig;
-use crate::ops::attention::{AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{AttnGeometry, AttnStats, PrefillParams, SoftmaxScheme};
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::ops::layer::{
-    EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
+    Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, LayerNormParams, PositionParams,
+    RmsNormParams, RopeParams,
 };
 use crate::ops::scores::ScoreStatsParams;
+
+use super::step::{Attn, StepInputs};
+pub use super::step::{StepKind, StepOut, StepSeq, StepWant};
 
 /// Block-table stride granularity of graph-replayed decode steps, in pages.
 const GRAPH_STRIDE_PAGES: usize = 64;
 
 /// A model ready to run on a backend.
-pub struct Llama<'b, B: Backend> {
+pub struct Model<'b, B: Backend> {
     b: &'b B,
     pub cfg: ModelConfig,
+    pub arch: Arch,
     pub dtype: DType,
-    pub weights: LlamaWeights<B::Buffer>,
+    pub weights: ModelWeights<B::Buffer>,
     pub geom: AttnGeometry,
     pub inv_freq: Vec<f32>,
     pub linears: LinearPlanner,
@@ -61,74 +72,37 @@ pub struct Llama<'b, B: Backend> {
     pub score_stats: RefCell<Option<ScoreStats>>,
     /// The norms' γ are folded into W_qkv and W_ffn1 (see the module comment).
     folded: bool,
-    /// A fused step runs FFN1 and silu_mul as one launch (`gemm_rms_glu`).
+    /// A fused step runs FFN1 and the GLU as one launch (`gemm_rms_glu`).
     fused_glu: bool,
 }
 
-/// Whether a step appends one token per sequence (decode) or attends over several new tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepKind {
-    Prefill,
-    Decode,
-}
+/// The name the model had when the engine ran the Llama family only (other modules' imports).
+pub type Llama<'b, B> = Model<'b, B>;
 
-/// One sequence's part of a step.
-#[derive(Clone, Copy, Debug)]
-pub struct StepSeq<'a> {
-    /// The sequence's pages, already grown to hold the new tokens (seq_len counts them).
-    pub table: &'a BlockTable,
-    /// The new tokens, at positions seq_len − len .. seq_len.
-    pub tokens: &'a [u32],
-    /// Return the logits of the last new token.
-    pub want_logits: bool,
-}
-
-/// What a step returns for the sequences that want its last token's output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepWant {
-    /// The logits, read back to the host (any sampler).
-    Logits,
-    /// The greedy token chosen on the device ([`Backend::argmax_rows`]): one index per
-    /// sequence is read back instead of vocab_size logits.
-    Greedy,
-    /// The greedy choice queued, not read ([`Backend::greedy_enqueue`]; the step returns no
-    /// tokens). `fed`: the step's input tokens are the previous queued choice, still on the
-    /// device ([`Backend::embedding_fed`]); the tokens of its sequences are placeholders.
-    Queued { fed: bool },
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct StepOut {
-    /// With [`StepWant::Logits`]: one row of vocab_size logits per sequence that wanted them, in
-    /// step order.
-    pub logits: Vec<Vec<f32>>,
-    /// With [`StepWant::Greedy`]: the chosen token of each of those sequences, in step order.
-    pub tokens: Vec<u32>,
-    pub attn: AttnStats,
-}
-
-impl<'b, B: Backend> Llama<'b, B> {
+impl<'b, B: Backend> Model<'b, B> {
+    /// The model of `cfg` and `extras` over `weights` (from [`crate::model::family`]).
     pub fn new(
         b: &'b B,
         cfg: ModelConfig,
         extras: &HfExtras,
         dtype: DType,
-        weights: LlamaWeights<B::Buffer>,
+        weights: ModelWeights<B::Buffer>,
         linears: LinearPlanner,
         scheme: SoftmaxScheme,
     ) -> Result<Self> {
-        check_supported(&cfg)?;
+        let arch = check_arch(&cfg, extras)?;
         scheme.validate()?;
-        let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
-        let inv_freq = rope::inv_freq(cfg.head_dim, cfg.rope_theta, extras.rope_scaling.as_ref());
+        let geom = AttnGeometry::new(arch.heads, arch.kv_heads, arch.head_dim)?;
+        let inv_freq = arch.inv_freq();
         let mut weights = weights;
-        let folded = b.fused_gemv_ops() && env_on("FDPP_FUSED_GEMV");
+        let folded = arch.fusable() && b.fused_gemv_ops() && env_on("FDPP_FUSED_GEMV");
         if folded {
-            fold_norms(b, &cfg, dtype, &mut weights)?;
+            fold_norms(b, &arch, dtype, &mut weights)?;
         }
-        Ok(Llama {
+        Ok(Model {
             b,
             cfg,
+            arch,
             dtype,
             weights,
             geom,
@@ -156,248 +130,254 @@ impl<'b, B: Backend> Llama<'b, B> {
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
     ) -> Result<StepOut> {
-        let b = self.b;
-        let cfg = &self.cfg;
-        let dt = self.dtype;
-        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        if seqs.is_empty() {
-            return Err(FdppError::InvalidArgument("a step needs at least one sequence".into()));
-        }
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut new_lens = Vec::with_capacity(seqs.len());
-        let mut wanted_rows = Vec::new();
-        for (i, s) in seqs.iter().enumerate() {
-            let n = s.tokens.len();
-            if n == 0 || n > s.table.seq_len {
-                return Err(FdppError::InvalidArgument(format!(
-                    "step sequence {i}: {n} new tokens for a sequence of {} (must be 1..=its length)",
-                    s.table.seq_len
-                )));
-            }
-            if kind == StepKind::Decode && n != 1 {
-                return Err(FdppError::InvalidArgument(format!(
-                    "decode step sequence {i}: {n} new tokens; a decode step appends exactly one"
-                )));
-            }
-            let start = s.table.seq_len - n;
-            ids.extend(s.tokens.iter().map(|&t| t as i32));
-            positions.extend((start..start + n).map(|p| p as i32));
-            new_lens.push(n as i32);
-            if s.want_logits {
-                wanted_rows.push((ids.len() - 1) as i32);
-            }
-        }
-        let t = ids.len();
-        let plan = &acts.plan;
-        if t > plan.max_tokens || wanted_rows.len() > plan.max_batch {
-            return Err(FdppError::InvalidArgument(format!(
-                "internal: a step of {t} tokens and {} logit rows exceeds the memory plan ({} tokens, {} rows)",
-                wanted_rows.len(),
-                plan.max_tokens,
-                plan.max_batch
-            )));
-        }
-        let g = plan.globals;
-        let layer_slots = plan.layers.clone();
-        let tables: Vec<BlockTable> = seqs.iter().map(|s| s.table.clone()).collect();
-        let flat = FlatBlockTables::new(&kv.layout, &tables)?;
-        let graphs = kind == StepKind::Decode
-            && self.score_stats.borrow().is_none()
-            && !self.op_times.on()
-            && b.graph_counts().is_some();
-        // The table stride is a kernel argument: rounded up, one decode graph serves many steps.
-        let flat = if graphs {
-            let stride = flat.max_pages.div_ceil(GRAPH_STRIDE_PAGES) * GRAPH_STRIDE_PAGES;
-            flat.with_stride(stride)
-        } else {
-            flat
-        };
-        let gemms = self.linears.step(t, wanted_rows.len().max(1));
+        let inp = StepInputs::of(kind, seqs)?;
+        inp.check_plan(&acts.plan, self.arch.projects_embedding())?;
+        let t = inp.tokens();
+        let graphs = self.graphs_on(kind);
+        let tables = self.block_tables(kv, seqs, graphs)?;
+        let gemms = self.linears.step(t, inp.wanted_rows.len().max(1));
         let fused = self.folded && self.fusable(&gemms, t);
-        let mut stats = AttnStats::default();
-
-        self.op_times.start(
-            b,
-            match kind {
-                StepKind::Prefill => "prefill",
-                StepKind::Decode => "decode",
-            },
-        )?;
-        let ep = EmbeddingParams {
-            ids,
-            vocab,
-            hidden: h,
-            dtype: dt,
-        };
-        if want == (StepWant::Queued { fed: true }) {
-            b.embedding_fed(&ep, &self.weights.embed, acts.get_mut(g.residual))?;
-        } else {
-            b.embedding(&ep, &self.weights.embed, acts.get_mut(g.residual))?;
-        }
-        self.op_times.lap(b, "embedding")?;
-        let norm = RmsNormParams {
-            rows: t,
-            hidden: h,
-            eps: cfg.rms_norm_eps as f32,
-            dtype: dt,
-        };
-        let rope = RopeParams {
-            geom: self.geom,
-            dtype: dt,
-            positions,
-            inv_freq: self.inv_freq.clone(),
-            layout: RopeLayout::Half,
-        };
-        // The same tables and lengths serve every layer.
-        let attn = match kind {
-            StepKind::Prefill => Attn::Prefill(PrefillParams {
-                geom: self.geom,
-                dtype: dt,
-                scheme: self.scheme,
-                tables: flat,
-                new_lens,
-            }),
-            StepKind::Decode => Attn::Decode(
-                KvAppendParams {
-                    tables: flat.clone(),
-                    new_lens,
-                },
-                DecodeParams {
-                    geom: self.geom,
-                    dtype: dt,
-                    scheme: self.scheme,
-                    tables: flat,
-                    num_splits: None,
-                },
-            ),
-        };
-        // Statistics mode: the scores of this step as a prefill of its new tokens (a decode step
-        // is one new token per sequence over the same tables).
-        let stats_params = self.score_stats.borrow().as_ref().map(|st| {
-            let p = match &attn {
-                Attn::Prefill(p) => p.clone(),
-                Attn::Decode(ap, p) => PrefillParams {
-                    geom: p.geom,
-                    dtype: p.dtype,
-                    scheme: p.scheme,
-                    tables: p.tables.clone(),
-                    new_lens: ap.new_lens.clone(),
-                },
-            };
-            (p, st.params)
-        });
+        self.op_times.start(self.b, kind.tag())?;
+        self.embed(&inp, want, acts)?;
+        let attn = Attn::new(kind, self.geom, self.dtype, self.scheme, tables, inp.new_lens.clone());
         let la = LayerArgs {
-            norm: &norm,
-            rope: &rope,
-            attn: &attn,
-            gemms: &gemms,
+            rope: self.rope_params(inp.positions.clone()),
+            stats_params: self.stats_params(&attn),
+            attn,
+            gemms,
             tokens: t,
-            residual: g.residual,
-            stats_params: &stats_params,
+            residual: acts.plan.globals.residual,
             fused,
         };
-        let n = self.weights.layers.len();
-        stats.rows += n * t * cfg.num_heads;
-        // Decode steps replay layers 1.. from a CUDA graph keyed by layer 0's launches
-        // (backend/cuda/graph.rs); other backends, prefill and the diagnostic modes run eagerly.
+        self.run_layers(&la, graphs, kv, acts)?;
+        self.final_norm(&la, acts)?;
+        let mut attn_stats = AttnStats {
+            rows: self.arch.layers * t * self.arch.heads,
+            ..AttnStats::default()
+        };
+        let out = self.output(&la, inp.wanted_rows, want, acts)?;
+        attn_stats.recomputed += out.attn.recomputed;
+        Ok(StepOut {
+            attn: attn_stats,
+            ..out
+        })
+    }
+
+    /// Decode steps replay their layers from a CUDA graph unless a diagnostic mode is on.
+    fn graphs_on(&self, kind: StepKind) -> bool {
+        kind == StepKind::Decode
+            && self.score_stats.borrow().is_none()
+            && !self.op_times.on()
+            && self.b.graph_counts().is_some()
+    }
+
+    /// The step's block tables; in a graph-replayed step the stride is rounded up (it is a
+    /// kernel argument, so one graph then serves many steps).
+    fn block_tables(&self, kv: &KvCache<B::Buffer>, seqs: &[StepSeq], graphs: bool) -> Result<FlatBlockTables> {
+        let tables: Vec<BlockTable> = seqs.iter().map(|s| s.table.clone()).collect();
+        let flat = FlatBlockTables::new(&kv.layout, &tables)?;
+        if !graphs {
+            return Ok(flat);
+        }
+        let stride = flat.max_pages.div_ceil(GRAPH_STRIDE_PAGES) * GRAPH_STRIDE_PAGES;
+        Ok(flat.with_stride(stride))
+    }
+
+    fn rope_params(&self, positions: Vec<i32>) -> RopeParams {
+        RopeParams {
+            geom: self.geom,
+            dtype: self.dtype,
+            positions,
+            inv_freq: self.inv_freq.clone(),
+            layout: self.arch.rope_layout(),
+        }
+    }
+
+    /// Statistics mode: the scores of this step as a prefill of its new tokens (a decode step
+    /// is one new token per sequence over the same tables).
+    fn stats_params(&self, attn: &Attn) -> Option<(PrefillParams, ScoreStatsParams)> {
+        self.score_stats
+            .borrow()
+            .as_ref()
+            .map(|st| (attn.as_prefill(), st.params))
+    }
+
+    /// Token embedding into the residual: through project_in when the embedding is narrower,
+    /// plus the learned positions when the model has them.
+    fn embed(&self, inp: &StepInputs, want: StepWant, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let (b, a, w, dt) = (self.b, &self.arch, &self.weights, self.dtype);
+        let g = acts.plan.globals;
+        let ep = EmbeddingParams {
+            ids: inp.ids.clone(),
+            vocab: a.vocab,
+            hidden: a.embed_dim,
+            dtype: dt,
+        };
+        let dst = g.embedded.unwrap_or(g.residual);
+        if want == (StepWant::Queued { fed: true }) {
+            b.embedding_fed(&ep, &w.embed, acts.get_mut(dst))?;
+        } else {
+            b.embedding(&ep, &w.embed, acts.get_mut(dst))?;
+        }
+        self.op_times.lap(b, "embedding")?;
+        if let (Some(e), Some(proj)) = (g.embedded, &w.project_in) {
+            let vendor = GemmSpec::new(GemmImpl::Gemm, dt);
+            self.gemm(&vendor, inp.tokens(), a.hidden, a.embed_dim, acts, e, proj, g.residual)?;
+            self.op_times.lap(b, "gemm project_in")?;
+        }
+        if let (Positions::Learned { offset, rows }, Some(table)) = (&a.positions, &w.positions) {
+            let p = PositionParams {
+                positions: inp.positions.clone(),
+                offset: *offset,
+                table_rows: *rows,
+                hidden: a.hidden,
+                dtype: dt,
+            };
+            b.add_positions(&p, table, acts.get_mut(g.residual))?;
+            self.op_times.lap(b, "add_positions")?;
+        }
+        Ok(())
+    }
+
+    /// Every layer. Decode steps replay layers 1.. from a CUDA graph keyed by layer 0's
+    /// launches (backend/cuda/graph.rs); other backends, prefill and the diagnostic modes run
+    /// eagerly.
+    fn run_layers(
+        &self,
+        la: &LayerArgs,
+        graphs: bool,
+        kv: &mut KvCache<B::Buffer>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<()> {
+        let (b, n) = (self.b, self.weights.layers.len());
+        let slots = acts.plan.layers.clone();
         let sig = if n == 0 {
             None
         } else if graphs && b.graph_begin() {
             // The recording ends whatever layer 0 returns.
-            let ran = self.layer(&la, 0, None, kv, acts);
+            let ran = self.layer(la, 0, None, kv, acts);
             let sig = b.graph_end();
             ran?;
             sig
         } else {
-            self.layer(&la, 0, None, kv, acts)?;
+            self.layer(la, 0, None, kv, acts)?;
             None
         };
-        let mut rest = || (1..n).try_for_each(|l| self.layer(&la, l, Some(layer_slots[l - 1].ffn2), kv, acts));
+        let mut rest = || (1..n).try_for_each(|l| self.layer(la, l, Some(slots[l - 1].ffn2), kv, acts));
         match sig {
-            Some(sig) => b.graph_run(sig, &mut rest)?,
-            None => rest()?,
+            Some(sig) => b.graph_run(sig, &mut rest),
+            None => rest(),
         }
-        // A fused step's FFN2 already added its output to the residual.
-        let prev_ffn2 = layer_slots.last().filter(|_| !fused).map(|s| s.ffn2);
-        self.add_rmsnorm(
-            &norm,
+    }
+
+    /// The final norm, adding the last layer's FFN2 output to the residual (a fused step's
+    /// FFN2 added it already).
+    fn final_norm(&self, la: &LayerArgs, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let g = acts.plan.globals;
+        let prev_ffn2 = acts.plan.layers.last().filter(|_| !la.fused).map(|s| s.ffn2);
+        self.add_norm(
+            la.tokens,
             acts,
-            g.residual,
+            la.residual,
             prev_ffn2,
             &self.weights.final_norm,
             g.final_normed,
         )?;
-        if stats_params.is_some() {
+        if la.stats_params.is_some() {
             if let Some(st) = self.score_stats.borrow_mut().as_mut() {
                 st.steps += 1;
             }
         }
-        self.op_times.lap(b, "add_rmsnorm")?;
+        self.op_times.lap(self.b, self.norm_tag())
+    }
+
+    /// The wanted rows through project_out (if any) and the LM head, returned as `want` says.
+    fn output(
+        &self,
+        la: &LayerArgs,
+        wanted_rows: Vec<i32>,
+        want: StepWant,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<StepOut> {
+        let (b, a, dt) = (self.b, &self.arch, self.dtype);
+        let g = acts.plan.globals;
         let rows = wanted_rows.len();
         // The recompute count is read after the step's own readback: reading it here would make
         // the host wait for every layer before it could queue the LM head.
         if rows == 0 {
-            stats.recomputed += b.take_recomputed()?;
             return Ok(StepOut {
-                attn: stats,
+                attn: self.recomputed()?,
                 ..StepOut::default()
             });
         }
         // Every row wanted in order (a decode step): the LM head reads the normed rows as they
         // are; otherwise the last token of each sequence is gathered first.
-        let all_rows = rows == t;
-        let src = if all_rows {
-            g.final_normed
-        } else {
-            let [src, dst] = acts.many([g.final_normed, g.gathered])?;
-            b.gather_rows(
-                &GatherParams {
-                    rows: wanted_rows,
-                    width: h,
-                    dtype: dt,
-                },
-                src,
-                dst,
-            )?;
-            g.gathered
-        };
-        self.op_times.lap(b, "gather_rows")?;
-        self.lm_head(&gemms, rows, acts, src, g.logits)?;
+        let mut src = g.final_normed;
+        if rows != la.tokens {
+            let [from, to] = acts.many([g.final_normed, g.gathered])?;
+            let p = GatherParams {
+                rows: wanted_rows,
+                width: a.hidden,
+                dtype: dt,
+            };
+            b.gather_rows(&p, from, to)?;
+            src = g.gathered;
+            self.op_times.lap(b, "gather_rows")?;
+        }
+        if let (Some(dst), Some(proj)) = (g.projected, &self.weights.project_out) {
+            let vendor = GemmSpec::new(GemmImpl::Gemm, dt);
+            self.gemm(&vendor, rows, a.embed_dim, a.hidden, acts, src, proj, dst)?;
+            src = dst;
+            self.op_times.lap(b, "gemm project_out")?;
+        }
+        let dims = GemmDims::new(rows, a.vocab, a.embed_dim)?;
+        {
+            let [x, y] = acts.many([src, g.logits])?;
+            run_gemm(b, &la.gemms.lm_head, dims, x, self.weights.lm_head(), y)?;
+        }
         self.op_times.lap(b, "gemm lm_head")?;
-        if let StepWant::Queued { .. } = want {
-            // The recompute total comes back with the choice (Engine::greedy_take).
-            b.greedy_enqueue(acts.get(g.logits), rows, vocab)?;
-            self.op_times.lap(b, "argmax")?;
-            return Ok(StepOut {
-                attn: stats,
-                ..StepOut::default()
-            });
+        self.read_out(rows, want, acts.get(g.logits))
+    }
+
+    /// The logits of `rows` rows, as `want` says: queued greedy choice, greedy tokens, or
+    /// the logits themselves.
+    fn read_out(&self, rows: usize, want: StepWant, logits: &B::Buffer) -> Result<StepOut> {
+        let (b, vocab) = (self.b, self.arch.vocab);
+        let mut out = StepOut::default();
+        match want {
+            StepWant::Queued { .. } => {
+                // The recompute total comes back with the choice (Engine::greedy_take).
+                b.greedy_enqueue(logits, rows, vocab)?;
+                self.op_times.lap(b, "argmax")?;
+                return Ok(out);
+            }
+            StepWant::Greedy => {
+                out.tokens = b.argmax_rows(logits, rows, vocab)?;
+                out.attn = self.recomputed()?;
+                self.op_times.lap(b, "argmax")?;
+            }
+            StepWant::Logits => {
+                let bits = b.download(logits)?;
+                out.attn = self.recomputed()?;
+                self.op_times.lap(b, "logits download")?;
+                out.logits = bits
+                    .chunks_exact(vocab)
+                    .take(rows)
+                    .map(|r| {
+                        let mut row = vec![0f32; vocab];
+                        self.dtype.widen(r, &mut row);
+                        row
+                    })
+                    .collect();
+            }
         }
-        if want == StepWant::Greedy {
-            let tokens = b.argmax_rows(acts.get(g.logits), rows, vocab)?;
-            stats.recomputed += b.take_recomputed()?;
-            self.op_times.lap(b, "argmax")?;
-            return Ok(StepOut {
-                tokens,
-                attn: stats,
-                ..StepOut::default()
-            });
-        }
-        let bits = b.download(acts.get(g.logits))?;
-        stats.recomputed += b.take_recomputed()?;
-        self.op_times.lap(b, "logits download")?;
-        let mut row = vec![0f32; vocab];
-        let logits = (0..rows)
-            .map(|r| {
-                dt.widen(&bits[r * vocab..(r + 1) * vocab], &mut row);
-                row.clone()
-            })
-            .collect();
-        Ok(StepOut {
-            logits,
-            attn: stats,
-            ..StepOut::default()
+        Ok(out)
+    }
+
+    fn recomputed(&self) -> Result<AttnStats> {
+        Ok(AttnStats {
+            recomputed: self.b.take_recomputed()?,
+            ..AttnStats::default()
         })
     }
 
@@ -412,34 +392,60 @@ impl<'b, B: Backend> Llama<'b, B> {
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
     ) -> Result<()> {
-        let b = self.b;
-        let cfg = &self.cfg;
-        let (h, t, dt) = (cfg.hidden_size, a.tokens, self.dtype);
-        let (w, s) = (&self.weights.layers[l], acts.plan.layers[l]);
-        let (norm, rope, gemms) = (a.norm, a.rope, a.gemms);
+        self.attn_in(a, l, prev_ffn2, acts)?;
+        self.attend(a, l, kv, acts)?;
+        self.attn_out(a, l, acts)?;
+        self.mlp_in(a, l, acts)?;
+        self.mlp_act(a, l, acts)?;
+        self.mlp_out(a, l, acts)
+    }
+
+    /// Norm (with the previous layer's residual add) and the QKV GEMM; fused: one GEMV that
+    /// normalizes its input.
+    fn attn_in(
+        &self,
+        a: &LayerArgs,
+        l: usize,
+        prev_ffn2: Option<usize>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<()> {
+        let (w, s, h, t) = (&self.weights.layers[l], acts.plan.layers[l], self.arch.hidden, a.tokens);
+        let n = self.arch.qkv_width();
         if a.fused {
-            self.gemm_rms_in(&gemms.qkv, t, self.qkv_n(), h, acts, a.residual, &w.qkv, s.qkv)?;
+            self.gemm_rms_in(&a.gemms.qkv, t, n, h, acts, a.residual, &w.qkv, s.qkv)?;
         } else {
-            self.add_rmsnorm(norm, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
-            self.op_times.lap(b, "add_rmsnorm")?;
-            self.gemm(&gemms.qkv, t, self.qkv_n(), h, acts, s.normed_attn, &w.qkv, s.qkv)?;
+            self.add_norm(t, acts, a.residual, prev_ffn2, &w.attn_norm, s.normed_attn)?;
+            self.op_times.lap(self.b, self.norm_tag())?;
+            self.gemm(&a.gemms.qkv, t, n, h, acts, s.normed_attn, &w.qkv, s.qkv)?;
         }
-        self.op_times.lap(b, "gemm qkv")?;
+        self.op_times.lap(self.b, "gemm qkv")
+    }
+
+    /// QKV split with bias and rotary, the KV append of a decode step, attention, and the
+    /// softmax statistics when they are gathered.
+    fn attend(
+        &self,
+        a: &LayerArgs,
+        l: usize,
+        kv: &mut KvCache<B::Buffer>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<()> {
+        let (b, w, s) = (self.b, &self.weights.layers[l], acts.plan.layers[l]);
         let cache = &mut kv.layers[l];
         {
             let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
-            match a.attn {
-                Attn::Prefill(_) => b.qkv_rope(rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
+            match &a.attn {
+                Attn::Prefill(_) => b.qkv_rope(&a.rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
                 // A decode step appends its token's k and v to the cache in the same kernel
                 // as the rotation (one launch fewer per layer on a GPU).
-                Attn::Decode(ap, _) => b.qkv_rope_append(rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
+                Attn::Decode(ap, _) => b.qkv_rope_append(&a.rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
             }
         }
         self.op_times.lap(b, "qkv_rope")?;
         // The enqueue entry points: a GPU backend counts recomputed rows on the device and
         // the step reads the count once, after its last layer, instead of waiting for the
         // device in every layer.
-        match a.attn {
+        match &a.attn {
             Attn::Prefill(p) => {
                 let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
                 b.attention_prefill_enqueue(p, q, k, v, cache, out)?
@@ -450,61 +456,125 @@ impl<'b, B: Backend> Llama<'b, B> {
             }
         };
         self.op_times.lap(b, "attention")?;
-        if let Some((sp, params)) = a.stats_params {
+        if let Some((sp, params)) = &a.stats_params {
             let hists = b.attention_score_hist(sp, params, acts.get(s.q), cache)?;
             if let Some(st) = self.score_stats.borrow_mut().as_mut() {
                 st.add(l, &hists)?;
             }
             self.op_times.lap(b, "score_hist")?;
         }
-        let qd = cfg.num_heads * cfg.head_dim;
-        let inter = cfg.intermediate_size;
+        Ok(())
+    }
+
+    /// The O GEMM and its bias; fused: added to the residual in the GEMV's epilogue.
+    fn attn_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
+        let (h, qd) = (self.arch.hidden, self.arch.q_width());
         if a.fused {
-            self.gemm_residual_out(&gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
-            self.op_times.lap(b, "gemm o")?;
-            if self.fused_glu {
-                // FFN1 and silu_mul in one launch: the gate/up output never leaves the GEMV.
-                let dims = GemmDims::new(t, inter, h)?;
-                let [r, out] = acts.many([a.residual, s.act])?;
-                b.gemm_rms_glu(&gemms.ffn1, dims, self.cfg.rms_norm_eps as f32, r, &w.ffn1, out)?;
-            } else {
-                self.gemm_rms_in(&gemms.ffn1, t, 2 * inter, h, acts, a.residual, &w.ffn1, s.ffn1)?;
-            }
+            self.gemm_residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
         } else {
-            self.gemm(&gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
-            self.op_times.lap(b, "gemm o")?;
-            self.add_rmsnorm(norm, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
-            self.op_times.lap(b, "add_rmsnorm")?;
-            self.gemm(&gemms.ffn1, t, 2 * inter, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+            self.gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+            self.bias_act(t, h, Activation::None, acts, s.o, w.o_bias.as_ref())?;
         }
-        self.op_times.lap(b, "gemm ffn1")?;
-        if !(a.fused && self.fused_glu) {
-            let [gate_up, out] = acts.many([s.ffn1, s.act])?;
-            b.silu_mul(
-                &SiluMulParams {
+        self.op_times.lap(self.b, "gemm o")
+    }
+
+    /// Norm (with the attention output's residual add) and the FFN1 GEMM; fused: one GEMV that
+    /// normalizes its input, and writes the GLU itself when `fused_glu`.
+    fn mlp_in(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
+        let (h, n) = (self.arch.hidden, self.arch.ffn1_width());
+        if a.fused && self.fused_glu {
+            // FFN1 and the GLU in one launch: the gate/up output never leaves the GEMV.
+            let dims = GemmDims::new(t, self.arch.inter, h)?;
+            let [r, out] = acts.many([a.residual, s.act])?;
+            b.gemm_rms_glu(&a.gemms.ffn1, dims, self.arch.eps as f32, r, &w.ffn1, out)?;
+        } else if a.fused {
+            self.gemm_rms_in(&a.gemms.ffn1, t, n, h, acts, a.residual, &w.ffn1, s.ffn1)?;
+        } else {
+            self.add_norm(t, acts, a.residual, Some(s.o), &w.ffn_norm, s.normed_ffn)?;
+            self.op_times.lap(b, self.norm_tag())?;
+            self.gemm(&a.gemms.ffn1, t, n, h, acts, s.normed_ffn, &w.ffn1, s.ffn1)?;
+        }
+        self.op_times.lap(b, "gemm ffn1")
+    }
+
+    /// FFN1's bias and the activation: act(gate)·up into `act` (gated), or act(x + bias) in
+    /// place (plain: the `act` slot is FFN1's own).
+    fn mlp_act(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
+        let (inter, dt) = (self.arch.inter, self.dtype);
+        match self.arch.mlp {
+            Mlp::Gated(_) if a.fused && self.fused_glu => Ok(()),
+            Mlp::Gated(act) => {
+                self.bias_act(t, 2 * inter, Activation::None, acts, s.ffn1, w.ffn1_bias.as_ref())?;
+                let [gate_up, out] = acts.many([s.ffn1, s.act])?;
+                let p = GluParams {
                     rows: t,
                     inter,
+                    act,
                     dtype: dt,
-                },
-                gate_up,
-                out,
-            )?;
-            self.op_times.lap(b, "silu_mul")?;
+                };
+                b.glu(&p, gate_up, out)?;
+                self.op_times
+                    .lap(b, if act == Activation::Silu { "silu_mul" } else { "glu" })
+            }
+            Mlp::Plain(act) => {
+                self.bias_act(t, inter, act, acts, s.ffn1, w.ffn1_bias.as_ref())?;
+                self.op_times.lap(b, "bias_act")
+            }
         }
+    }
+
+    /// The FFN2 GEMM and its bias; fused: added to the residual in the GEMV's epilogue.
+    fn mlp_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
+        let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
+        let (h, inter) = (self.arch.hidden, self.arch.inter);
         if a.fused {
-            self.gemm_residual_out(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
+            self.gemm_residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
-            self.gemm(&gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+            self.gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+            self.bias_act(t, h, Activation::None, acts, s.ffn2, w.ffn2_bias.as_ref())?;
         }
-        self.op_times.lap(b, "gemm ffn2")?;
-        Ok(())
+        self.op_times.lap(self.b, "gemm ffn2")
+    }
+
+    /// The op-times label of a norm launch (the op's name, as reports before the general
+    /// executor named it).
+    fn norm_tag(&self) -> &'static str {
+        match self.arch.norm {
+            NormKind::Rms => "add_rmsnorm",
+            NormKind::Layer => "add_layernorm",
+        }
+    }
+
+    /// x = act(x + bias) in place; nothing to do without a bias and an activation.
+    fn bias_act(
+        &self,
+        rows: usize,
+        width: usize,
+        act: Activation,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        bias: Option<&B::Buffer>,
+    ) -> Result<()> {
+        if bias.is_none() && act == Activation::None {
+            return Ok(());
+        }
+        let p = BiasActParams {
+            rows,
+            width,
+            act,
+            dtype: self.dtype,
+        };
+        self.b.bias_act(&p, acts.get_mut(x), bias)
     }
 
     /// Whether a step of `t` tokens with these GEMMs runs the fused layer: all four on gemv,
     /// at most the fused kernels' M, every K a whole number of 16-byte chunks.
     fn fusable(&self, gemms: &StepGemms, t: usize) -> bool {
-        let c = &self.cfg;
-        let ks = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size];
+        let a = &self.arch;
+        let ks = [a.hidden, a.q_width(), a.inter];
         t <= FUSED_MAX_M
             && [&gemms.qkv, &gemms.o, &gemms.ffn1, &gemms.ffn2]
                 .iter()
@@ -527,7 +597,7 @@ impl<'b, B: Backend> Llama<'b, B> {
     ) -> Result<()> {
         let dims = GemmDims::new(m, n, k)?;
         let [r, y] = acts.many([residual, y])?;
-        self.b.gemm_rms_in(spec, dims, self.cfg.rms_norm_eps as f32, r, w, y)
+        self.b.gemm_rms_in(spec, dims, self.arch.eps as f32, r, w, y)
     }
 
     /// residual += x · Wᵀ (a fused step).
@@ -548,27 +618,44 @@ impl<'b, B: Backend> Llama<'b, B> {
         self.b.gemm_residual_out(spec, dims, x, w, r)
     }
 
-    fn qkv_n(&self) -> usize {
-        (self.cfg.num_heads + 2 * self.cfg.num_kv_heads) * self.cfg.head_dim
-    }
-
-    fn add_rmsnorm(
+    /// residual += delta (when given); out = norm(residual) as the architecture's norm kind.
+    fn add_norm(
         &self,
-        p: &RmsNormParams,
+        rows: usize,
         acts: &mut Activations<B::Buffer>,
         residual: usize,
         delta: Option<usize>,
-        weight: &B::Buffer,
+        norm: &Norm<B::Buffer>,
         out: usize,
     ) -> Result<()> {
+        let (b, a) = (self.b, &self.arch);
+        let rms = RmsNormParams {
+            rows,
+            hidden: a.hidden,
+            eps: a.eps as f32,
+            dtype: self.dtype,
+        };
+        let ln = LayerNormParams {
+            rows,
+            hidden: a.hidden,
+            eps: a.eps as f32,
+            dtype: self.dtype,
+        };
+        let run = |r: &mut B::Buffer, d: Option<&B::Buffer>, o: &mut B::Buffer| match (a.norm, &norm.bias) {
+            (NormKind::Rms, _) => b.add_rmsnorm(&rms, r, d, &norm.weight, o),
+            (NormKind::Layer, Some(bias)) => b.add_layernorm(&ln, r, d, &norm.weight, bias, o),
+            (NormKind::Layer, None) => Err(FdppError::InvalidArgument(
+                "internal: a LayerNorm without its bias weight".into(),
+            )),
+        };
         match delta {
             Some(d) => {
                 let [r, d, o] = acts.many([residual, d, out])?;
-                self.b.add_rmsnorm(p, r, Some(d), weight, o)
+                run(r, Some(d), o)
             }
             None => {
                 let [r, o] = acts.many([residual, out])?;
-                self.b.add_rmsnorm(p, r, None, weight, o)
+                run(r, None, o)
             }
         }
     }
@@ -591,35 +678,16 @@ impl<'b, B: Backend> Llama<'b, B> {
         let [x, y] = acts.many([x, y])?;
         run_gemm(self.b, spec, dims, x, w, y)
     }
-
-    fn lm_head(
-        &self,
-        gemms: &StepGemms,
-        rows: usize,
-        acts: &mut Activations<B::Buffer>,
-        x: usize,
-        y: usize,
-    ) -> Result<()> {
-        let dims = GemmDims::new(rows, self.cfg.vocab_size, self.cfg.hidden_size)?;
-        let [x, y] = acts.many([x, y])?;
-        run_gemm(self.b, &gemms.lm_head, dims, x, self.weights.lm_head(), y)
-    }
-}
-
-enum Attn {
-    Prefill(PrefillParams),
-    Decode(KvAppendParams, DecodeParams),
 }
 
 /// What every layer of one step shares.
-struct LayerArgs<'x> {
-    norm: &'x RmsNormParams,
-    rope: &'x RopeParams,
-    attn: &'x Attn,
-    gemms: &'x StepGemms,
+struct LayerArgs {
+    rope: RopeParams,
+    attn: Attn,
+    gemms: StepGemms,
     tokens: usize,
     residual: usize,
-    stats_params: &'x Option<(PrefillParams, ScoreStatsParams)>,
+    stats_params: Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
 }
@@ -634,17 +702,17 @@ const FUSED_MAX_M: usize = 8;
 
 /// Folds each layer's two norm weights into the GEMM that reads the norm (W_qkv by attn_norm,
 /// W_ffn1 by ffn_norm: W' = W·diag(γ)) and sets those norm weights to ones, so the unfused path
-/// (add_rmsnorm, then the GEMM) computes rmsnorm(x)·γ·Wᵀ as before and the fused one can skip
-/// the norm. The final norm is left as it is (the LM head may be the tied embedding).
-fn fold_norms<B: Backend>(b: &B, cfg: &ModelConfig, dt: DType, w: &mut LlamaWeights<B::Buffer>) -> Result<()> {
-    let h = cfg.hidden_size;
-    let qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
+/// (the norm, then the GEMM) computes rmsnorm(x)·γ·Wᵀ as before and the fused one can skip
+/// the norm. The final norm is left as it is (the LM head may be the tied embedding). Only for
+/// an RMSNorm without bias ([`Arch::fusable`]).
+fn fold_norms<B: Backend>(b: &B, a: &Arch, dt: DType, w: &mut ModelWeights<B::Buffer>) -> Result<()> {
+    let h = a.hidden;
     let ones = vec![dt.from_f32(1.0); h];
     for l in w.layers.iter_mut() {
-        b.scale_cols(&mut l.qkv, &l.attn_norm, qkv_n, h)?;
-        b.scale_cols(&mut l.ffn1, &l.ffn_norm, 2 * cfg.intermediate_size, h)?;
-        l.attn_norm = b.upload(dt, &ones)?;
-        l.ffn_norm = b.upload(dt, &ones)?;
+        b.scale_cols(&mut l.qkv, &l.attn_norm.weight, a.qkv_width(), h)?;
+        b.scale_cols(&mut l.ffn1, &l.ffn_norm.weight, a.ffn1_width(), h)?;
+        l.attn_norm.weight = b.upload(dt, &ones)?;
+        l.ffn_norm.weight = b.upload(dt, &ones)?;
     }
     Ok(())
 }

@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::model::arch::Arch;
 use crate::model::ModelConfig;
 
 /// The buffers one layer writes, as indices into [`ActPlan::buffers`].
@@ -45,6 +46,68 @@ pub struct GlobalSlots {
     /// The last token of each sequence, gathered before the LM head.
     pub gathered: usize,
     pub logits: usize,
+    /// The token embedding before project_in, and the LM head's input after project_out, when
+    /// the model projects its embedding (OPT's word_embed_proj_dim).
+    pub embedded: Option<usize>,
+    pub projected: Option<usize>,
+}
+
+/// The widths the activation buffers are sized by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActDims {
+    pub hidden: usize,
+    pub q: usize,
+    pub kv: usize,
+    /// The MLP's inner width (the GLU or activation output).
+    pub inter: usize,
+    /// FFN1's output width (2·inter when gated).
+    pub ffn1: usize,
+    /// The embedding's width (hidden unless projected).
+    pub embed: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    /// A gated MLP (GLU from FFN1 into `act`); a plain one applies its activation to FFN1's
+    /// output in place and FFN2 reads it there.
+    pub gated: bool,
+}
+
+impl ActDims {
+    pub fn of(a: &Arch) -> ActDims {
+        ActDims {
+            hidden: a.hidden,
+            q: a.q_width(),
+            kv: a.kv_width(),
+            inter: a.inter,
+            ffn1: a.ffn1_width(),
+            embed: a.embed_dim,
+            vocab: a.vocab,
+            layers: a.layers,
+            gated: matches!(a.mlp, crate::model::arch::Mlp::Gated(_)),
+        }
+    }
+
+    /// From a config alone (a preset's description); a config the engine cannot describe is
+    /// sized as a gated MLP, the largest FFN1.
+    pub fn of_config(cfg: &ModelConfig) -> ActDims {
+        match Arch::from_config(cfg) {
+            Ok(a) => ActDims::of(&a),
+            Err(_) => ActDims {
+                hidden: cfg.hidden_size,
+                q: cfg.num_heads * cfg.head_dim,
+                kv: cfg.num_kv_heads * cfg.head_dim,
+                inter: cfg.intermediate_size,
+                ffn1: 2 * cfg.intermediate_size,
+                embed: cfg.hidden_size,
+                vocab: cfg.vocab_size,
+                layers: cfg.num_layers,
+                gated: true,
+            },
+        }
+    }
+
+    fn projects(&self) -> bool {
+        self.embed != self.hidden
+    }
 }
 
 /// One activation buffer: its name, its size and where it sits in the pool.
@@ -129,14 +192,17 @@ pub struct MemoryPlan {
     pub total_bytes: u64,
 }
 
-/// The activation buffers of a step of `tokens` rows and `batch` sequences.
+/// The activation buffers of a step of `tokens` rows and `batch` sequences of the model of
+/// `cfg` (a preset's description; the engine plans with [`plan_activations_for`]).
 pub fn plan_activations(cfg: &ModelConfig, dtype: DType, tokens: usize, batch: usize, reuse: bool) -> ActPlan {
+    plan_activations_for(&ActDims::of_config(cfg), dtype, tokens, batch, reuse)
+}
+
+/// The activation buffers of a step of `tokens` rows and `batch` sequences.
+pub fn plan_activations_for(d: &ActDims, dtype: DType, tokens: usize, batch: usize, reuse: bool) -> ActPlan {
     let t = tokens.max(1);
     let b = batch.max(1);
-    let h = cfg.hidden_size;
-    let qd = cfg.num_heads * cfg.head_dim;
-    let kvd = cfg.num_kv_heads * cfg.head_dim;
-    let inter = cfg.intermediate_size;
+    let (h, qd, kvd, inter, e) = (d.hidden, d.q, d.kv, d.inter, d.embed);
     let qkv_n = qd + 2 * kvd;
     let mut buffers: Vec<(String, usize)> = Vec::new();
     let mut add = |name: String, elems: usize| {
@@ -144,17 +210,30 @@ pub fn plan_activations(cfg: &ModelConfig, dtype: DType, tokens: usize, batch: u
         buffers.len() - 1
     };
     let residual = add("residual".into(), t * h);
-    let (layers, final_normed) = if reuse {
+    let (layers, final_normed, embedded, projected) = if reuse {
         // Every GEMM input lands in `narrow`, every GEMM output in `wide`; see the module docs
         // for why no op reads and writes the same one.
+        // The embedding before project_in lands in `narrow` (project_in writes the residual),
+        // the LM head's input after project_out in `wide`.
         let narrow = add(
-            "narrow (normed, attention out, silu·mul out)".into(),
-            t * h.max(qd).max(inter),
+            "narrow (normed, attention out, mlp act out)".into(),
+            t * h.max(qd).max(inter).max(e),
         );
-        let wide = add("wide (qkv, o, ffn1, ffn2 out)".into(), t * qkv_n.max(2 * inter).max(h));
+        let wide = add(
+            "wide (qkv, o, ffn1, ffn2 out)".into(),
+            (t * qkv_n.max(if d.gated { d.ffn1 } else { 0 }).max(h)).max(b * e),
+        );
         let q = add("q".into(), t * qd);
         let k = add("k".into(), t * kvd);
         let v = add("v".into(), t * kvd);
+        // A plain MLP's FFN1 output is activated in place and read by FFN2, which writes the
+        // wide buffer: it needs a fourth buffer of its own (OPT).
+        let (ffn1, act) = if d.gated {
+            (wide, narrow)
+        } else {
+            let mlp = add("mlp (ffn1 out, activation in place)".into(), t * d.ffn1);
+            (mlp, mlp)
+        };
         let slots = LayerSlots {
             normed_attn: narrow,
             qkv: wide,
@@ -164,36 +243,70 @@ pub fn plan_activations(cfg: &ModelConfig, dtype: DType, tokens: usize, batch: u
             attn: narrow,
             o: wide,
             normed_ffn: narrow,
-            ffn1: wide,
-            act: narrow,
+            ffn1,
+            act,
             ffn2: wide,
         };
-        (vec![slots; cfg.num_layers], narrow)
+        let proj = d.projects();
+        (
+            vec![slots; d.layers],
+            narrow,
+            proj.then_some(narrow),
+            proj.then_some(wide),
+        )
     } else {
-        let layers = (0..cfg.num_layers)
-            .map(|l| LayerSlots {
-                normed_attn: add(format!("layer {l} normed_attn"), t * h),
-                qkv: add(format!("layer {l} qkv"), t * qkv_n),
-                q: add(format!("layer {l} q"), t * qd),
-                k: add(format!("layer {l} k"), t * kvd),
-                v: add(format!("layer {l} v"), t * kvd),
-                attn: add(format!("layer {l} attn"), t * qd),
-                o: add(format!("layer {l} o"), t * h),
-                normed_ffn: add(format!("layer {l} normed_ffn"), t * h),
-                ffn1: add(format!("layer {l} ffn1"), t * 2 * inter),
-                act: add(format!("layer {l} act"), t * inter),
-                ffn2: add(format!("layer {l} ffn2"), t * h),
+        let layers = (0..d.layers)
+            .map(|l| {
+                let normed_attn = add(format!("layer {l} normed_attn"), t * h);
+                let qkv = add(format!("layer {l} qkv"), t * qkv_n);
+                let q = add(format!("layer {l} q"), t * qd);
+                let k = add(format!("layer {l} k"), t * kvd);
+                let v = add(format!("layer {l} v"), t * kvd);
+                let attn = add(format!("layer {l} attn"), t * qd);
+                let o = add(format!("layer {l} o"), t * h);
+                let normed_ffn = add(format!("layer {l} normed_ffn"), t * h);
+                let ffn1 = add(format!("layer {l} ffn1"), t * d.ffn1);
+                // A plain MLP activates FFN1's output in place.
+                let act = if d.gated {
+                    add(format!("layer {l} act"), t * inter)
+                } else {
+                    ffn1
+                };
+                LayerSlots {
+                    normed_attn,
+                    qkv,
+                    q,
+                    k,
+                    v,
+                    attn,
+                    o,
+                    normed_ffn,
+                    ffn1,
+                    act,
+                    ffn2: add(format!("layer {l} ffn2"), t * h),
+                }
             })
             .collect();
-        (layers, add("final_normed".into(), t * h))
+        let final_normed = add("final_normed".into(), t * h);
+        let (embedded, projected) = if d.projects() {
+            (
+                Some(add("embedded".into(), t * e)),
+                Some(add("projected".into(), b * e)),
+            )
+        } else {
+            (None, None)
+        };
+        (layers, final_normed, embedded, projected)
     };
     let gathered = add("gathered".into(), b * h);
-    let logits = add("logits".into(), b * cfg.vocab_size);
+    let logits = add("logits".into(), b * d.vocab);
     let globals = GlobalSlots {
         residual,
         final_normed,
         gathered,
         logits,
+        embedded,
+        projected,
     };
     let elem = dtype.size_bytes() as u64;
     let buffers: Vec<ActBuffer> = buffers
@@ -224,7 +337,7 @@ pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: DType) -> u64 {
 }
 
 /// The whole plan, or an error saying how much memory the request needs.
-pub fn plan(cfg: &ModelConfig, req: &MemoryRequest) -> Result<MemoryPlan> {
+pub fn plan(cfg: &ModelConfig, dims: &ActDims, req: &MemoryRequest) -> Result<MemoryPlan> {
     if !(req.mem_fraction > 0.0 && req.mem_fraction <= 1.0) {
         return Err(FdppError::InvalidArgument(format!(
             "--mem-fraction {} must be in (0, 1]",
@@ -234,7 +347,7 @@ pub fn plan(cfg: &ModelConfig, req: &MemoryRequest) -> Result<MemoryPlan> {
     if req.page_size == 0 {
         return Err(FdppError::InvalidArgument("--page-size must be at least 1".into()));
     }
-    let mut act = plan_activations(cfg, req.dtype, req.max_step_tokens, req.max_batch, req.reuse);
+    let mut act = plan_activations_for(dims, req.dtype, req.max_step_tokens, req.max_batch, req.reuse);
     let per_token = kv_bytes_per_token(cfg, req.dtype);
     let page_bytes = per_token * req.page_size as u64;
     let need_pages: usize = req.seq_tokens.iter().map(|&t| t.div_ceil(req.page_size)).sum();
@@ -353,7 +466,7 @@ mod tests {
     #[test]
     fn llama2_7b_numbers_add_up() {
         let cfg = preset("llama2-7b").expect("preset");
-        let p = plan(&cfg, &req(true)).expect("fits");
+        let p = plan(&cfg, &ActDims::of_config(&cfg), &req(true)).expect("fits");
         // 2 (K, V) · 32 layers · 32 heads · 128 · 2 bytes = 512 KiB per token.
         assert_eq!(p.kv.bytes_per_token, 524_288);
         let a = &p.activations;
@@ -428,14 +541,15 @@ mod tests {
         let cfg = preset("llama2-7b").expect("preset");
         let mut r = req(true);
         r.kv_tokens_cap = Some(1000);
-        let p = plan(&cfg, &r).expect("fits");
+        let dims = ActDims::of_config(&cfg);
+        let p = plan(&cfg, &dims, &r).expect("fits");
         assert_eq!(p.kv.num_pages, 63);
         r.seq_tokens = vec![4096; 256];
-        let e = plan(&cfg, &r).expect_err("256 × 4096 tokens of 512 KiB = 512 GiB");
+        let e = plan(&cfg, &dims, &r).expect_err("256 × 4096 tokens of 512 KiB = 512 GiB");
         let msg = e.to_string();
         assert!(msg.contains("does not fit") && msg.contains("KV 512.00 GiB"), "{msg}");
         let mut r = req(true);
         r.mem_fraction = 1.5;
-        assert!(plan(&cfg, &r).is_err());
+        assert!(plan(&cfg, &dims, &r).is_err());
     }
 }

@@ -12,3 +12,4 @@ pub mod rope;
 pub mod runner;
 pub mod sampler;
 pub mod score_stats;
+pub mod step;

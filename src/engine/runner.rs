@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 use crate::engine::activations::Activations;
-use crate::engine::forward::{Llama, StepKind, StepOut, StepSeq, StepWant};
+use crate::engine::forward::{Model, StepKind, StepOut, StepSeq, StepWant};
 use crate::engine::kv::KvCache;
 use crate::engine::memory::MemoryPlan;
 use crate::engine::score_stats::ScoreStats;
@@ -17,7 +17,7 @@ use crate::ops::scores::ScoreStatsParams;
 pub const DEFAULT_CHUNK: usize = 2048;
 
 pub struct Engine<'b, B: Backend> {
-    pub model: Llama<'b, B>,
+    pub model: Model<'b, B>,
     pub kv: KvCache<B::Buffer>,
     pub acts: Activations<B::Buffer>,
     pub memory: MemoryPlan,
@@ -57,7 +57,7 @@ pub fn prefill_chunks(lens: &[usize], chunk: usize) -> Vec<Vec<ChunkPart>> {
 
 impl<'b, B: Backend> Engine<'b, B> {
     /// Allocate the KV pools and activation buffers the plan describes.
-    pub fn new(model: Llama<'b, B>, memory: MemoryPlan) -> Result<Self> {
+    pub fn new(model: Model<'b, B>, memory: MemoryPlan) -> Result<Self> {
         let b = model.backend();
         let kv = KvCache::new(b, &model.cfg, model.dtype, memory.kv.page_size, memory.kv.num_pages)?;
         let acts = Activations::new(b, memory.activations.clone(), model.dtype)?;

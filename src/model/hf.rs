@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use super::config::{ModelArch, ModelConfig, RopeScaling};
 use crate::error::{FdppError, Result};
+use crate::ops::layer::Activation;
 
 /// `architectures[0]` values we accept, and the family each maps to.
 const ARCHITECTURES: &[(&str, ModelArch)] = &[
@@ -155,19 +156,6 @@ pub fn parse(text: &str, path: &Path, name: String) -> Result<ModelConfig> {
         }
     };
 
-    if arch == ModelArch::Opt {
-        // OPT-350m projects embeddings to a narrower width (project_in/project_out); the LM head
-        // and the byte counts here assume it is hidden_size.
-        if let Some((key, proj)) = f.usize_opt(&["word_embed_proj_dim"])? {
-            if proj != hidden_size {
-                return Err(err(format!(
-                    "field '{key}' ({proj}) differs from hidden_size ({hidden_size}): OPT's \
-                     project_in/project_out layers are not supported"
-                )));
-            }
-        }
-    }
-
     let rope_theta = rope_theta(&f, arch)?;
     let qkv_bias = match arch {
         ModelArch::Llama => f.bool_opt("attention_bias")?.unwrap_or(false),
@@ -295,6 +283,105 @@ pub struct HfExtras {
     pub bos_token_id: Option<u32>,
     /// Mistral's sliding-window span; None: every token attends to its whole prefix.
     pub sliding_window: Option<usize>,
+    /// The MLP's activation (`hidden_act`, OPT's `activation_function`); None: the family's
+    /// default ([`crate::model::arch::Arch::of`]).
+    pub hidden_act: Option<Activation>,
+    /// OPT's `word_embed_proj_dim` when it differs from hidden_size: the embedding and the LM
+    /// head are this wide, and project_in / project_out map to and from the hidden size.
+    pub embed_proj_dim: Option<usize>,
+    /// Bias on the O projection and the MLP (OPT's `enable_bias`, ChatGLM's
+    /// `add_bias_linear`); None: the family's default.
+    pub linear_bias: Option<bool>,
+    /// Settings of the config that the engine's forward pass does not run, as (field, value):
+    /// the shapes and the tuner do not care, `Arch::of` refuses them naming the field.
+    pub unsupported: Vec<(String, String)>,
+}
+
+/// `hidden_act` / `activation_function` spellings and what they compute (transformers' ACT2FN).
+const ACTIVATIONS: &[(&str, Activation)] = &[
+    ("silu", Activation::Silu),
+    ("swish", Activation::Silu),
+    ("relu", Activation::Relu),
+    ("gelu", Activation::Gelu),
+    ("gelu_new", Activation::GeluTanh),
+    ("gelu_pytorch_tanh", Activation::GeluTanh),
+    ("gelu_fast", Activation::GeluTanh),
+];
+
+/// The activation a config names, or an error listing the ones the engine runs.
+fn activation(f: &Fields) -> Result<Option<Activation>> {
+    let Some((key, v)) = f.first(&["hidden_act", "activation_function"]) else {
+        return Ok(None);
+    };
+    let name = v
+        .as_str()
+        .ok_or_else(|| f.err(format!("field '{key}' must be a string, found {}", describe(v))))?;
+    ACTIVATIONS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, a)| Some(*a))
+        .ok_or_else(|| {
+            f.err(format!(
+                "field '{key}': activation '{name}' is not supported; supported: {}",
+                ACTIVATIONS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ))
+        })
+}
+
+/// The family-specific fields of [`HfExtras`]: OPT's projection width, bias switch and
+/// post-LayerNorm variant; ChatGLM's norm and residual switches.
+fn family_extras(f: &Fields, extras: &mut HfExtras) -> Result<()> {
+    let arch = match detect_arch(f) {
+        Ok(a) => a,
+        // parse() reports an unknown family; the extras alone have nothing to add.
+        Err(_) => return Ok(()),
+    };
+    let mut refuse_if = |key: &str, bad: bool, value: Option<bool>| {
+        if value == Some(bad) {
+            extras.unsupported.push((key.to_string(), bad.to_string()));
+        }
+    };
+    match arch {
+        ModelArch::Opt => {
+            refuse_if("do_layer_norm_before", false, f.bool_opt("do_layer_norm_before")?);
+            refuse_if(
+                "layer_norm_elementwise_affine",
+                false,
+                f.bool_opt("layer_norm_elementwise_affine")?,
+            );
+            refuse_if(
+                "_remove_final_layer_norm",
+                true,
+                f.bool_opt("_remove_final_layer_norm")?,
+            );
+            let hidden = f.usize_opt(&["hidden_size"])?.map(|(_, n)| n);
+            extras.embed_proj_dim = f
+                .usize_opt(&["word_embed_proj_dim"])?
+                .map(|(_, n)| n)
+                .filter(|&n| Some(n) != hidden);
+            extras.linear_bias = f.bool_opt("enable_bias")?;
+        }
+        ModelArch::ChatGlm => {
+            refuse_if("rmsnorm", false, f.bool_opt("rmsnorm")?);
+            refuse_if("post_layer_norm", false, f.bool_opt("post_layer_norm")?);
+            refuse_if(
+                "apply_residual_connection_post_layernorm",
+                true,
+                f.bool_opt("apply_residual_connection_post_layernorm")?,
+            );
+            refuse_if(
+                "fp32_residual_connection",
+                true,
+                f.bool_opt("fp32_residual_connection")?,
+            );
+            extras.linear_bias = f.bool_opt("add_bias_linear")?;
+        }
+        ModelArch::Llama | ModelArch::Mistral | ModelArch::Qwen2 => {
+            // Llama's gate/up/down biases have no weight names in the Llama family map.
+            refuse_if("mlp_bias", true, f.bool_opt("mlp_bias")?);
+        }
+    }
+    Ok(())
 }
 
 /// Read the extras of an HF config.json (`path` is used in messages only). An unknown
@@ -319,12 +406,16 @@ pub fn parse_extras(text: &str, path: &Path) -> Result<HfExtras> {
     } else {
         None
     };
-    Ok(HfExtras {
+    let mut extras = HfExtras {
         rope_scaling: rope_scaling(&f)?,
         eos_token_ids: token_ids(&f, "eos_token_id")?,
         bos_token_id: token_ids(&f, "bos_token_id")?.first().copied(),
         sliding_window,
-    })
+        hidden_act: activation(&f)?,
+        ..HfExtras::default()
+    };
+    family_extras(&f, &mut extras)?;
+    Ok(extras)
 }
 
 /// The EOS ids of a generation_config.json.

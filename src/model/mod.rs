@@ -1,11 +1,15 @@
 //! Model descriptions: what the engine needs to know to derive shapes and run a forward pass.
 
+pub mod arch;
 pub mod config;
+pub mod family;
 pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod presets;
 pub mod shapes;
+pub mod spec;
+pub mod tensors;
 pub mod tokenizer;
 pub mod weights;
 

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
+use super::arch::Arch;
 use super::config::ModelConfig;
+use super::family;
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 
@@ -228,48 +230,16 @@ fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Every tensor a Llama-family decoder (Llama 2/3, Mistral, Qwen2) needs, with its HF name and
-/// shape ([out, in] for projections, as HF stores them).
-pub fn llama_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-    let (q, kv, inter) = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h])];
-    for i in 0..cfg.num_layers {
-        let p = format!("model.layers.{i}");
-        v.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-        v.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-        v.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-        if cfg.qkv_bias {
-            v.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-            v.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-            v.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-        }
-        v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-        v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h]));
-        v.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h]));
-        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
-    }
-    v.push(("model.norm.weight".to_string(), vec![h]));
-    if !cfg.tie_word_embeddings {
-        v.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
-    }
-    v
+/// Every checkpoint tensor the model of `cfg` (a preset's description, no config.json extras)
+/// needs, with its HF name and shape ([out, in] for projections, as HF stores them), in the
+/// order of [`crate::model::tensors::Tensors::try_map`]; empty for a config the engine cannot
+/// describe.
+pub fn checkpoint_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    Arch::from_config(cfg).map_or_else(|_| Vec::new(), |a| family::names(&a).names())
 }
 
 /// Check that `store` holds every tensor `cfg` needs with the right shape, before anything is
-/// allocated on a device: the first problem is the error (missing tensor or wrong shape).
-pub fn check_llama(store: &WeightStore, cfg: &ModelConfig) -> Result<()> {
-    for (name, shape) in llama_tensors(cfg) {
-        let found = store.shape(&name)?;
-        if found != shape.as_slice() {
-            return Err(FdppError::Shape {
-                what: format!("tensor '{name}'"),
-                expected: format!("{shape:?}"),
-                found: format!("{found:?}"),
-            });
-        }
-    }
-    Ok(())
+/// allocated on a device ([`family::check`]).
+pub fn check_checkpoint(store: &dyn TensorSource, cfg: &ModelConfig) -> Result<()> {
+    family::check(store, &Arch::from_config(cfg)?)
 }

@@ -16,6 +16,11 @@ pub fn default_m_max(backend: BackendKind) -> usize {
     }
 }
 
+/// The largest M a sweep takes. A decode batch or prefill chunk beyond this is far past M2 on
+/// every device measured (the vendor GEMM wins from M of a few dozen), so larger M would only
+/// time the vendor GEMM on inputs of tens of GB.
+pub const MAX_M: usize = 1 << 16;
+
 /// 1..=16, then 24, 32, 48, 64, 96, 128, … up to `m_max`; `m_max` itself is always the last
 /// point, so the sweep reaches exactly the size asked for.
 pub fn m_grid(m_max: usize) -> Result<Vec<usize>> {
@@ -23,6 +28,12 @@ pub fn m_grid(m_max: usize) -> Result<Vec<usize>> {
         return Err(FdppError::InvalidArgument(
             "--m-max must be at least 1 (it is the largest number of rows M to tune for)".into(),
         ));
+    }
+    if m_max > MAX_M {
+        return Err(FdppError::InvalidArgument(format!(
+            "--m-max {m_max} is above {MAX_M}: past a few dozen rows the vendor GEMM wins on every \
+             device measured, and M = {m_max} would only time it on huge inputs; give at most {MAX_M}"
+        )));
     }
     let mut g: Vec<usize> = (1..=m_max.min(16)).collect();
     let mut p = 16usize;

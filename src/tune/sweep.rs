@@ -77,11 +77,33 @@ pub fn candidates<B: Backend>(b: &B, dtype: DType, shape: &LinearShape) -> Vec<G
     out
 }
 
-/// Number of (shape, M, candidate) steps a tune of `shapes` takes (for the progress bar).
-pub fn count_steps<B: Backend>(b: &B, shapes: &[LinearShape], opts: &SweepOpts) -> u64 {
+/// One (shape, M, candidate) step of a sweep, as its progress callback sees it.
+pub struct Step<'a> {
+    pub label: &'a str,
+    /// The step's share of the sweep's work: its GEMM FLOPs (2·M·N·K) plus a fixed
+    /// [`STEP_OVERHEAD_FLOP`] for the launches and the verification around them.
+    pub work: u64,
+}
+
+/// The work of a step besides its FLOPs, in FLOP-equivalents: small-M steps are dominated by
+/// launches, copies and verification, not by arithmetic.
+pub const STEP_OVERHEAD_FLOP: u64 = 50_000_000;
+
+fn step_work(m: usize, shape: &LinearShape) -> u64 {
+    (2 * m as u64)
+        .saturating_mul(shape.weight_elems())
+        .saturating_add(STEP_OVERHEAD_FLOP)
+}
+
+/// The work (see [`Step::work`]) a tune of `shapes` takes in all: a progress bar weighted by it
+/// gives an honest time estimate although the large-M steps cost far more than the small.
+pub fn count_work<B: Backend>(b: &B, shapes: &[LinearShape], opts: &SweepOpts) -> u64 {
     shapes
         .iter()
-        .map(|s| (candidates(b, opts.dtype, s).len() * opts.m_grid.len()) as u64)
+        .map(|s| {
+            let per_m: u64 = opts.m_grid.iter().map(|&m| step_work(m, s)).sum();
+            per_m.saturating_mul(candidates(b, opts.dtype, s).len() as u64)
+        })
         .sum()
 }
 
@@ -90,7 +112,7 @@ pub fn sweep_shape<B: Backend>(
     b: &B,
     shape: &LinearShape,
     opts: &SweepOpts,
-    on_step: &mut dyn FnMut(&str),
+    on_step: &mut dyn FnMut(&Step),
 ) -> Result<ShapeProfile> {
     let Some(&max_m) = opts.m_grid.last() else {
         return Err(FdppError::InvalidArgument("empty M grid".into()));
@@ -120,7 +142,10 @@ pub fn sweep_shape<B: Backend>(
         let mut verified: Vec<(usize, f64)> = Vec::new();
         let mut row: Vec<Option<Measurement>> = vec![None; specs.len()];
         for (i, spec) in specs.iter().enumerate() {
-            on_step(&format!("{} M={m} {spec}", shape.label()));
+            on_step(&Step {
+                label: &format!("{} M={m} {spec}", shape.label()),
+                work: step_work(m, shape),
+            });
             match verifier.check(b, &mut inputs, spec, m) {
                 Ok(nmse) => verified.push((i, nmse)),
                 Err(e) => row[i] = Some(classify(e, m, "")),
@@ -232,7 +257,7 @@ fn classify(e: FdppError, m: usize, when: &str) -> Measurement {
 }
 
 /// Tune every linear shape of `cfg` and assemble the profile (not yet written anywhere).
-pub fn tune<B: Backend>(b: &B, cfg: &ModelConfig, opts: &SweepOpts, on_step: &mut dyn FnMut(&str)) -> Result<Profile> {
+pub fn tune<B: Backend>(b: &B, cfg: &ModelConfig, opts: &SweepOpts, on_step: &mut dyn FnMut(&Step)) -> Result<Profile> {
     let shapes = ModelShapes::of(cfg);
     let mut out = Vec::with_capacity(shapes.linears.len());
     for s in &shapes.linears {
@@ -327,8 +352,16 @@ mod tests {
         };
         let o = opts(5);
         let mut steps = Vec::new();
-        let sp = sweep_shape(&b, &shape, &o, &mut |s| steps.push(s.to_string())).unwrap();
-        assert_eq!(steps.len() as u64, count_steps(&b, &[shape], &o));
+        let mut work = 0u64;
+        let sp = sweep_shape(&b, &shape, &o, &mut |s| {
+            steps.push(s.label.to_string());
+            work += s.work;
+        })
+        .unwrap();
+        // The progress bar's total is the sum of the steps' work, and large M weigh more.
+        assert_eq!(work, count_work(&b, &[shape], &o));
+        assert_eq!(steps.len(), 5 * b.gemm_candidates(o.dtype, shape.n, shape.k).len());
+        assert!(step_work(5, &shape) > step_work(1, &shape));
         assert!(steps[0].contains("o[K=96,N=80] M=1"), "{}", steps[0]);
         assert_eq!(sp.m_grid, vec![1, 2, 3, 4, 5]);
         assert_eq!(sp.candidates.len(), b.gemm_candidates(o.dtype, shape.n, shape.k).len());

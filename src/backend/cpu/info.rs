@@ -55,6 +55,14 @@ fn model_name(cpuinfo: &str) -> Option<String> {
 }
 
 /// "MemTotal:  131072000 kB" → bytes.
+/// The host's memory (MemTotal), 0 when unknown.
+pub fn host_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| mem_total_bytes(&s))
+        .unwrap_or(0)
+}
+
 fn mem_total_bytes(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
     let mut parts = line["MemTotal:".len()..].split_whitespace();

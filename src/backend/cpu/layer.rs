@@ -12,7 +12,8 @@ use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::paged::{write_tokens, PagedKv};
 use crate::ops::layer::{
-    random_value, EmbeddingParams, GatherParams, KvAppendParams, RmsNormParams, RopeParams, SiluMulParams,
+    random_value, Activation, BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams,
+    PositionParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams,
 };
 
 /// Every named buffer must hold `dtype`; the error names the first that does not.
@@ -112,8 +113,9 @@ fn sum_squares(x: &[f32]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// Split the fused QKV rows into q, k, v: bias added (when given), q and k heads rotated in the
-/// rotate-half form, v copied.
+/// Split the fused QKV rows into q, k, v: bias added (when given), the first rotary_dim elements
+/// of every q and k head rotated (rotate-half or interleaved pairs, [`RopeLayout`]; none when
+/// inv_freq is empty), the rest of each head and v copied.
 ///
 /// HF rounds the projection (with its bias) to the dtype, takes cos and sin rounded to the
 /// dtype and rotates in the dtype; here bias, rotation and cos/sin stay in f32 and each output
@@ -141,6 +143,7 @@ pub fn qkv_rope(
     let g = p.geom;
     let (dt, d, t) = (p.dtype, g.head_dim, p.tokens());
     let (qw, kw, width) = (g.num_heads * d, g.num_kv_heads * d, p.qkv_width());
+    let pairs = p.inv_freq.len();
     let bias: Option<Vec<f32>> = bias.map(|b| {
         let mut f = vec![0f32; width];
         simd::widen(dt, &b.data[..width], &mut f);
@@ -153,7 +156,7 @@ pub fn qkv_rope(
         .zip(qkv.data[..t * width].par_chunks(width))
         .zip(p.positions.par_iter())
         .for_each_init(
-            || (vec![0f32; width], vec![0f32; d / 2], vec![0f32; d / 2]),
+            || (vec![0f32; width], vec![0f32; pairs], vec![0f32; pairs]),
             |(x, cos, sin), ((((qo, ko), vo), row), &pos)| {
                 simd::widen(dt, row, x);
                 if let Some(b) = &bias {
@@ -168,24 +171,29 @@ pub fn qkv_rope(
                 }
                 let (xq, rest) = x.split_at(qw);
                 let (xk, xv) = rest.split_at(kw);
-                rotate_heads(dt, xq, cos, sin, qo);
-                rotate_heads(dt, xk, cos, sin, ko);
+                rotate_heads(dt, p.layout, d, xq, cos, sin, qo);
+                rotate_heads(dt, p.layout, d, xk, cos, sin, ko);
                 dt.narrow(xv, vo);
             },
         );
     Ok(())
 }
 
-/// Rotate-half RoPE of every head of `x` (heads of `2 · cos.len()` elements) into `out`.
-fn rotate_heads(dt: DType, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [u16]) {
+/// RoPE of every head of `x` (heads of `d` elements) into `out`: pair i (i < cos.len()) is
+/// (i, i + R/2) in the rotate-half layout or (2i, 2i + 1) interleaved, R = 2·cos.len(); the
+/// elements from R on pass through.
+fn rotate_heads(dt: DType, layout: RopeLayout, d: usize, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [u16]) {
     let half = cos.len();
-    for (xh, oh) in x.chunks_exact(2 * half).zip(out.chunks_exact_mut(2 * half)) {
-        let (x1, x2) = xh.split_at(half);
-        let (o1, o2) = oh.split_at_mut(half);
+    for (xh, oh) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         for i in 0..half {
-            o1[i] = dt.from_f32(x1[i] * cos[i] - x2[i] * sin[i]);
-            o2[i] = dt.from_f32(x2[i] * cos[i] + x1[i] * sin[i]);
+            let (a, b) = match layout {
+                RopeLayout::Half => (i, i + half),
+                RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+            };
+            oh[a] = dt.from_f32(xh[a] * cos[i] - xh[b] * sin[i]);
+            oh[b] = dt.from_f32(xh[b] * cos[i] + xh[a] * sin[i]);
         }
+        dt.narrow(&xh[2 * half..], &mut oh[2 * half..]);
     }
 }
 
@@ -219,6 +227,155 @@ pub fn silu_mul(p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> 
 
 /// Outputs per task of [`silu_mul`].
 const SILU_CHUNK: usize = 4096;
+
+/// residual += delta (stored rounded); out = (residual − mean) / √(var + eps) · weight + bias,
+/// the statistics over the stored residual in f32 (two passes: mean, then the centred squares,
+/// which loses nothing to cancellation), the output rounded once.
+pub fn add_layernorm(
+    p: &LayerNormParams,
+    residual: &mut CpuBuffer,
+    delta: Option<&CpuBuffer>,
+    weight: &CpuBuffer,
+    bias: &CpuBuffer,
+    out: &mut CpuBuffer,
+) -> Result<()> {
+    p.validate(
+        residual.data.len(),
+        delta.map(|d| d.data.len()),
+        weight.data.len(),
+        bias.data.len(),
+        out.data.len(),
+    )?;
+    let mut named = vec![
+        ("residual", &*residual),
+        ("weight", weight),
+        ("bias", bias),
+        ("out", &*out),
+    ];
+    if let Some(d) = delta {
+        named.push(("delta", d));
+    }
+    check_dtypes("add_layernorm", p.dtype, &named)?;
+    let (dt, h, n) = (p.dtype, p.hidden, p.rows * p.hidden);
+    let (mut w, mut bf) = (vec![0f32; h], vec![0f32; h]);
+    simd::widen(dt, &weight.data[..h], &mut w);
+    simd::widen(dt, &bias.data[..h], &mut bf);
+    let delta = delta.map(|d| &d.data[..n]);
+    residual.data[..n]
+        .par_chunks_mut(h)
+        .zip(out.data[..n].par_chunks_mut(h))
+        .enumerate()
+        .for_each_init(
+            || (vec![0f32; h], vec![0f32; h]),
+            |(x, dx), (r, (res, o))| {
+                simd::widen(dt, res, x);
+                if let Some(d) = delta {
+                    simd::widen(dt, &d[r * h..(r + 1) * h], dx);
+                    for ((xv, &dv), rv) in x.iter_mut().zip(dx.iter()).zip(res.iter_mut()) {
+                        *rv = dt.from_f32(*xv + dv);
+                        *xv = dt.to_f32(*rv);
+                    }
+                }
+                let mean = x.iter().sum::<f32>() / h as f32;
+                for v in x.iter_mut() {
+                    *v -= mean;
+                }
+                let inv = 1.0 / (sum_squares(x) / h as f32 + p.eps).sqrt();
+                for (((ov, &xv), &wv), &bv) in o.iter_mut().zip(x.iter()).zip(&w).zip(&bf) {
+                    *ov = dt.from_f32(xv * inv * wv + bv);
+                }
+            },
+        );
+    Ok(())
+}
+
+/// The activation in f32 (what the kernels compute; [`Activation::apply`] is the f64 reference).
+fn act_f32(act: Activation, x: f32) -> f32 {
+    match act {
+        Activation::None => x,
+        Activation::Relu => x.max(0.0),
+        Activation::Silu => x / (1.0 + (-x).exp()),
+        // f32 has no erf in std: the f64 one, rounded once (the CPU is not the fast path here).
+        Activation::Gelu => Activation::Gelu.apply(x as f64) as f32,
+        Activation::GeluTanh => {
+            let c = (2.0 / std::f32::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+    }
+}
+
+/// x[r][i] = act(x[r][i] + bias[i]) in place, rounded once.
+pub fn bias_act(p: &BiasActParams, x: &mut CpuBuffer, bias: Option<&CpuBuffer>) -> Result<()> {
+    p.validate(x.data.len(), bias.map(|b| b.data.len()))?;
+    let mut named = vec![("x", &*x)];
+    if let Some(b) = bias {
+        named.push(("bias", b));
+    }
+    check_dtypes("bias_act", p.dtype, &named)?;
+    let (dt, w, act) = (p.dtype, p.width, p.act);
+    let mut bf = vec![0f32; w];
+    if let Some(b) = bias {
+        simd::widen(dt, &b.data[..w], &mut bf);
+    }
+    x.data[..p.rows * w].par_chunks_mut(w).for_each_init(
+        || vec![0f32; w],
+        |xf, row| {
+            simd::widen(dt, row, xf);
+            for ((o, &v), &b) in row.iter_mut().zip(xf.iter()).zip(&bf) {
+                *o = dt.from_f32(act_f32(act, v + b));
+            }
+        },
+    );
+    Ok(())
+}
+
+/// out[r][i] = act(gate[r][i]) · up[r][i]; SiLU is [`silu_mul`] itself.
+pub fn glu(p: &GluParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+    let sm = SiluMulParams {
+        rows: p.rows,
+        inter: p.inter,
+        dtype: p.dtype,
+    };
+    if p.act == Activation::Silu {
+        return silu_mul(&sm, gate_up, out);
+    }
+    p.validate(gate_up.data.len(), out.data.len())?;
+    check_dtypes("glu", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
+    let (dt, inter, act) = (p.dtype, p.inter, p.act);
+    out.data[..p.rows * inter]
+        .par_chunks_mut(inter)
+        .enumerate()
+        .for_each_init(
+            || (vec![0f32; inter], vec![0f32; inter]),
+            |(gf, uf), (r, o)| {
+                let at = r * 2 * inter;
+                simd::widen(dt, &gate_up.data[at..at + inter], gf);
+                simd::widen(dt, &gate_up.data[at + inter..at + 2 * inter], uf);
+                for ((ov, &g), &u) in o.iter_mut().zip(gf.iter()).zip(uf.iter()) {
+                    *ov = dt.from_f32(act_f32(act, g) * u);
+                }
+            },
+        );
+    Ok(())
+}
+
+/// out[t] += table[positions[t] + offset], the sum rounded once.
+pub fn add_positions(p: &PositionParams, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+    p.validate(table.data.len(), out.data.len())?;
+    check_dtypes("add_positions", p.dtype, &[("table", table), ("out", out)])?;
+    let (dt, h) = (p.dtype, p.hidden);
+    out.data[..p.positions.len() * h]
+        .par_chunks_mut(h)
+        .zip(p.positions.par_iter())
+        .for_each(|(o, &pos)| {
+            // Validated: 0 <= pos + offset < table_rows.
+            let at = (pos as usize + p.offset) * h;
+            for (ov, &tv) in o.iter_mut().zip(&table.data[at..at + h]) {
+                *ov = dt.from_f32(dt.to_f32(*ov) + dt.to_f32(tv));
+            }
+        });
+    Ok(())
+}
 
 /// Writes the new tokens' k and v at positions seq_len − new_len .. seq_len of each sequence.
 pub fn kv_append(p: &KvAppendParams, k: &CpuBuffer, v: &CpuBuffer, kv: &mut PagedKv<CpuBuffer>) -> Result<()> {

@@ -34,7 +34,9 @@ pub(super) trait Vf32: Copy {
 /// timed) on machines that would otherwise always take the AVX2 one.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn portable_requested() -> bool {
-    std::env::var("FDPP_CPU_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("portable"))
+    crate::run_config::get()
+        .get(crate::run_config::Key::CpuIsa)
+        .is_some_and(|v| v.eq_ignore_ascii_case("portable"))
 }
 
 fn pairwise_sum(v: [f32; LANES]) -> f32 {

@@ -171,7 +171,7 @@ fn capture(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> R
         (ran, ended) => {
             // Nothing was executed: run the layers eagerly, and never capture this signature
             // again. A real error shows up again in the eager run.
-            if std::env::var_os("FDPP_GRAPHS_DEBUG").is_some() {
+            if crate::run_config::get().set_on(crate::run_config::Key::GraphsDebug) {
                 eprintln!(
                     "decode graph capture abandoned: body {ran:?}, end {:?}",
                     ended.as_ref().map(|o| o.is_some())

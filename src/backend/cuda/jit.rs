@@ -32,7 +32,7 @@ pub fn nvrtc_version() -> Option<String> {
 /// a kernel that does include one still compiles).
 pub fn cuda_include_dir() -> Option<PathBuf> {
     let mut c: Vec<PathBuf> = vec![];
-    if let Ok(p) = std::env::var("FDPP_CUDA_INCLUDE") {
+    if let Some(p) = crate::run_config::get().get(crate::run_config::Key::CudaInclude) {
         c.push(p.into());
     }
     if let Ok(p) = std::env::var("CUDA_HOME") {
@@ -52,7 +52,7 @@ fn options(src: &KernelSource, arch: &str) -> Vec<String> {
     for (k, v) in &src.defines {
         o.push(format!("-D{k}={v}"));
     }
-    if std::env::var_os("FDPP_PTXAS_VERBOSE").is_some() {
+    if crate::run_config::get().set_on(crate::run_config::Key::PtxasVerbose) {
         o.push("--ptxas-options=-v".into());
     }
     if let Some(inc) = cuda_include_dir() {
@@ -93,7 +93,7 @@ pub fn compile_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>> {
             .unwrap_or_default();
         let res = match compiled {
             Err(e) => Err(fail(format!("{e:?}\noptions: {}\n{log}", opts.join(" ")))),
-            Ok(()) if std::env::var_os("FDPP_PTXAS_VERBOSE").is_some() => {
+            Ok(()) if crate::run_config::get().set_on(crate::run_config::Key::PtxasVerbose) => {
                 eprintln!("{} ({arch}):\n{log}", src.uri);
                 get_cubin(prog).map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}\n{log}")))
             }

@@ -81,7 +81,10 @@ impl RocBlas {
 
     pub fn load_default() -> Result<RocBlas> {
         let mut c = vec![];
-        if let Ok(p) = std::env::var("FDPP_ROCBLAS_LIB") {
+        if let Some(p) = crate::run_config::get()
+            .get(crate::run_config::Key::RocblasLib)
+            .map(str::to_string)
+        {
             c.push(p);
         }
         c.extend(candidates(ROCBLAS_LIBS));

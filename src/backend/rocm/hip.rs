@@ -164,7 +164,10 @@ pub fn api() -> std::result::Result<&'static HipApi, &'static LoadError> {
     static API: OnceLock<std::result::Result<HipApi, LoadError>> = OnceLock::new();
     API.get_or_init(|| {
         let mut c = vec![];
-        if let Ok(p) = std::env::var("FDPP_HIP_LIB") {
+        if let Some(p) = crate::run_config::get()
+            .get(crate::run_config::Key::HipLib)
+            .map(str::to_string)
+        {
             c.push(p);
         }
         c.extend(candidates(HIP_LIBS));

@@ -110,7 +110,10 @@ pub fn api() -> std::result::Result<&'static HiprtcApi, &'static LoadError> {
     static API: OnceLock<std::result::Result<HiprtcApi, LoadError>> = OnceLock::new();
     API.get_or_init(|| {
         let mut c = vec![];
-        if let Ok(p) = std::env::var("FDPP_HIPRTC_LIB") {
+        if let Some(p) = crate::run_config::get()
+            .get(crate::run_config::Key::HiprtcLib)
+            .map(str::to_string)
+        {
             c.push(p);
         }
         c.extend(candidates(HIPRTC_LIBS));

@@ -178,11 +178,23 @@ pub fn model_config(file: &GgufFile) -> Result<(ModelConfig, HfExtras)> {
             }
         }
     }
+    // Biases beyond Q/K/V (on O or the MLP) are not something llama/qwen2 files carry; say so
+    // through `unsupported` (the engine refuses naming it) rather than drop them silently.
+    let unsupported = ["attn_output.bias", "ffn_up.bias", "ffn_down.bias", "ffn_gate.bias"]
+        .iter()
+        .filter(|t| file.tensor(&format!("blk.0.{t}")).is_some())
+        .map(|t| (format!("blk.0.{t}"), "present".to_string()))
+        .collect();
     let extras = HfExtras {
         rope_scaling,
         eos_token_ids,
         bos_token_id: id("tokenizer.ggml.bos_token_id")?,
         sliding_window: None,
+        // llama and qwen2 use SiLU, their family's default.
+        hidden_act: None,
+        embed_proj_dim: None,
+        linear_bias: None,
+        unsupported,
     };
     Ok((cfg, extras))
 }

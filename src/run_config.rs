@@ -1,0 +1,410 @@
+//! The run configuration: every switch that changes what runs (fusions, PDL, graphs, the
+//! pipelined greedy loop, kernel variants) or where fdpp finds its libraries, in one place, built
+//! once per process from `--set KEY=VALUE` flags and the `FDPP_*` environment (a flag wins), and
+//! written into every report row and profile provenance, so that a figure says how it was
+//! obtained.
+//!
+//! The modules that act on a switch keep their own parsing and validation (a kernel variant's
+//! rules belong with the kernel); they read the value here instead of from the environment.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use crate::error::{FdppError, Result};
+
+/// One switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Key {
+    FusedGemv,
+    FusedGlu,
+    Graphs,
+    Pdl,
+    Pipeline,
+    Prefill,
+    DecodePath,
+    HopperTma,
+    HopperStages,
+    HopperOverlap,
+    HopperPingpong,
+    HopperDiag,
+    OpTimes,
+    CpuIsa,
+    GraphsDebug,
+    PtxasVerbose,
+    CacheDir,
+    CudaInclude,
+    HipLib,
+    HiprtcLib,
+    RocblasLib,
+}
+
+/// What a switch is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Changes which kernels run or how fast (recorded with every figure).
+    Behaviour,
+    /// Prints more, or waits after ops to time them (recorded: it slows the run).
+    Diagnostic,
+    /// Where a library or cache lives (not recorded: it changes nothing measured).
+    Location,
+}
+
+pub struct KeyInfo {
+    pub key: Key,
+    /// The name of `--set NAME=VALUE`.
+    pub name: &'static str,
+    pub env: &'static str,
+    pub values: &'static str,
+    pub default: &'static str,
+    pub kind: Kind,
+    pub what: &'static str,
+}
+
+pub const KEYS: &[KeyInfo] = &[
+    KeyInfo {
+        key: Key::FusedGemv,
+        name: "fused_gemv",
+        env: "FDPP_FUSED_GEMV",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "fold the RMSNorm weights into W_qkv/W_ffn1 and run decode layers on the fused GEMV kernels",
+    },
+    KeyInfo {
+        key: Key::FusedGlu,
+        name: "fused_glu",
+        env: "FDPP_FUSED_GLU",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "a fused decode step computes silu(gate)·up inside the FFN1 GEMV",
+    },
+    KeyInfo {
+        key: Key::Graphs,
+        name: "graphs",
+        env: "FDPP_GRAPHS",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "replay decode layers 1.. from CUDA graphs",
+    },
+    KeyInfo {
+        key: Key::Pdl,
+        name: "pdl",
+        env: "FDPP_PDL",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "programmatic dependent launch on sm_90+",
+    },
+    KeyInfo {
+        key: Key::Pipeline,
+        name: "pipeline",
+        env: "FDPP_PIPELINE",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "greedy decoding keeps the host a step ahead of the device",
+    },
+    KeyInfo {
+        key: Key::Prefill,
+        name: "prefill",
+        env: "FDPP_PREFILL",
+        values: "hopper|mma",
+        default: "hopper on sm_90a, else mma",
+        kind: Kind::Behaviour,
+        what: "the prefill attention kernel",
+    },
+    KeyInfo {
+        key: Key::DecodePath,
+        name: "decode_path",
+        env: "FDPP_DECODE_PATH",
+        values: "latency|bandwidth",
+        default: "planned per shape",
+        kind: Kind::Behaviour,
+        what: "force one decode attention path",
+    },
+    KeyInfo {
+        key: Key::HopperTma,
+        name: "hopper_tma",
+        env: "FDPP_HOPPER_TMA",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "the Hopper prefill loads K/V with TMA (else cp.async)",
+    },
+    KeyInfo {
+        key: Key::HopperStages,
+        name: "hopper_stages",
+        env: "FDPP_HOPPER_STAGES",
+        values: "2|3",
+        default: "2",
+        kind: Kind::Behaviour,
+        what: "K/V pipeline depth of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::HopperOverlap,
+        name: "hopper_overlap",
+        env: "FDPP_HOPPER_OVERLAP",
+        values: "1|0",
+        default: "the kernel's schedule",
+        kind: Kind::Behaviour,
+        what: "intra-warpgroup overlap of softmax and GEMMs in the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::HopperPingpong,
+        name: "hopper_pingpong",
+        env: "FDPP_HOPPER_PINGPONG",
+        values: "1|0",
+        default: "the kernel's schedule",
+        kind: Kind::Behaviour,
+        what: "ping-pong of the two consumer warpgroups in the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::HopperDiag,
+        name: "hopper_diag",
+        env: "FDPP_HOPPER_DIAG",
+        values: "0|1|2",
+        default: "0",
+        kind: Kind::Diagnostic,
+        what: "diagnostic variants of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::OpTimes,
+        name: "op_times",
+        env: "FDPP_OP_TIMES",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Diagnostic,
+        what: "per-op device time of the engine (waits after every op)",
+    },
+    KeyInfo {
+        key: Key::CpuIsa,
+        name: "cpu_isa",
+        env: "FDPP_CPU_ISA",
+        values: "portable",
+        default: "the best the CPU has",
+        kind: Kind::Behaviour,
+        what: "the CPU kernels' instruction set",
+    },
+    KeyInfo {
+        key: Key::GraphsDebug,
+        name: "graphs_debug",
+        env: "FDPP_GRAPHS_DEBUG",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Diagnostic,
+        what: "print every graph capture and replay decision",
+    },
+    KeyInfo {
+        key: Key::PtxasVerbose,
+        name: "ptxas_verbose",
+        env: "FDPP_PTXAS_VERBOSE",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Diagnostic,
+        what: "print ptxas register and spill counts of every compiled kernel",
+    },
+    KeyInfo {
+        key: Key::CacheDir,
+        name: "cache_dir",
+        env: "FDPP_CACHE_DIR",
+        values: "PATH",
+        default: "~/.cache/fdpp",
+        kind: Kind::Location,
+        what: "the compiled-kernel cache",
+    },
+    KeyInfo {
+        key: Key::CudaInclude,
+        name: "cuda_include",
+        env: "FDPP_CUDA_INCLUDE",
+        values: "PATH",
+        default: "$CUDA_HOME/include, /usr/local/cuda/include",
+        kind: Kind::Location,
+        what: "the CUDA headers NVRTC compiles against",
+    },
+    KeyInfo {
+        key: Key::HipLib,
+        name: "hip_lib",
+        env: "FDPP_HIP_LIB",
+        values: "PATH",
+        default: "libamdhip64.so",
+        kind: Kind::Location,
+        what: "the HIP runtime library",
+    },
+    KeyInfo {
+        key: Key::HiprtcLib,
+        name: "hiprtc_lib",
+        env: "FDPP_HIPRTC_LIB",
+        values: "PATH",
+        default: "libhiprtc.so",
+        kind: Kind::Location,
+        what: "the hiprtc library",
+    },
+    KeyInfo {
+        key: Key::RocblasLib,
+        name: "rocblas_lib",
+        env: "FDPP_ROCBLAS_LIB",
+        values: "PATH",
+        default: "librocblas.so",
+        kind: Kind::Location,
+        what: "the rocBLAS library",
+    },
+];
+
+fn info(key: Key) -> &'static KeyInfo {
+    KEYS.iter().find(|k| k.key == key).unwrap_or(&KEYS[0])
+}
+
+/// Where a value came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Env,
+    Flag,
+}
+
+/// The switches set for this run (unset ones take their defaults where they are read).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunConfig {
+    values: BTreeMap<Key, (String, Source)>,
+}
+
+impl RunConfig {
+    /// The `FDPP_*` environment, then `flags` (`NAME=VALUE` each, as `--set` takes them) over it.
+    pub fn build(env: impl Fn(&str) -> Option<String>, flags: &[String]) -> Result<Self> {
+        let mut values = BTreeMap::new();
+        for k in KEYS {
+            if let Some(v) = env(k.env).filter(|v| !v.trim().is_empty()) {
+                values.insert(k.key, (v.trim().to_string(), Source::Env));
+            }
+        }
+        for f in flags {
+            let (name, value) = f.split_once('=').ok_or_else(|| {
+                FdppError::InvalidArgument(format!(
+                    "--set '{f}': expected NAME=VALUE (see `fdpp --help` for the names)"
+                ))
+            })?;
+            let k = KEYS.iter().find(|k| k.name == name.trim()).ok_or_else(|| {
+                FdppError::InvalidArgument(format!(
+                    "--set '{f}': unknown switch '{}'; known: {}",
+                    name.trim(),
+                    KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+                ))
+            })?;
+            values.insert(k.key, (value.trim().to_string(), Source::Flag));
+        }
+        Ok(RunConfig { values })
+    }
+
+    pub fn from_env() -> Self {
+        // The environment alone cannot fail: only flags can name an unknown switch.
+        RunConfig::build(|v| std::env::var(v).ok(), &[]).unwrap_or_default()
+    }
+
+    /// The value set for `key`, if any (a module applies its own default when None).
+    pub fn get(&self, key: Key) -> Option<&str> {
+        self.values.get(&key).map(|(v, _)| v.as_str())
+    }
+
+    /// A boolean switch: on unless set to 0, off or false (the defaults of every 1|0 switch
+    /// that defaults to 1).
+    pub fn on(&self, key: Key) -> bool {
+        !matches!(self.get(key), Some("0") | Some("off") | Some("false"))
+    }
+
+    /// A boolean switch that defaults to off: on when set to anything but 0, off or false.
+    pub fn set_on(&self, key: Key) -> bool {
+        self.get(key).is_some() && self.on(key)
+    }
+
+    /// The switches that change what runs or slow it, as set: `graphs=0 pdl=0`, or `defaults`.
+    /// Locations are left out: they change nothing measured.
+    pub fn label(&self) -> String {
+        let set: Vec<String> = self
+            .values
+            .iter()
+            .filter(|(k, _)| info(**k).kind != Kind::Location)
+            .map(|(k, (v, _))| format!("{}={v}", info(*k).name))
+            .collect();
+        if set.is_empty() {
+            "defaults".into()
+        } else {
+            set.join(" ")
+        }
+    }
+}
+
+static CONFIG: OnceLock<RunConfig> = OnceLock::new();
+
+/// Set the process's configuration once, at start-up (the CLI, from its flags). A second call
+/// or a call after the first [`get`] is an error: the configuration must not change mid-run.
+pub fn init(cfg: RunConfig) -> Result<()> {
+    CONFIG
+        .set(cfg)
+        .map_err(|_| FdppError::InvalidArgument("internal: the run configuration was set twice".into()))
+}
+
+/// The process's configuration (from the environment alone when [`init`] was not called, as in
+/// tests and library use).
+pub fn get() -> &'static RunConfig {
+    CONFIG.get_or_init(RunConfig::from_env)
+}
+
+/// The switches for `fdpp --help`.
+pub fn help() -> String {
+    let mut s = String::from(
+        "Run configuration (--set NAME=VALUE, repeatable, or the environment variable; a flag wins).\n\
+         Every report row and profile records the switches that were set:\n",
+    );
+    for k in KEYS {
+        s.push_str(&format!(
+            "  {:<16} {:<18} {} [{}: {}] ({})\n",
+            k.name, k.values, k.what, "default", k.default, k.env
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn flags_win_over_the_environment_and_the_label_says_what_was_set() {
+        let c = RunConfig::build(
+            env(&[("FDPP_GRAPHS", "0"), ("FDPP_PDL", "0"), ("FDPP_CACHE_DIR", "/x")]),
+            &["pdl=1".into(), "prefill=mma".into()],
+        )
+        .unwrap();
+        assert!(!c.on(Key::Graphs));
+        assert!(c.on(Key::Pdl));
+        assert!(c.on(Key::FusedGemv), "unset boolean switches default to on");
+        assert!(!c.set_on(Key::OpTimes), "op_times defaults to off");
+        assert_eq!(c.get(Key::Prefill), Some("mma"));
+        assert_eq!(c.label(), "graphs=0 pdl=1 prefill=mma", "locations are not recorded");
+        assert_eq!(RunConfig::build(env(&[]), &[]).unwrap().label(), "defaults");
+    }
+
+    #[test]
+    fn unknown_or_malformed_flags_are_errors_naming_the_known_switches() {
+        let e = RunConfig::build(env(&[]), &["graph=0".into()]).unwrap_err().to_string();
+        assert!(e.contains("unknown switch 'graph'") && e.contains("graphs"), "{e}");
+        let e = RunConfig::build(env(&[]), &["graphs".into()]).unwrap_err().to_string();
+        assert!(e.contains("NAME=VALUE"), "{e}");
+    }
+
+    #[test]
+    fn every_key_has_one_entry_and_a_distinct_name() {
+        for (i, a) in KEYS.iter().enumerate() {
+            for b in &KEYS[i + 1..] {
+                assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
+            }
+        }
+        assert_eq!(KEYS.len(), 21);
+        assert!(help().contains("FDPP_HOPPER_TMA"));
+    }
+}
