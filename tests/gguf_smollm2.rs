@@ -441,7 +441,7 @@ fn fdpp_greedy_matches_hf_on_the_gguf() {
 /// agrees with HF fp32's at >= 99 % of the positions whose HF top-2 gap exceeds 0.05, and, over
 /// the whole text, the perplexity is within 0.5 % of HF's. Every position's logits come from a
 /// decode step (the engine's prefill returns only the last position's logits today), so a debug
-/// build scores the first 96 tokens only (agreement only); an optimized build (`cargo test
+/// build scores the first 32 tokens only (agreement only: 0.2 tok/s unoptimized); an optimized build (`cargo test
 /// --release`) scores all 2219.
 #[test]
 #[ignore = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)"]
@@ -459,7 +459,7 @@ fn fdpp_teacher_forced_agrees_with_hf() {
         .collect();
     let ctx = t["ctx"].as_u64().unwrap() as usize;
     let full = !cfg!(debug_assertions);
-    let ids = if full { &ids[..] } else { &ids[..96] };
+    let ids = if full { &ids[..] } else { &ids[..32] };
     let b = fdpp::backend::cpu::CpuBackend::new();
     let mut engine = engine_on_gguf(&b, &[ctx], 1);
     let mut fwd = |w: &[u32]| -> fdpp::error::Result<Vec<Vec<f32>>> {
