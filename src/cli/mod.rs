@@ -10,6 +10,7 @@ pub mod generate;
 pub mod kernels;
 pub mod kernels_rocm;
 pub mod model_setup;
+pub mod perplexity;
 pub mod profile;
 pub mod profile_list;
 pub mod shapes;

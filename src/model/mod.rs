@@ -3,6 +3,7 @@
 pub mod arch;
 pub mod config;
 pub mod family;
+pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod presets;

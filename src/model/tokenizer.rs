@@ -28,6 +28,15 @@ impl Tokenizer {
         })
     }
 
+    /// Wrap a tokenizer built elsewhere (from a GGUF vocabulary); `path` names its source in
+    /// messages.
+    pub fn from_tokenizer(inner: tokenizers::Tokenizer, path: &Path) -> Self {
+        Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+        }
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
