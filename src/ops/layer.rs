@@ -221,7 +221,8 @@ impl Activation {
             Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
             Activation::GeluTanh => {
                 let c = (2.0 / std::f64::consts::PI).sqrt();
-                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+                // x·(1 + tanh u)/2 written as x·σ(2u), which does not cancel for large negative x.
+                x / (1.0 + (-2.0 * c * (x + 0.044715 * x * x * x)).exp())
             }
         }
     }

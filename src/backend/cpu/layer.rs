@@ -299,7 +299,9 @@ fn act_f32(act: Activation, x: f32) -> f32 {
         Activation::Gelu => Activation::Gelu.apply(x as f64) as f32,
         Activation::GeluTanh => {
             let c = (2.0 / std::f32::consts::PI).sqrt();
-            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            // x·(1 + tanh u)/2 = x·σ(2u): the σ form keeps its digits in the negative tail,
+            // where 1 + tanh u cancels.
+            x / (1.0 + (-2.0 * c * (x + 0.044715 * x * x * x)).exp())
         }
     }
 }
