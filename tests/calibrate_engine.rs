@@ -33,6 +33,7 @@ fn tiny() -> ModelSpec {
         },
         extras: HfExtras::default(),
         dir: None,
+        gguf: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn tiny(qkv_bias: bool, tied: bool) -> ModelSpec {
         },
         extras: HfExtras::default(),
         dir: None,
+        gguf: None,
     }
 }
 
@@ -226,6 +227,7 @@ fn other_families() -> Vec<ModelSpec> {
             ..HfExtras::default()
         },
         dir: None,
+        gguf: None,
     };
     let glm = ModelSpec {
         cfg: ModelConfig {
@@ -236,6 +238,7 @@ fn other_families() -> Vec<ModelSpec> {
         },
         extras: HfExtras::default(),
         dir: None,
+        gguf: None,
     };
     vec![opt, glm]
 }

@@ -34,6 +34,7 @@ fn tiny() -> ModelSpec {
         },
         extras: HfExtras::default(),
         dir: None,
+        gguf: None,
     }
 }
 

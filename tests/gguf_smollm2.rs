@@ -369,6 +369,7 @@ fn engine_on_gguf<'b>(
         cfg: cfg.clone(),
         extras: m.extras.clone(),
         dir: None,
+        gguf: None,
     };
     let opts = EngineOptions {
         dtype,

@@ -544,6 +544,7 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         match source {
             WeightSource::Random { .. } => "random",
             WeightSource::Dir(_) => "loaded",
+            WeightSource::Gguf(_) => "gguf",
         },
         build.fdpp_version,
         build.git_commit

@@ -374,20 +374,21 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
     )];
 
     // Weights and prompts.
-    let trained = spec.dir.as_deref().is_some_and(has_safetensors) && !c.random_weights;
-    let source = match (&spec.dir, trained) {
-        (Some(dir), true) => WeightSource::Dir(dir.clone()),
+    let trained = (spec.dir.as_deref().is_some_and(has_safetensors) || spec.gguf.is_some()) && !c.random_weights;
+    let source = match (&spec.dir, &spec.gguf, trained) {
+        (_, Some(g), true) => WeightSource::Gguf(g.clone()),
+        (Some(dir), _, true) => WeightSource::Dir(dir.clone()),
         _ => WeightSource::Random { seed: c.seed },
     };
     let weights_line = match &source {
-        WeightSource::Dir(d) => format!("weights: {}", d.display()),
+        WeightSource::Dir(d) | WeightSource::Gguf(d) => format!("weights: {}", d.display()),
         WeightSource::Random { seed } => format!(
             "weights: random (seed {seed}): the score distribution below is that of random weights, not of the trained model"
         ),
     };
     lines.push(weights_line.clone());
-    let tok = match spec.dir.as_deref().and_then(Tokenizer::find) {
-        Some(p) => Some(Tokenizer::load(&p)?),
+    let tok = match spec.tokenizer_path() {
+        Some(p) => Some(ModelSpec::load_tokenizer(&p)?),
         None => None,
     };
     let context = spec.context_len();
@@ -604,7 +605,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         global.count,
         match &source {
             WeightSource::Random { seed } => format!("random weights (seed {seed})"),
-            WeightSource::Dir(_) => "checkpoint weights".into(),
+            WeightSource::Dir(_) | WeightSource::Gguf(_) => "checkpoint weights".into(),
         },
         match &marked {
             Marked::Window { .. } => format!(

@@ -157,8 +157,8 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     // A tokenizer that does not load is an error only where text must be encoded; with token ids
     // the output is shown as ids.
     let needs_text = !a.prompt.is_empty() || !a.prompt_file.is_empty();
-    let tok = match spec.dir.as_deref().and_then(Tokenizer::find) {
-        Some(p) => match Tokenizer::load(&p) {
+    let tok = match spec.tokenizer_path() {
+        Some(p) => match ModelSpec::load_tokenizer(&p) {
             Ok(t) => Some(t),
             Err(e) if !needs_text => {
                 eprintln!(
@@ -294,13 +294,7 @@ fn run_on<B: Backend>(
     let mut engine = build(b, spec, source, profile, &opts, plan)?;
     b.synchronize()?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    eprintln!(
-        "weights: {} in {load_ms:.0} ms",
-        match source {
-            WeightSource::Random { seed } => format!("random (seed {seed}, generated on the device)"),
-            WeightSource::Dir(d) => format!("loaded from {}", d.display()),
-        }
-    );
+    eprintln!("weights: {} in {load_ms:.0} ms", source.describe());
     let steps = [("prefill", prompt_tokens.min(opts.chunk)), ("decode", prompts.len())];
     let mut gemm_plans = Vec::new();
     for (what, m) in steps {

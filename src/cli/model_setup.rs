@@ -19,6 +19,9 @@ pub fn weight_source(
     random_weights: bool,
     seed: u64,
 ) -> anyhow::Result<WeightSource> {
+    if let (Some(g), false) = (&spec.gguf, random_weights) {
+        return Ok(WeightSource::Gguf(g.clone()));
+    }
     Ok(match (&spec.dir, random_weights) {
         (_, true) => WeightSource::Random { seed },
         (Some(dir), false) => WeightSource::Dir(dir.clone()),

@@ -24,6 +24,19 @@ pub enum WeightSource {
     Random { seed: u64 },
     /// The safetensors of an HF directory.
     Dir(PathBuf),
+    /// A GGUF file, dequantized tensor by tensor as it is uploaded.
+    Gguf(PathBuf),
+}
+
+impl WeightSource {
+    /// For output: where the weights came from.
+    pub fn describe(&self) -> String {
+        match self {
+            WeightSource::Random { seed } => format!("random (seed {seed}, generated on the device)"),
+            WeightSource::Dir(d) => format!("loaded from {}", d.display()),
+            WeightSource::Gguf(f) => format!("dequantized from {}", f.display()),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -125,6 +138,12 @@ pub fn build_model<'b, B: Backend>(
         WeightSource::Random { seed } => family::random(b, &arch, opts.dtype, *seed)?,
         WeightSource::Dir(dir) => {
             let store = WeightStore::open(dir)?;
+            family::load(b, &store, &arch, opts.dtype)?
+        }
+        WeightSource::Gguf(path) => {
+            let file = crate::model::gguf::GgufFile::open(path)?;
+            let permute = spec.cfg.arch == crate::model::ModelArch::Llama;
+            let store = crate::model::gguf::GgufStore::new(file, permute, spec.cfg.num_heads, spec.cfg.num_kv_heads)?;
             family::load(b, &store, &arch, opts.dtype)?
         }
     };

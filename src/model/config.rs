@@ -87,6 +87,10 @@ impl ModelConfig {
             return presets::preset(arg);
         }
         let path = Path::new(arg);
+        if super::gguf::is_gguf_path(path) && path.is_file() {
+            let file = super::gguf::GgufFile::open(path)?;
+            return Ok(super::gguf::config::model_config(&file)?.0);
+        }
         if path.exists() {
             return Self::from_hf_path(path);
         }

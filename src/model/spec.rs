@@ -19,18 +19,32 @@ pub struct ModelSpec {
     pub cfg: ModelConfig,
     pub extras: HfExtras,
     pub dir: Option<PathBuf>,
+    /// A GGUF file holding the description, the tokenizer and the weights (then `dir` is None).
+    pub gguf: Option<PathBuf>,
 }
 
 impl ModelSpec {
-    /// A preset name, an HF directory, or an HF config.json (its directory holds the weights).
+    /// A preset name, an HF directory, an HF config.json (its directory holds the weights), or
+    /// a GGUF file.
     pub fn resolve(arg: &str) -> Result<ModelSpec> {
-        let cfg = ModelConfig::resolve(arg)?;
         let path = Path::new(arg);
+        if super::gguf::is_gguf_path(path) && path.is_file() {
+            let file = super::gguf::GgufFile::open(path)?;
+            let (cfg, extras) = super::gguf::config::model_config(&file)?;
+            return Ok(ModelSpec {
+                cfg,
+                extras,
+                dir: None,
+                gguf: Some(path.to_path_buf()),
+            });
+        }
+        let cfg = ModelConfig::resolve(arg)?;
         if presets::PRESET_NAMES.contains(&arg) || !path.exists() {
             return Ok(ModelSpec {
                 cfg,
                 extras: HfExtras::default(),
                 dir: None,
+                gguf: None,
             });
         }
         let (dir, file) = if path.is_dir() {
@@ -57,7 +71,27 @@ impl ModelSpec {
             cfg,
             extras,
             dir: Some(dir),
+            gguf: None,
         })
+    }
+
+    /// Where the tokenizer comes from: the directory's tokenizer.json or the GGUF vocabulary.
+    pub fn tokenizer_path(&self) -> Option<PathBuf> {
+        match (&self.gguf, &self.dir) {
+            (Some(g), _) => Some(g.clone()),
+            (None, Some(d)) => super::tokenizer::Tokenizer::find(d),
+            (None, None) => None,
+        }
+    }
+
+    /// The tokenizer at [`tokenizer_path`](Self::tokenizer_path) (a tokenizer.json or a GGUF).
+    pub fn load_tokenizer(path: &Path) -> Result<super::tokenizer::Tokenizer> {
+        if super::gguf::is_gguf_path(path) {
+            let file = super::gguf::GgufFile::open(path)?;
+            let inner = super::gguf::tokenizer::build(&file)?;
+            return Ok(super::tokenizer::Tokenizer::from_tokenizer(inner, path));
+        }
+        super::tokenizer::Tokenizer::load(path)
     }
 
     /// The longest sequence the model attends over correctly: max_position_embeddings, or
