@@ -13,7 +13,10 @@
 //   sequence, in the same launch, and counts it.
 //
 // One block serves one (sequence, kv head, split) and HG query heads of the kv head's group
-// (GQA: the K and V rows are read once for all of them). Inside a block, 16-byte loads: one
+// (GQA: the K and V rows are read once for all of them). A group that HG does not divide (GQA
+// ratios 3, 5, 6, 7, …: the launcher picks HG = ⌈group / ⌈group / 4⌉⌉) ends in a partial chunk:
+// its blocks hold `nh` < HG live heads, and the others are masked heads that load no q (zeros),
+// write nothing, add nothing to the workspaces and raise no flag. They cost FMAs, not bytes. Inside a block, 16-byte loads: one
 // token row of D elements is read by D/8 lanes (a "token group"); 128 threads make 128/(D/8)
 // groups that take U = 4 consecutive tokens each per round. Scores are in log2 units (q is
 // pre-scaled by log2(e)/√d) so that the exponentials are exp2.
@@ -52,7 +55,7 @@ constexpr int COMBINE_MAX_SPLITS = 64;  // ops/attention.rs MAX_SPLITS
 constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
+static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block (the launcher chunks larger groups)");
 
 // Derived sizes of one block shape.
 template <int NT, int U>
@@ -349,12 +352,15 @@ __device__ __forceinline__ void block_head(const Smem<NW>& sm, int h, float phi2
     }
 }
 
-// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
-__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
+// This lane's 8 dims of q for each of the block's `nh` live heads, scaled to log2 units; zeros
+// for the masked heads of a partial chunk (their rows belong to the next kv head, or lie past q).
+__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2,
+                                       int nh) {
     const int li = threadIdx.x % LPT;
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8);
+        const uint4 v =
+            h < nh ? *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8) : make_uint4(0, 0, 0, 0);
         unpack2(v.x, qr[h][0], qr[h][1]);
         unpack2(v.y, qr[h][2], qr[h][3]);
         unpack2(v.z, qr[h][4], qr[h][5]);
@@ -388,19 +394,27 @@ __device__ __forceinline__ AsyncWs async_ws(float* ws, int rows) {
 
 struct Where {
     int b, kvh, split, h0, len, t0, t1;
+    int nh;  // live heads of the block's chunk (HG but in a group's partial last chunk)
 };
+
+// Head chunks per kv head: ⌈group / HG⌉ (the last one partial when HG does not divide group).
+__device__ __forceinline__ int chunks_of(int group) { return (group + HG - 1) / HG; }
+
+// Bits of the live heads 0 .. nh − 1.
+__device__ __forceinline__ unsigned live_mask(int nh) { return nh >= 32 ? ~0u : (1u << nh) - 1u; }
 
 // Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
 // chunks of one split are adjacent, so they run together and share the K/V rows in L2);
 // grid.y = batch · kv heads.
 __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
-    const int chunks = group / HG;
+    const int chunks = chunks_of(group);
     Where w;
     const int chunk = blockIdx.x % chunks;
     w.split = blockIdx.x / chunks;
     w.b = blockIdx.y / G;
     w.kvh = blockIdx.y % G;
     w.h0 = w.kvh * group + chunk * HG;
+    w.nh = min(HG, group - chunk * HG);
     w.len = lens[w.b];
     const int per = (w.len + splits - 1) / splits;
     w.t0 = min(w.len, w.split * per);
@@ -408,7 +422,8 @@ __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int 
     return w;
 }
 
-// Write the merged elements a[] of the heads in `mask`, each divided by its head's l.
+// Write the merged elements a[] of the heads in `mask` (live heads only), each divided by its
+// head's l.
 template <int NT, int U>
 __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT], const float (&lh)[HG],
                                             u16* __restrict__ out, int row0, unsigned mask) {
@@ -433,9 +448,9 @@ template <int NT, int U, bool BW>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
-                                            u16* __restrict__ out, int row0, unsigned mask) {
+                                            u16* __restrict__ out, int row0, int nh, unsigned mask) {
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, nh);
     Part p;
     init_part(p, -FDPP_INF);
     accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
@@ -465,7 +480,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
@@ -480,7 +495,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
             bool over;
             block_head<false>(sm, h, 0.f, bm, lh[h], mx, over);
         }
-        write_elems<NT, U>(a, lh, out, row0, ~0u);
+        write_elems<NT, U>(a, lh, out, row0, live_mask(w.nh));
         return;
     }
     // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
@@ -488,9 +503,9 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
 #pragma unroll
     for (int j = 0; j < S::EPT; ++j) {
         const int e = threadIdx.x + j * NT;
-        if (e < HG * D) part[((size_t)(row0 + e / D) * splits + w.split) * D + e % D] = a[j];
+        if (e < w.nh * D) part[((size_t)(row0 + e / D) * splits + w.split) * D + e % D] = a[j];
     }
-    if (threadIdx.x < HG) {
+    if (threadIdx.x < w.nh) {
         float bm, l, mx;
         bool over;
         block_head<false>(sm, threadIdx.x, 0.f, bm, l, mx, over);
@@ -580,7 +595,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, phi2);
     accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
@@ -597,7 +612,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             float bm, mx;
             bool over;
             block_head<true>(sm, h, phi2, bm, lh[h], mx, over);
-            if (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h])) bad |= 1u << h;
+            if (h < w.nh && (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h]))) bad |= 1u << h;
         }
     } else {
         // Add this split's sums and flags to the row's, then count the arrival: the block that
@@ -606,9 +621,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
         for (int j = 0; j < S::EPT; ++j) {
             const int e = threadIdx.x + j * NT;
-            if (e < HG * D) atomicAdd(&accs[(size_t)row0 * D + e], a[j]);
+            if (e < w.nh * D) atomicAdd(&accs[(size_t)row0 * D + e], a[j]);
         }
-        if (threadIdx.x < HG) {
+        if (threadIdx.x < w.nh) {
             float bm, l, mx;
             bool over;
             block_head<true>(sm, threadIdx.x, phi2, bm, l, mx, over);
@@ -617,7 +632,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             if (over) atomicOr(&overs[row0 + threadIdx.x], 1u);
         }
         __syncthreads();
-        const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
+        const int chunks = chunks_of(group);
+        const int chunk_id = blockIdx.y * chunks + blockIdx.x % chunks;
         int last = 0;
         if (threadIdx.x == 0) {
             __threadfence();
@@ -631,12 +647,12 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
         for (int j = 0; j < S::EPT; ++j) {
             const int e = threadIdx.x + j * NT;
-            if (e < HG * D) {
+            if (e < w.nh * D) {
                 a[j] = __ldcg(&accs[(size_t)row0 * D + e]);
                 accs[(size_t)row0 * D + e] = 0.f;
             }
         }
-        if (threadIdx.x < HG) {
+        if (threadIdx.x < w.nh) {
             const int h = threadIdx.x;
             const float l = __ldcg(&ls[row0 + h]);
             const float mx = unkey(__ldcg(&keys[row0 + h]));
@@ -653,14 +669,14 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
     for (int j = 0; j < S::EPT; ++j) {
         const int e = threadIdx.x + j * NT;
-        if (e < HG * D && !finite(a[j])) bad |= 1u << (e / D);
+        if (e < w.nh * D && !finite(a[j])) bad |= 1u << (e / D);
     }
     // One barrier-reduction tells whether any head is flagged (and publishes sm.lfin); the
     // per-head mask is gathered only when one is.
     const bool any_bad = __syncthreads_or(bad != 0);
     if (splits > 1) {
 #pragma unroll
-        for (int h = 0; h < HG; ++h) lh[h] = sm.lfin[h];
+        for (int h = 0; h < HG; ++h) lh[h] = h < w.nh ? sm.lfin[h] : 1.f;
     }
     unsigned flagged = 0;
     if (any_bad) {
@@ -670,11 +686,11 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
         __syncthreads();
         flagged = sm.bad;
     }
-    write_elems<NT, U>(a, lh, out, row0, ~flagged);
+    write_elems<NT, U>(a, lh, out, row0, live_mask(w.nh) & ~flagged);
     if (flagged) {
         // Every read of the per-warp slots happened before the barriers above.
-        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
-                                      flagged);
+        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, w.nh,
+                                  flagged);
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
 }
