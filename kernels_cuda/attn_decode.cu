@@ -109,8 +109,10 @@ __device__ __forceinline__ int fetch_pages(int (&pg)[U], const int* __restrict__
     return slot0;
 }
 
-// Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr.
-template <bool ASYNC, int CH>
+// Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr,
+// for the first NH ≤ HG heads of the block (a partial chunk's loop leaves the heads past them at
+// their initial state: the kernels are issue-bound, and a masked head cost as much as a live one).
+template <bool ASYNC, int CH, int NH>
 __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const uint4 (&kr)[CH],
                                         const uint4 (&vr)[CH], const bool (&ok)[CH], float phi2, float b2) {
     float s[CH][HG];
@@ -124,7 +126,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
             unpack2(kr[u].w, kf[6], kf[7]);
         }
 #pragma unroll
-        for (int h = 0; h < HG; ++h) {
+        for (int h = 0; h < NH; ++h) {
             float d = 0.f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) d += ok[u] ? qr[h][i] * kf[i] : 0.f;
@@ -135,7 +137,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
         }
     }
 #pragma unroll
-    for (int h = 0; h < HG; ++h) {
+    for (int h = 0; h < NH; ++h) {
         float cm = s[0][h];
 #pragma unroll
         for (int u = 1; u < CH; ++u) cm = fmaxf(cm, s[u][h]);
@@ -160,7 +162,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
         unpack2(vr[u].z, vf[4], vf[5]);
         unpack2(vr[u].w, vf[6], vf[7]);
 #pragma unroll
-        for (int h = 0; h < HG; ++h) {
+        for (int h = 0; h < NH; ++h) {
             const float w = exp2f(s[u][h] - p.m[h]);
             p.l[h] += w;
 #pragma unroll
@@ -172,7 +174,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
 // Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group: per round
 // each group takes U consecutive tokens, and the page ids of its next round are requested while
 // this round's K/V rows are in flight (one dependent round trip per round instead of two).
-template <bool ASYNC, int NT, int U>
+template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                            const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
                                            int G, int kvh, int t0, int t1, float phi2, float b2) {
@@ -201,7 +203,7 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
             if (++slot == page_size) slot = 0;
         }
         if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+        consume<ASYNC, U, NH>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
@@ -209,7 +211,7 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
 // up each token's page as it goes (page id, then K/V). Measured 5-15 % faster than the loop above
 // wherever the batch fills the device or the splits are long (reports/NOTES-decode-s4.md); the
 // loop above wins only while a split is a round or two.
-template <bool ASYNC, int NT, int U>
+template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
                                               int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
@@ -231,21 +233,39 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
                 vr[u] = ld_stream16(vp + at);
             }
         }
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+        consume<ASYNC, U, NH>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
 // Tokens [t0, t1) into `p` by the loop of the path the kernel is built for (BW: the bandwidth
-// path's, else the latency path's).
+// path's, else the latency path's), for the block's `nh` live heads. At HG = 3 a group's partial
+// last chunk (ratio 5: 3 + 2) takes a loop over 2 heads, picked by a block-uniform branch once per
+// call (measured 4-5 % faster at ratio 5 than computing the masked head on zero q). At HG = 4 the
+// masked heads (ratios 7, 10, 11, 13-15) are computed on zero q: the second loop there gained
+// ratio 7 2-8 % but cost the powers of two's four-head kernels 1-2 % (sync, batch 16), and HG 4
+// serves ratios 4, 8 and 16.
+template <bool ASYNC, int NT, int U, bool BW, int NH>
+__device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
+    if constexpr (BW)
+        accumulate_bw<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+    else
+        accumulate<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+}
+
 template <bool ASYNC, int NT, int U, bool BW>
 __device__ __forceinline__ void accumulate_path(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                                 const u16* __restrict__ vp, const int* __restrict__ pages,
                                                 int page_size, int G, int kvh, int t0, int t1, float phi2,
-                                                float b2) {
-    if constexpr (BW)
-        accumulate_bw<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
-    else
-        accumulate<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+                                                float b2, int nh) {
+    if constexpr (HG == 3) {
+        if (nh < HG) {
+            accumulate_nh<ASYNC, NT, U, BW, HG - 1>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+            return;
+        }
+    }
+    accumulate_nh<ASYNC, NT, U, BW, HG>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
 }
 
 // Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
@@ -453,7 +473,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     load_q(qr, q, row0, scale2, nh);
     Part p;
     init_part(p, -FDPP_INF);
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f, nh);
     float a[Shape<NT, U>::EPT];
     block_merge<false, NT, U>(sm, p, a);
     float lh[HG];
@@ -484,7 +504,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f, w.nh);
     float a[S::EPT];
     block_merge<false, NT, U>(sm, p, a);
     if (splits == 1) {
@@ -598,7 +618,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, phi2);
-    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2, w.nh);
     float a[S::EPT];
     block_merge<true, NT, U>(sm, p, a);
 
@@ -718,4 +738,4 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5); every other
 // kernel keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)

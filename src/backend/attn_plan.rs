@@ -336,6 +336,15 @@ mod tests {
         assert_eq!(plan.grid().unwrap(), (12, 2, 1));
         assert_eq!(plan.accum_words(), 32 * 131 + 2 * 4);
 
+        // GQA 5 (40/8): two chunks of 3 heads, the second with one masked head; an arrival
+        // counter per (sequence, kv head, chunk).
+        let p = decode(40, 8, &[300, 97], Some(2));
+        let plan = DecodePlan::new(&p, 104, None);
+        assert_eq!((plan.hg, plan.chunks, plan.rows), (3, 2, 80));
+        assert_eq!(plan.grid().unwrap(), (4, 16, 1));
+        assert_eq!(plan.accum_words(), 80 * 131 + 16 * 2);
+        assert_eq!(plan.partial_elems(), Some(80 * 2 * 130));
+
         // One split: no partials, the sync kernel writes out itself.
         let p = decode(4, 4, &[10], Some(1));
         let plan = DecodePlan::new(&p, 104, None);
