@@ -13,7 +13,10 @@
 //   sequence, in the same launch, and counts it.
 //
 // One block serves one (sequence, kv head, split) and HG query heads of the kv head's group
-// (GQA: the K and V rows are read once for all of them). Inside a block, 16-byte loads: one
+// (GQA: the K and V rows are read once for all of them). A group that HG does not divide (GQA
+// ratios 3, 5, 6, 7, …: the launcher picks HG = ⌈group / ⌈group / 4⌉⌉) ends in a partial chunk:
+// its blocks hold `nh` < HG live heads, and the others are masked heads that load no q (zeros),
+// write nothing, add nothing to the workspaces and raise no flag. They cost FMAs, not bytes. Inside a block, 16-byte loads: one
 // token row of D elements is read by D/8 lanes (a "token group"); 128 threads make 128/(D/8)
 // groups that take U = 4 consecutive tokens each per round. Scores are in log2 units (q is
 // pre-scaled by log2(e)/√d) so that the exponentials are exp2.
@@ -52,7 +55,7 @@ constexpr int COMBINE_MAX_SPLITS = 64;  // ops/attention.rs MAX_SPLITS
 constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
+static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block (the launcher chunks larger groups)");
 
 // Derived sizes of one block shape.
 template <int NT, int U>
@@ -106,8 +109,10 @@ __device__ __forceinline__ int fetch_pages(int (&pg)[U], const int* __restrict__
     return slot0;
 }
 
-// Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr.
-template <bool ASYNC, int CH>
+// Scores and sums of CH tokens whose K and V rows (this lane's 16 bytes of each) are in kr, vr,
+// for the first NH ≤ HG heads of the block (a partial chunk's loop leaves the heads past them at
+// their initial state: the kernels are issue-bound, and a masked head cost as much as a live one).
+template <bool ASYNC, int CH, int NH>
 __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const uint4 (&kr)[CH],
                                         const uint4 (&vr)[CH], const bool (&ok)[CH], float phi2, float b2) {
     float s[CH][HG];
@@ -121,7 +126,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
             unpack2(kr[u].w, kf[6], kf[7]);
         }
 #pragma unroll
-        for (int h = 0; h < HG; ++h) {
+        for (int h = 0; h < NH; ++h) {
             float d = 0.f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) d += ok[u] ? qr[h][i] * kf[i] : 0.f;
@@ -132,7 +137,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
         }
     }
 #pragma unroll
-    for (int h = 0; h < HG; ++h) {
+    for (int h = 0; h < NH; ++h) {
         float cm = s[0][h];
 #pragma unroll
         for (int u = 1; u < CH; ++u) cm = fmaxf(cm, s[u][h]);
@@ -157,7 +162,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
         unpack2(vr[u].z, vf[4], vf[5]);
         unpack2(vr[u].w, vf[6], vf[7]);
 #pragma unroll
-        for (int h = 0; h < HG; ++h) {
+        for (int h = 0; h < NH; ++h) {
             const float w = exp2f(s[u][h] - p.m[h]);
             p.l[h] += w;
 #pragma unroll
@@ -169,7 +174,7 @@ __device__ __forceinline__ void consume(Part& p, const float (&qr)[HG][8], const
 // Accumulate tokens [t0, t1) of one (sequence, kv head) into `p` for the lane's group: per round
 // each group takes U consecutive tokens, and the page ids of its next round are requested while
 // this round's K/V rows are in flight (one dependent round trip per round instead of two).
-template <bool ASYNC, int NT, int U>
+template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                            const u16* __restrict__ vp, const int* __restrict__ pages, int page_size,
                                            int G, int kvh, int t0, int t1, float phi2, float b2) {
@@ -198,7 +203,7 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
             if (++slot == page_size) slot = 0;
         }
         if (base0 + S::ROUND < t1) slot0 = fetch_pages<U>(pg, pages, page_size, base + S::ROUND, t1);
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+        consume<ASYNC, U, NH>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
@@ -206,7 +211,7 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
 // up each token's page as it goes (page id, then K/V). Measured 5-15 % faster than the loop above
 // wherever the batch fills the device or the splits are long (reports/NOTES-decode-s4.md); the
 // loop above wins only while a split is a round or two.
-template <bool ASYNC, int NT, int U>
+template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
                                               int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
@@ -228,21 +233,39 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
                 vr[u] = ld_stream16(vp + at);
             }
         }
-        consume<ASYNC, U>(p, qr, kr, vr, ok, phi2, b2);
+        consume<ASYNC, U, NH>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
 
 // Tokens [t0, t1) into `p` by the loop of the path the kernel is built for (BW: the bandwidth
-// path's, else the latency path's).
+// path's, else the latency path's), for the block's `nh` live heads. At HG = 3 a group's partial
+// last chunk (ratio 5: 3 + 2) takes a loop over 2 heads, picked by a block-uniform branch once per
+// call (measured 4-5 % faster at ratio 5 than computing the masked head on zero q). At HG = 4 the
+// masked heads (ratios 7, 10, 11, 13-15) are computed on zero q: the second loop there gained
+// ratio 7 2-8 % but cost the powers of two's four-head kernels 1-2 % (sync, batch 16), and HG 4
+// serves ratios 4, 8 and 16.
+template <bool ASYNC, int NT, int U, bool BW, int NH>
+__device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
+    if constexpr (BW)
+        accumulate_bw<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+    else
+        accumulate<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+}
+
 template <bool ASYNC, int NT, int U, bool BW>
 __device__ __forceinline__ void accumulate_path(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                                 const u16* __restrict__ vp, const int* __restrict__ pages,
                                                 int page_size, int G, int kvh, int t0, int t1, float phi2,
-                                                float b2) {
-    if constexpr (BW)
-        accumulate_bw<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
-    else
-        accumulate<ASYNC, NT, U>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+                                                float b2, int nh) {
+    if constexpr (HG == 3) {
+        if (nh < HG) {
+            accumulate_nh<ASYNC, NT, U, BW, HG - 1>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+            return;
+        }
+    }
+    accumulate_nh<ASYNC, NT, U, BW, HG>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
 }
 
 // Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
@@ -349,12 +372,15 @@ __device__ __forceinline__ void block_head(const Smem<NW>& sm, int h, float phi2
     }
 }
 
-// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
-__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
+// This lane's 8 dims of q for each of the block's `nh` live heads, scaled to log2 units; zeros
+// for the masked heads of a partial chunk (their rows belong to the next kv head, or lie past q).
+__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2,
+                                       int nh) {
     const int li = threadIdx.x % LPT;
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8);
+        const uint4 v =
+            h < nh ? *reinterpret_cast<const uint4*>(q + (size_t)(row0 + h) * D + li * 8) : make_uint4(0, 0, 0, 0);
         unpack2(v.x, qr[h][0], qr[h][1]);
         unpack2(v.y, qr[h][2], qr[h][3]);
         unpack2(v.z, qr[h][4], qr[h][5]);
@@ -388,19 +414,27 @@ __device__ __forceinline__ AsyncWs async_ws(float* ws, int rows) {
 
 struct Where {
     int b, kvh, split, h0, len, t0, t1;
+    int nh;  // live heads of the block's chunk (HG but in a group's partial last chunk)
 };
+
+// Head chunks per kv head: ⌈group / HG⌉ (the last one partial when HG does not divide group).
+__device__ __forceinline__ int chunks_of(int group) { return (group + HG - 1) / HG; }
+
+// Bits of the live heads 0 .. nh − 1.
+__device__ __forceinline__ unsigned live_mask(int nh) { return nh >= 32 ? ~0u : (1u << nh) - 1u; }
 
 // Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
 // chunks of one split are adjacent, so they run together and share the K/V rows in L2);
 // grid.y = batch · kv heads.
 __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
-    const int chunks = group / HG;
+    const int chunks = chunks_of(group);
     Where w;
     const int chunk = blockIdx.x % chunks;
     w.split = blockIdx.x / chunks;
     w.b = blockIdx.y / G;
     w.kvh = blockIdx.y % G;
     w.h0 = w.kvh * group + chunk * HG;
+    w.nh = min(HG, group - chunk * HG);
     w.len = lens[w.b];
     const int per = (w.len + splits - 1) / splits;
     w.t0 = min(w.len, w.split * per);
@@ -408,7 +442,8 @@ __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int 
     return w;
 }
 
-// Write the merged elements a[] of the heads in `mask`, each divided by its head's l.
+// Write the merged elements a[] of the heads in `mask` (live heads only), each divided by its
+// head's l.
 template <int NT, int U>
 __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT], const float (&lh)[HG],
                                             u16* __restrict__ out, int row0, unsigned mask) {
@@ -433,12 +468,12 @@ template <int NT, int U, bool BW>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
-                                            u16* __restrict__ out, int row0, unsigned mask) {
+                                            u16* __restrict__ out, int row0, int nh, unsigned mask) {
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, nh);
     Part p;
     init_part(p, -FDPP_INF);
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f, nh);
     float a[Shape<NT, U>::EPT];
     block_merge<false, NT, U>(sm, p, a);
     float lh[HG];
@@ -465,11 +500,11 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
+    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f, w.nh);
     float a[S::EPT];
     block_merge<false, NT, U>(sm, p, a);
     if (splits == 1) {
@@ -480,7 +515,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
             bool over;
             block_head<false>(sm, h, 0.f, bm, lh[h], mx, over);
         }
-        write_elems<NT, U>(a, lh, out, row0, ~0u);
+        write_elems<NT, U>(a, lh, out, row0, live_mask(w.nh));
         return;
     }
     // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
@@ -488,9 +523,9 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
 #pragma unroll
     for (int j = 0; j < S::EPT; ++j) {
         const int e = threadIdx.x + j * NT;
-        if (e < HG * D) part[((size_t)(row0 + e / D) * splits + w.split) * D + e % D] = a[j];
+        if (e < w.nh * D) part[((size_t)(row0 + e / D) * splits + w.split) * D + e % D] = a[j];
     }
-    if (threadIdx.x < HG) {
+    if (threadIdx.x < w.nh) {
         float bm, l, mx;
         bool over;
         block_head<false>(sm, threadIdx.x, 0.f, bm, l, mx, over);
@@ -580,10 +615,10 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, phi2);
-    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
+    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2, w.nh);
     float a[S::EPT];
     block_merge<true, NT, U>(sm, p, a);
 
@@ -597,7 +632,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             float bm, mx;
             bool over;
             block_head<true>(sm, h, phi2, bm, lh[h], mx, over);
-            if (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h])) bad |= 1u << h;
+            if (h < w.nh && (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h]))) bad |= 1u << h;
         }
     } else {
         // Add this split's sums and flags to the row's, then count the arrival: the block that
@@ -606,9 +641,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
         for (int j = 0; j < S::EPT; ++j) {
             const int e = threadIdx.x + j * NT;
-            if (e < HG * D) atomicAdd(&accs[(size_t)row0 * D + e], a[j]);
+            if (e < w.nh * D) atomicAdd(&accs[(size_t)row0 * D + e], a[j]);
         }
-        if (threadIdx.x < HG) {
+        if (threadIdx.x < w.nh) {
             float bm, l, mx;
             bool over;
             block_head<true>(sm, threadIdx.x, phi2, bm, l, mx, over);
@@ -617,7 +652,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             if (over) atomicOr(&overs[row0 + threadIdx.x], 1u);
         }
         __syncthreads();
-        const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
+        const int chunks = chunks_of(group);
+        const int chunk_id = blockIdx.y * chunks + blockIdx.x % chunks;
         int last = 0;
         if (threadIdx.x == 0) {
             __threadfence();
@@ -631,12 +667,12 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
         for (int j = 0; j < S::EPT; ++j) {
             const int e = threadIdx.x + j * NT;
-            if (e < HG * D) {
+            if (e < w.nh * D) {
                 a[j] = __ldcg(&accs[(size_t)row0 * D + e]);
                 accs[(size_t)row0 * D + e] = 0.f;
             }
         }
-        if (threadIdx.x < HG) {
+        if (threadIdx.x < w.nh) {
             const int h = threadIdx.x;
             const float l = __ldcg(&ls[row0 + h]);
             const float mx = unkey(__ldcg(&keys[row0 + h]));
@@ -653,14 +689,14 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 #pragma unroll
     for (int j = 0; j < S::EPT; ++j) {
         const int e = threadIdx.x + j * NT;
-        if (e < HG * D && !finite(a[j])) bad |= 1u << (e / D);
+        if (e < w.nh * D && !finite(a[j])) bad |= 1u << (e / D);
     }
     // One barrier-reduction tells whether any head is flagged (and publishes sm.lfin); the
     // per-head mask is gathered only when one is.
     const bool any_bad = __syncthreads_or(bad != 0);
     if (splits > 1) {
 #pragma unroll
-        for (int h = 0; h < HG; ++h) lh[h] = sm.lfin[h];
+        for (int h = 0; h < HG; ++h) lh[h] = h < w.nh ? sm.lfin[h] : 1.f;
     }
     unsigned flagged = 0;
     if (any_bad) {
@@ -670,11 +706,11 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
         __syncthreads();
         flagged = sm.bad;
     }
-    write_elems<NT, U>(a, lh, out, row0, ~flagged);
+    write_elems<NT, U>(a, lh, out, row0, live_mask(w.nh) & ~flagged);
     if (flagged) {
         // Every read of the per-warp slots happened before the barriers above.
-        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0,
-                                      flagged);
+        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, w.nh,
+                                  flagged);
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
 }
@@ -699,7 +735,10 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     }
 
 // Blocks per SM (0: ptxas's choice). The bandwidth path's async kernel with one head per block is
-// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5); every other
-// kernel keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
+// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5). With three
+// heads per block (GQA 3, 5, 6, 9) it is held to 128 registers, 4 blocks per SM (144 otherwise: 3;
+// ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 % faster at
+// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
+// registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)

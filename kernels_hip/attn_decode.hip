@@ -42,7 +42,7 @@ constexpr int U = 4;                // tokens per group in flight
 constexpr int DPT = D / THREADS > 0 ? D / THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block");
+static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block (the launcher chunks larger groups)");
 static_assert(FDPP_WAVE % LPT == 0, "a token group must not straddle a wavefront");
 static_assert(THREADS % FDPP_WAVE == 0, "a block is whole wavefronts");
 
@@ -225,13 +225,21 @@ __device__ void block_merge(Smem& sm, Part& p, float phi2) {
     __syncthreads();
 }
 
-// This lane's 8 dims of q for each of the block's heads, scaled to log2 units.
-__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2) {
+// This lane's 8 dims of q for each of the block's `nh` live heads, scaled to log2 units; zeros
+// for the masked heads of a group's partial last chunk (their rows are another kv head's, or
+// lie past q).
+__device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict__ q, int row0, float scale2,
+                                       int nh) {
     const int li = threadIdx.x % LPT;
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
         float f[8];
-        unpack8(ld16(q + (size_t)(row0 + h) * D + li * 8), f);
+        if (h < nh) {
+            unpack8(ld16(q + (size_t)(row0 + h) * D + li * 8), f);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = 0.f;
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) qr[h][i] = f[i] * scale2;
     }
@@ -239,19 +247,28 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
 
 struct Where {
     int b, kvh, split, h0, len, t0, t1;
+    int nh;  // live heads of the block's chunk (HG but in a group's partial last chunk)
 };
+
+// Head chunks per kv head: ⌈group / HG⌉ (the last one partial when HG does not divide group,
+// GQA ratios 3, 5, 6, 7, …; the masked heads load no q, write nothing and raise no flag).
+__device__ __forceinline__ int chunks_of(int group) { return (group + HG - 1) / HG; }
+
+// Bits of the live heads 0 .. nh − 1.
+__device__ __forceinline__ u32 live_mask(int nh) { return nh >= 32 ? ~0u : (1u << nh) - 1u; }
 
 // Block → (sequence, kv head, split, first query head). grid.x = chunks · splits (the head
 // chunks of one split are adjacent, so they run together and share the K/V rows in L2);
 // grid.y = batch · kv heads.
 __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int group, int splits) {
-    const int chunks = group / HG;
+    const int chunks = chunks_of(group);
     Where w;
     const int chunk = blockIdx.x % chunks;
     w.split = blockIdx.x / chunks;
     w.b = blockIdx.y / G;
     w.kvh = blockIdx.y % G;
     w.h0 = w.kvh * group + chunk * HG;
+    w.nh = min(HG, group - chunk * HG);
     w.len = lens[w.b];
     const int per = (w.len + splits - 1) / splits;
     w.t0 = min(w.len, w.split * per);
@@ -286,23 +303,23 @@ attn_decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u1
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     float qr[HG][8];
-    load_q(qr, q, w.b * H + w.h0, scale2);
+    load_q(qr, q, w.b * H + w.h0, scale2, w.nh);
     Part p;
     init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
     accumulate<false>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f);
     block_merge<false>(sm, p, 0.f);
     if (splits == 1) {
-        write_rows(sm, out, w.b * H + w.h0, ~0u);
+        write_rows(sm, out, w.b * H + w.h0, live_mask(w.nh));
         return;
     }
     // Partials: acc [row][split][D], then (m, l) [row][split] after all rows' acc.
     const int rows = gridDim.y * group;
-    for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+    for (int i = threadIdx.x; i < w.nh * D; i += THREADS) {
         const int h = i / D, d = i % D;
         part[((size_t)(w.b * H + w.h0 + h) * splits + w.split) * D + d] = sm.acc[0][h][d];
     }
-    if (threadIdx.x < HG) {
+    if (threadIdx.x < w.nh) {
         float* ml = part + (size_t)rows * splits * D;
         const size_t at = ((size_t)(w.b * H + w.h0 + threadIdx.x) * splits + w.split) * 2;
         ml[at] = sm.bm[threadIdx.x];
@@ -360,44 +377,47 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
     const int* pages = table + (size_t)w.b * max_pages;
 
     float qr[HG][8];
-    load_q(qr, q, row0, scale2);
+    load_q(qr, q, row0, scale2, w.nh);
     Part p;
     init_part(p, phi2);
     accumulate<true>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2);
     // Flags first (a lane's view), then the sums merged in LDS.
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
+        if (h >= w.nh) continue;
         if (p.over[h]) atomicOr(&overs[row0 + h], 1u);
         if (p.mx[h] != -FDPP_INF) atomicMax(&keys[row0 + h], fkey(p.mx[h]));
     }
     block_merge<true>(sm, p, phi2);
     if (splits > 1) {
-        for (int i = threadIdx.x; i < HG * D; i += THREADS) atomicAdd(&accs[(size_t)row0 * D + i], sm.acc[0][i / D][i % D]);
-        if (threadIdx.x < HG) atomicAdd(&ls[row0 + threadIdx.x], sm.l[0][threadIdx.x]);
+        for (int i = threadIdx.x; i < w.nh * D; i += THREADS)
+            atomicAdd(&accs[(size_t)row0 * D + i], sm.acc[0][i / D][i % D]);
+        if (threadIdx.x < w.nh) atomicAdd(&ls[row0 + threadIdx.x], sm.l[0][threadIdx.x]);
     }
     // Release: this block's atomics are visible device-wide before its arrival is counted.
     __threadfence();
     __syncthreads();
-    const int chunk_id = blockIdx.y * (group / HG) + blockIdx.x % (group / HG);
+    const int chunks = chunks_of(group);
+    const int chunk_id = blockIdx.y * chunks + blockIdx.x % chunks;
     if (threadIdx.x == 0) sm.flag = splits == 1 || atomicAdd(&arrivals[chunk_id], 1u) == (u32)(splits - 1);
     __syncthreads();
     if (!sm.flag) return;
     // The last split of these rows: totals are complete. Acquire, then coherent loads.
     __threadfence();
     if (splits > 1) {
-        for (int i = threadIdx.x; i < HG * D; i += THREADS) {
+        for (int i = threadIdx.x; i < w.nh * D; i += THREADS) {
             sm.acc[0][i / D][i % D] = ld_coherent(&accs[(size_t)row0 * D + i]);
             accs[(size_t)row0 * D + i] = 0.f;
         }
         __syncthreads();
-        if (threadIdx.x < HG) {
+        if (threadIdx.x < w.nh) {
             sm.l[0][threadIdx.x] = ld_coherent(&ls[row0 + threadIdx.x]);
             ls[row0 + threadIdx.x] = 0.f;
         }
     }
     if (threadIdx.x == 0) sm.bad = 0;
     __syncthreads();
-    if (threadIdx.x < HG) {
+    if (threadIdx.x < w.nh) {
         const int h = threadIdx.x;
         const float mx = unkey(ld_coherent(&keys[row0 + h]));
         const bool over = ld_coherent(&overs[row0 + h]) != 0;
@@ -410,11 +430,11 @@ attn_decode_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u
     if (threadIdx.x == 0 && splits > 1) arrivals[chunk_id] = 0;
     __syncthreads();
     // Non-finite sums show in the accumulator too.
-    for (int i = threadIdx.x; i < HG * D; i += THREADS)
+    for (int i = threadIdx.x; i < w.nh * D; i += THREADS)
         if (!finite(sm.acc[0][i / D][i % D])) atomicOr(&sm.bad, 1u << (i / D));
     __syncthreads();
     const u32 flagged = sm.bad;
-    write_rows(sm, out, row0, ~flagged);
+    write_rows(sm, out, row0, live_mask(w.nh) & ~flagged);
     if (flagged) {
         __syncthreads();
         recompute_sync(sm, qr, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, flagged);

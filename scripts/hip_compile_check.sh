@@ -31,7 +31,7 @@ export TMPDIR="$OUT"
 
 # Every specialisation fdpp compiles at run time (src/backend/rocm/sources.rs): gemv rows
 # 1/2/4, flat_gemm B_N 32/64/128/256, the layer ops, split-KV decode attention (head_dim
-# 64/128/256 x 1/2/4 heads per block) and MFMA prefill attention (head_dim 64/128/256), f16 and
+# 64/128/256 x 1/2/3/4 heads per block) and MFMA prefill attention (head_dim 64/128/256), f16 and
 # bf16.
 specs=()
 for bf in 0 1; do
@@ -39,7 +39,7 @@ for bf in 0 1; do
   for bn in 32 64 128 256; do specs+=("flat_gemm.hip|-DFDPP_BF16=$bf -DFDPP_BN=$bn"); done
   specs+=("layer.hip|-DFDPP_BF16=$bf")
   for d in 64 128 256; do
-    for hg in 1 2 4; do specs+=("attn_decode.hip|-DFDPP_BF16=$bf -DFDPP_D=$d -DFDPP_HG=$hg"); done
+    for hg in 1 2 3 4; do specs+=("attn_decode.hip|-DFDPP_BF16=$bf -DFDPP_D=$d -DFDPP_HG=$hg"); done
     specs+=("attn_prefill.hip|-DFDPP_BF16=$bf -DFDPP_D=$d")
   done
 done

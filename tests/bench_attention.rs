@@ -316,7 +316,10 @@ fn bad_input_is_refused_with_the_reason() {
         "--splits applies to --phase decode",
     );
     fails_with(&["--head-dim", "96"], "head_dim 96; supported: [64, 128, 256]");
-    fails_with(&["--heads", "24", "--kv-heads", "8"], "GQA ratio 3");
+    fails_with(
+        &["--heads", "20", "--kv-heads", "8"],
+        "num_heads 20 is not a multiple of num_kv_heads 8",
+    );
     fails_with(&["--kv-len", "97,0"], "--kv-len: kv_len must be at least 1");
     fails_with(&["--batch", "0"], "--batch: batch must be at least 1");
     fails_with(&["--range", "0,100"], "e^(b−a) = e^100 overflows fp32");

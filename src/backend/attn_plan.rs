@@ -11,13 +11,28 @@ use crate::ops::attention::{num_splits, num_splits_resident, DecodeParams, Prefi
 /// log2(e).
 pub const LOG2E: f32 = std::f32::consts::LOG2_E;
 
-/// Query heads one decode block serves (the kernels' HG): a GQA group of up to 4 in one block,
-/// larger groups in chunks of 4 (the chunks of one split run side by side and share K/V in L2).
-pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 4];
+/// Most query heads one decode block serves: each holds HG · 8 q and HG · 8 accumulator floats
+/// per lane, and at 4 heads the bandwidth kernel already runs at 3 resident blocks per SM.
+pub const MAX_HEADS_PER_BLOCK: usize = 4;
 
-/// HG for a GQA group size.
+/// Query heads one decode block serves (the kernels' HG): a GQA group of up to 4 in one block,
+/// larger groups in chunks (the chunks of one split run side by side and share K/V in L2).
+pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 3, 4];
+
+/// Head chunks of a GQA group: ⌈group / [`MAX_HEADS_PER_BLOCK`]⌉, the fewest blocks that read
+/// a kv head's K/V rows (each block of a split reads them once; the second and later come from
+/// L2, but every block pays its round trips and its share of the merge).
+pub fn attn_chunks(group: usize) -> usize {
+    group.max(1).div_ceil(MAX_HEADS_PER_BLOCK)
+}
+
+/// HG for a GQA group size: the fewest heads per block that keep [`attn_chunks`] chunks, so a
+/// group that 4 does not divide wastes the least (ratio 3: one block of 3; 5 and 6: two of 3,
+/// the last one partial at 5; 7: two of 4, one head masked; 12: three of 4). Powers of two keep
+/// the HG they always had (1, 2, 4). The kernels mask the heads of a partial last chunk.
 pub fn attn_heads_per_block(group: usize) -> usize {
-    group.clamp(1, 4)
+    let group = group.max(1);
+    group.div_ceil(attn_chunks(group))
 }
 
 /// The async window in the kernels' log2 units: (φ, a, b) · log2(e); zeros under `Sync`.
@@ -43,7 +58,8 @@ pub struct DecodePlan {
     pub head_dim: usize,
     /// Query heads per block.
     pub hg: usize,
-    /// Blocks per (sequence, kv head, split): group / hg.
+    /// Blocks per (sequence, kv head, split): ⌈group / hg⌉ (the last one partial when hg does not
+    /// divide the group).
     pub chunks: usize,
     pub splits: usize,
     /// batch · heads: the rows of q and out.
@@ -72,7 +88,7 @@ impl DecodePlan {
             kv_heads: g.num_kv_heads,
             head_dim: g.head_dim,
             hg,
-            chunks: g.group() / hg,
+            chunks: g.group().div_ceil(hg),
             splits,
             rows: batch * g.num_heads,
             max_len,
@@ -254,13 +270,36 @@ mod tests {
 
     #[test]
     fn heads_per_block_chunks_every_gqa_group() {
-        for group in [1usize, 2, 4, 8, 16] {
-            let hg = attn_heads_per_block(group);
-            assert!(ATTN_HEADS_PER_BLOCK.contains(&hg));
-            assert!(group.is_multiple_of(hg), "group {group} hg {hg}");
+        // Powers of two keep their HG and divide exactly.
+        for (group, hg) in [(1usize, 1usize), (2, 2), (4, 4), (8, 4), (16, 4), (32, 4)] {
+            assert_eq!(attn_heads_per_block(group), hg, "group {group}");
+            assert!(group.is_multiple_of(hg));
         }
-        assert_eq!(attn_heads_per_block(8), 4);
-        assert_eq!(attn_heads_per_block(2), 2);
+        // Other ratios: (group, hg, chunks); the last chunk partial where hg does not divide.
+        for (group, hg, chunks) in [
+            (3, 3, 1),
+            (5, 3, 2),
+            (6, 3, 2),
+            (7, 4, 2),
+            (9, 3, 3),
+            (12, 4, 3),
+            (14, 4, 4),
+        ] {
+            assert_eq!(
+                (attn_heads_per_block(group), attn_chunks(group)),
+                (hg, chunks),
+                "group {group}"
+            );
+        }
+        for group in 1..=64 {
+            let (hg, chunks) = (attn_heads_per_block(group), attn_chunks(group));
+            assert!(ATTN_HEADS_PER_BLOCK.contains(&hg), "group {group} hg {hg}");
+            // Every head is served, and the last chunk holds at least one live head.
+            assert!(hg * chunks >= group && hg * (chunks - 1) < group, "group {group}");
+            // No fewer chunks exist at any HG the kernels are built for.
+            assert_eq!(chunks, group.div_ceil(MAX_HEADS_PER_BLOCK));
+        }
+        assert_eq!(attn_heads_per_block(0), 1);
     }
 
     #[test]
@@ -297,6 +336,15 @@ mod tests {
         assert_eq!(plan.grid().unwrap(), (12, 2, 1));
         assert_eq!(plan.accum_words(), 32 * 131 + 2 * 4);
 
+        // GQA 5 (40/8): two chunks of 3 heads, the second with one masked head; an arrival
+        // counter per (sequence, kv head, chunk).
+        let p = decode(40, 8, &[300, 97], Some(2));
+        let plan = DecodePlan::new(&p, 104, None);
+        assert_eq!((plan.hg, plan.chunks, plan.rows), (3, 2, 80));
+        assert_eq!(plan.grid().unwrap(), (4, 16, 1));
+        assert_eq!(plan.accum_words(), 80 * 131 + 16 * 2);
+        assert_eq!(plan.partial_elems(), Some(80 * 2 * 130));
+
         // One split: no partials, the sync kernel writes out itself.
         let p = decode(4, 4, &[10], Some(1));
         let plan = DecodePlan::new(&p, 104, None);
@@ -309,7 +357,17 @@ mod tests {
     /// block under the kernels' index arithmetic (`where()` and the chunk id).
     #[test]
     fn decode_blocks_cover_every_row_and_split_once() {
-        for (heads, kvh, batch, splits) in [(32, 8, 3, 5), (32, 2, 2, 3), (8, 8, 4, 1), (16, 8, 1, 7)] {
+        for (heads, kvh, batch, splits) in [
+            (32, 8, 3, 5),
+            (32, 2, 2, 3),
+            (8, 8, 4, 1),
+            (16, 8, 1, 7),
+            (9, 3, 2, 3),
+            (15, 3, 2, 2),
+            (12, 2, 3, 4),
+            (28, 4, 2, 3),
+            (14, 1, 1, 2),
+        ] {
             let p = decode(heads, kvh, &vec![200; batch], Some(splits));
             let plan = DecodePlan::new(&p, 104, None);
             let (gx, gy, _) = plan.grid().unwrap();
@@ -322,7 +380,9 @@ mod tests {
                     let split = bx / plan.chunks;
                     let (b, kv) = (by / kvh, by % kvh);
                     let h0 = kv * group + chunk * plan.hg;
-                    for h in 0..plan.hg {
+                    // The kernels' nh: the live heads of a partial last chunk.
+                    let nh = plan.hg.min(group - chunk * plan.hg);
+                    for h in 0..nh {
                         seen[(b * heads + h0 + h) * splits + split] += 1;
                     }
                     arrivals[by * plan.chunks + chunk] += 1;

@@ -179,20 +179,70 @@ fn cases_for(dt: DType, full: bool) -> Vec<AttnCase> {
     ]
 }
 
+/// GQA ratios that are not powers of two (issue #17): 3, 5, 6, 7, 12 and 14, each head_dim, odd
+/// and ragged kv_lens, chunked prefill behind a cached prefix, a forced recompute of each kind.
+/// Decode serves such a group in chunks whose last one is partial (attn_plan.rs): ratio 3, 5
+/// and 6 take 3 heads per block (5: one head masked), 7 and 14 take 4 (one and two masked), 12
+/// takes 4. The forced underflow targets the last head, the last live head of a partial chunk.
+fn odd_ratio_cases(dt: DType, full: bool) -> Vec<AttnCase> {
+    use AttnKind::{Decode, Prefill};
+    let n = Force::None;
+    // (full, quick) geometries: real models' head counts in the full list (SmolLM2-135M 9/3,
+    // Llama-3.2-3B 24/8, Qwen2-1.5B 12/2, Qwen2.5-7B 28/4), one or two kv heads in the quick one.
+    let g = |f: (usize, usize, usize), q: (usize, usize, usize)| if full { f } else { q };
+    let r3_64 = g((9, 3, 64), (3, 1, 64));
+    let r3_128 = g((24, 8, 128), (6, 2, 128));
+    let r5_128 = g((40, 8, 128), (5, 1, 128));
+    let r5_256 = g((15, 3, 256), (5, 1, 256));
+    let r6_256 = g((12, 2, 256), (6, 1, 256));
+    let r6_64 = g((48, 8, 64), (12, 2, 64));
+    let r7_64 = g((28, 4, 64), (7, 1, 64));
+    let r7_128 = g((56, 8, 128), (14, 2, 128));
+    let r7_256 = g((28, 4, 256), (7, 1, 256));
+    let r12_64 = g((24, 2, 64), (12, 1, 64));
+    let r14_128 = g((28, 2, 128), (14, 1, 128));
+    vec![
+        AttnCase::new(Decode, dt, r3_64, &[1, 97, 4097], &[], n),
+        AttnCase::new(Decode, dt, r3_128, &[4097], &[], n),
+        AttnCase::new(Decode, dt, r5_128, &[97, 530], &[], n),
+        AttnCase::new(Decode, dt, r5_256, &[300], &[], n),
+        AttnCase::new(Decode, dt, r6_256, &[1, 97], &[], n),
+        AttnCase::new(Decode, dt, r6_64, &[4097, 33], &[], n),
+        AttnCase::new(Decode, dt, r7_64, &[97, 4097, 1], &[], n),
+        AttnCase::new(Decode, dt, r7_128, &[530], &[], n),
+        AttnCase::new(Decode, dt, r7_256, &[97], &[], n),
+        AttnCase::new(Decode, dt, r12_64, &[300], &[], n),
+        AttnCase::new(Decode, dt, r14_128, &[1000, 97], &[], n),
+        AttnCase::new(Decode, dt, r5_128, &[97, 1000], &[], Force::Overflow),
+        AttnCase::new(Decode, dt, r7_64, &[33, 97], &[], Force::Underflow),
+        AttnCase::new(Prefill, dt, r3_128, &[161], &[33], n),
+        AttnCase::new(Prefill, dt, r5_128, &[97, 40], &[97, 20], n),
+        AttnCase::new(Prefill, dt, r6_256, &[130], &[70], n),
+        AttnCase::new(Prefill, dt, r7_128, &[400, 300], &[300, 300], n),
+        AttnCase::new(Prefill, dt, r12_64, &[97], &[97], n),
+        AttnCase::new(Prefill, dt, r7_64, &[50, 70], &[50, 9], Force::Overflow),
+        AttnCase::new(Prefill, dt, r3_64, &[64, 30], &[16, 30], Force::Underflow),
+    ]
+}
+
 /// Every case of `fdpp check`, in f16 and bf16.
 pub fn attention_cases() -> Vec<AttnCase> {
     [DType::F16, DType::Bf16]
         .iter()
-        .flat_map(|&dt| cases_for(dt, true))
+        .flat_map(|&dt| [cases_for(dt, true), odd_ratio_cases(dt, true)].concat())
         .collect()
 }
 
-/// The same shapes with fewer heads, for `cargo test` and `fdpp check --quick`.
+/// The same shapes with fewer heads, for `cargo test` and `fdpp check --quick`. The odd GQA
+/// ratios only in f16 here (their code paths do not depend on the dtype; the full list has both),
+/// to keep the CPU suite's time.
 pub fn attention_cases_quick() -> Vec<AttnCase> {
-    [DType::F16, DType::Bf16]
+    let mut v: Vec<AttnCase> = [DType::F16, DType::Bf16]
         .iter()
         .flat_map(|&dt| cases_for(dt, false))
-        .collect()
+        .collect();
+    v.extend(odd_ratio_cases(DType::F16, false));
+    v
 }
 
 /// Host inputs of one case.
@@ -610,6 +660,7 @@ mod tests {
                 for ratio in [1, 4, 8] {
                     assert!(of.iter().any(|c| c.geom.group() == ratio), "{dt}: no GQA ratio {ratio}");
                 }
+                c_odd_ratios(&list, dt);
                 for kind in [AttnKind::Decode, AttnKind::Prefill] {
                     for f in [Force::Overflow, Force::Underflow] {
                         assert!(
@@ -627,6 +678,48 @@ mod tests {
                     c.geom.validate().expect("supported geometry");
                 }
             }
+        }
+    }
+
+    /// Ratios 3, 5, 6, 7 at every head_dim across decode, 12 and 14 too, both kinds, odd
+    /// kv_lens, a prefill behind a cached prefix and forced recomputes (the full list in both
+    /// dtypes, the quick one in f16).
+    fn c_odd_ratios(list: &[AttnCase], dt: DType) {
+        let full = list.len() == attention_cases().len();
+        if !full && dt != DType::F16 {
+            return;
+        }
+        let of: Vec<_> = list
+            .iter()
+            .filter(|c| c.dtype == dt && !c.geom.group().is_power_of_two())
+            .collect();
+        for ratio in [3, 5, 6, 7, 12, 14] {
+            assert!(of.iter().any(|c| c.geom.group() == ratio), "{dt}: no GQA ratio {ratio}");
+        }
+        for d in [64, 128, 256] {
+            for hg in [3, 4] {
+                assert!(
+                    of.iter().any(|c| c.kind == AttnKind::Decode
+                        && c.geom.head_dim == d
+                        && crate::backend::attn_plan::attn_heads_per_block(c.geom.group()) == hg),
+                    "{dt}: no odd-ratio decode at d{d} with {hg} heads per block"
+                );
+            }
+        }
+        for len in [1, 97, 4097] {
+            assert!(
+                of.iter().any(|c| c.kv_lens.contains(&len)),
+                "{dt}: no odd-ratio kv_len {len}"
+            );
+        }
+        assert!(of
+            .iter()
+            .any(|c| c.kind == AttnKind::Prefill && c.kv_lens.iter().zip(&c.new_lens).any(|(k, n)| k > n)));
+        for kind in [AttnKind::Decode, AttnKind::Prefill] {
+            assert!(
+                of.iter().any(|c| c.kind == kind && c.force != Force::None),
+                "{dt}: {kind:?}"
+            );
         }
     }
 

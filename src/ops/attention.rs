@@ -26,8 +26,9 @@ use crate::kv::paged::{FlatBlockTables, PagedKvLayout};
 
 /// head_dim values the attention kernels are written for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [64, 128, 256];
-/// num_heads / num_kv_heads ratios (query heads per kv head) the kernels are written for.
-pub const SUPPORTED_GQA_RATIOS: [usize; 5] = [1, 2, 4, 8, 16];
+// Every GQA ratio num_heads / num_kv_heads runs (MHA, 2, 3, 5, 6, 7, 12, 14, …): prefill and the
+// score histograms give each query head its own block, decode serves a group in chunks of up to
+// four heads per block with the last chunk partial (src/backend/attn_plan.rs).
 /// ln(f32::MAX) ≈ 88.72: e^t is finite in fp32 only for t below this.
 pub const LN_F32_MAX: f32 = 88.0;
 
@@ -55,7 +56,8 @@ impl AttnGeometry {
         format!("h{}/kv{} d{}", self.num_heads, self.num_kv_heads, self.head_dim)
     }
 
-    /// Refuses a head_dim or GQA ratio outside the supported sets, naming them.
+    /// Refuses a head_dim outside the supported set (naming it), zero heads, and a num_heads that
+    /// is not a multiple of num_kv_heads. Any whole GQA ratio is supported.
     pub fn validate(&self) -> Result<()> {
         let spec = format!("attention {}", self.label());
         if !SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
@@ -74,13 +76,6 @@ impl AttnGeometry {
                 "{spec}: num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             )));
-        }
-        let ratio = self.group();
-        if !SUPPORTED_GQA_RATIOS.contains(&ratio) {
-            return Err(FdppError::Unsupported {
-                spec,
-                what: format!("GQA ratio {ratio} (num_heads / num_kv_heads); supported: {SUPPORTED_GQA_RATIOS:?}"),
-            });
         }
         Ok(())
     }
@@ -467,17 +462,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unsupported_head_dim_and_ratio_name_the_supported_sets() {
+    fn unsupported_head_dim_is_refused_and_every_whole_ratio_accepted() {
         let e = AttnGeometry::new(8, 8, 96).expect_err("96");
         assert!(e.to_string().contains("head_dim 96; supported: [64, 128, 256]"), "{e}");
-        let e = AttnGeometry::new(24, 8, 128).expect_err("ratio 3");
-        assert!(
-            e.to_string().contains("GQA ratio 3") && e.to_string().contains("[1, 2, 4, 8, 16]"),
-            "{e}"
-        );
-        let e = AttnGeometry::new(32, 1, 64).expect_err("ratio 32");
-        assert!(e.to_string().contains("GQA ratio 32"), "{e}");
-        assert!(AttnGeometry::new(10, 4, 64).is_err());
+        // SmolLM2-135M 9/3, Llama-3.2-3B 24/8, SmolLM2-360M 15/5, Qwen2-1.5B 12/2, Qwen2.5-7B
+        // 28/4, and 12, 14, 32.
+        for (h, kv, ratio) in [
+            (9, 3, 3),
+            (24, 8, 3),
+            (15, 3, 5),
+            (12, 2, 6),
+            (28, 4, 7),
+            (24, 2, 12),
+            (14, 1, 14),
+            (32, 1, 32),
+        ] {
+            assert_eq!(AttnGeometry::new(h, kv, 64).expect("whole ratio").group(), ratio);
+        }
+        let e = AttnGeometry::new(10, 4, 64).expect_err("10/4");
+        assert!(e.to_string().contains("not a multiple of num_kv_heads 4"), "{e}");
+        assert!(AttnGeometry::new(0, 1, 64).is_err());
         assert_eq!(AttnGeometry::new(32, 8, 128).expect("ok").group(), 4);
     }
 
