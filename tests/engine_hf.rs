@@ -48,7 +48,7 @@ const NEAR_TIE: f64 = 2.0 * TOLERANCE;
 /// Fixtures whose geometry waits for another helper's branch: helper "attn"'s any-GQA-ratio
 /// attention (issue #17 item 3) for `qwen2-gqa6` (6 query heads on 1 KV head). The main tests
 /// skip them; `cpu_engine_matches_hf_transformers_pending` runs them once that branch is in.
-const AWAITING_ATTN: &[&str] = &["qwen2-gqa6"];
+const AWAITING_ATTN: &[&str] = &[];
 
 /// Prefill chunk of the batched run: the three prompts span several steps.
 const BATCH_CHUNK: usize = 16;
@@ -346,14 +346,6 @@ fn check_dirs<B: Backend>(b: &B, dirs: &[PathBuf], gemv: bool) {
 #[test]
 fn cpu_engine_matches_hf_transformers() {
     check_all(&CpuBackend::new(), false);
-}
-
-/// The fixtures of [`AWAITING_ATTN`]: GQA ratio 6 runs once helper "attn"'s any-ratio attention
-/// is merged (issue #17 item 3); then drop the `ignore` (and the fixture from AWAITING_ATTN).
-#[test]
-#[ignore = "GQA ratio 6: needs the any-ratio attention of helper attn's branch (issue #17 item 3)"]
-fn cpu_engine_matches_hf_transformers_pending() {
-    check_dirs(&CpuBackend::new(), &fixture_dirs(true), false);
 }
 
 #[test]
