@@ -415,11 +415,11 @@ impl Faulty {
 
 #[test]
 fn the_check_catches_broken_kernels() {
-    // f16 and no 4097-token sequence: every failure mode has cases enough, at a fraction of the
-    // time in a debug build.
+    // f16, no 4097-token sequence and no odd GQA ratio (those test the kernels, not the check):
+    // every failure mode has cases enough, at a fraction of the time in a debug build.
     let cases: Vec<_> = attention_cases_quick()
         .into_iter()
-        .filter(|c| c.dtype == DType::F16 && c.kv_lens.iter().all(|&l| l <= 1000))
+        .filter(|c| c.dtype == DType::F16 && c.kv_lens.iter().all(|&l| l <= 1000) && c.geom.group().is_power_of_two())
         .collect();
     for fault in [
         Fault::DropLastKey,
