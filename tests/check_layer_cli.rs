@@ -42,46 +42,14 @@ fn quick_layer_check_passes_on_the_cpu_and_prints_every_row() {
             assert!(rows.iter().any(|r| r["spec"] == spec.as_str()), "no {spec} row");
         }
     }
-    let mut skipped = 0;
     for r in rows {
         assert_eq!(r["op"], "layer", "{r}");
         assert!(r["case"].as_str().is_some_and(|c| !c.is_empty()), "{r}");
-        if r["status"] == "skipped" && awaiting_cpu_kernels(r) {
-            skipped += 1;
-            continue;
-        }
         assert_eq!(r["status"], "pass", "{r}");
         // Every row measured something: an NMSE (arithmetic ops) or a mismatch count (exact ops).
         assert!(r["nmse"].as_f64().is_some() || r["mismatches"] == 0, "{r}");
     }
-    assert!(
-        stderr.contains(&format!("{} passed, 0 failed, {skipped} skipped", n - skipped)),
-        "{stderr}"
-    );
-}
-
-/// The executor's new ops whose CPU versions come from the "exec" branch of issue #17 (see
-/// `awaiting_cpu_kernels` in src/check/layer.rs): until that branch is merged the CPU declines
-/// them and the check reports a skip, which is accepted for these rows only. Drop this once both
-/// branches are merged: every row must then pass.
-fn awaiting_cpu_kernels(r: &serde_json::Value) -> bool {
-    let spec = r["spec"].as_str().unwrap_or("");
-    let case = r["case"].as_str().unwrap_or("");
-    let op = spec.rsplit_once('_').map_or(spec, |(op, _)| op);
-    match op {
-        "add_layernorm" | "bias_act" | "add_positions" => true,
-        "glu" => !case.contains("act=silu"),
-        // A rope row rotates whole heads, rotate-half, when its label reads `d<D> … rot=<D> half`.
-        "qkv_rope" | "qkv_rope_append" => {
-            let num = |key: &str| {
-                case.split_whitespace()
-                    .find_map(|w| w.strip_prefix(key))
-                    .and_then(|v| v.parse::<usize>().ok())
-            };
-            !(num("d").is_some() && num("d") == num("rot=") && case.ends_with(" half"))
-        }
-        _ => false,
-    }
+    assert!(stderr.contains(&format!("{n} passed, 0 failed, 0 skipped")), "{stderr}");
 }
 
 #[test]

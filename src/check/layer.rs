@@ -1557,35 +1557,13 @@ mod tests {
         );
     }
 
-    /// The CPU versions of the executor's new ops (add_layernorm, bias_act, glu but SiLU,
-    /// add_positions, the general rotary) come from the "exec" branch of issue #17: until it is
-    /// merged the CPU declines them (Unsupported) and the check skips them. This is the only
-    /// skip the test below accepts; drop it once both branches are merged, and every case must
-    /// pass.
-    fn awaiting_cpu_kernels(c: &LayerCase) -> bool {
-        match &c.shape {
-            LayerShape::AddLayerNorm { .. } | LayerShape::BiasAct { .. } | LayerShape::AddPositions { .. } => true,
-            LayerShape::Glu { act, .. } => *act != Activation::Silu,
-            LayerShape::QkvRope { geom, rot, .. } | LayerShape::QkvRopeAppend { geom, rot, .. } => {
-                *rot != Rotary::whole(geom.head_dim)
-            }
-            _ => false,
-        }
-    }
-
     #[test]
     fn every_quick_case_passes_on_the_cpu() {
         let b = CpuBackend::new();
         let cases = layer_cases_quick();
         let rows = check_layer(&b, &cases, 0xC0FFEE).expect("check runs");
         assert_eq!(rows.len(), cases.len());
-        for (r, c) in rows.iter().zip(&cases) {
-            if awaiting_cpu_kernels(c) {
-                if let Status::Skipped(m) = &r.status {
-                    assert!(m.contains("cpu"), "{} {}: {m}", r.spec, r.case);
-                    continue;
-                }
-            }
+        for r in &rows {
             assert_eq!(r.status, Status::Pass, "{} {}: {:?}", r.spec, r.case, r.status);
             let arithmetic = [
                 "add_rmsnorm",
@@ -1821,12 +1799,25 @@ mod tests {
         }
     }
 
+    /// The ops the general model executor added (issue #17): LayerNorm, bias+activation, GLU
+    /// other than SiLU, learned positions, rotary other than whole-head rotate-half.
+    fn executor_op(c: &LayerCase) -> bool {
+        match &c.shape {
+            LayerShape::AddLayerNorm { .. } | LayerShape::BiasAct { .. } | LayerShape::AddPositions { .. } => true,
+            LayerShape::Glu { act, .. } => *act != Activation::Silu,
+            LayerShape::QkvRope { geom, rot, .. } | LayerShape::QkvRopeAppend { geom, rot, .. } => {
+                *rot != Rotary::whole(geom.head_dim)
+            }
+            _ => false,
+        }
+    }
+
     #[test]
     fn the_new_cases_pass_on_the_reference_and_catch_planted_bugs() {
         use ref_ops::{Bug, RefOps};
         let cases: Vec<LayerCase> = layer_cases_quick()
             .into_iter()
-            .filter(|c| awaiting_cpu_kernels(c) || matches!(c.shape, LayerShape::QkvRopeAppend { .. }))
+            .filter(|c| executor_op(c) || matches!(c.shape, LayerShape::QkvRopeAppend { .. }))
             .collect();
         let run = |bug| {
             let b = RefOps {
