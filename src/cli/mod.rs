@@ -53,6 +53,8 @@ pub enum Command {
     Profile(profile::ProfileArgs),
     /// Prefill and decode a model with the tuned profile; stream text and report latencies.
     Generate(generate::GenerateArgs),
+    /// Perplexity of a model on a text file, sync and async softmax side by side.
+    Perplexity(perplexity::PerplexityArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -70,6 +72,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tune(a) => tune::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
     }
 }
 

@@ -6,10 +6,11 @@
 //! every token after the first is scored against the logits of the position before it, so a
 //! window of n tokens scores n − 1. PPL = exp(Σ NLL / tokens scored), accumulated in f64.
 //!
-//! This file holds the pure parts (windows, the stable log-softmax, accumulation, the table,
-//! teacher-forced agreement); [`score_text`] takes the engine as a closure returning the logits
-//! of every position of a window (a prefill with all-position logits), so that the command can
-//! wire in whichever backend runs it.
+//! The pure parts (windows, the stable log-softmax, accumulation, the table, teacher-forced
+//! agreement) take the engine as a closure returning the logits of every position of a window;
+//! [`run`] wires in the engine: the window's first token is prefilled and every later one is
+//! fed teacher-forced as a decode step (so each position's logits come out of the same decode
+//! attention kernels, sync or async, that generation uses).
 
 use std::ops::Range;
 use std::time::Instant;
@@ -338,4 +339,128 @@ mod tests {
         let widths: Vec<usize> = lines.iter().map(|l| l.chars().count()).collect();
         assert!(widths.windows(2).all(|w| w[0] == w[1]), "aligned: {t}");
     }
+}
+
+/// `fdpp perplexity`.
+#[derive(clap::Args, Debug)]
+pub struct PerplexityArgs {
+    /// A preset with --random-weights, an HF directory or a GGUF file.
+    #[arg(long)]
+    pub model: String,
+    /// The text to score (tokenized whole, no special tokens).
+    #[arg(long)]
+    pub text: std::path::PathBuf,
+    /// Window length in tokens.
+    #[arg(long, default_value_t = DEFAULT_CTX)]
+    pub ctx: usize,
+    /// The softmax scheme, or both side by side.
+    #[arg(long, value_enum, default_value_t = SoftmaxArg::Both)]
+    pub softmax: SoftmaxArg,
+    /// Score only the first N tokens of the text (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens: usize,
+    #[arg(long, value_enum, default_value_t = crate::backend::BackendChoice::Auto)]
+    pub backend: crate::backend::BackendChoice,
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long, value_enum, default_value_t = crate::dtype::DType::F16)]
+    pub dtype: crate::dtype::DType,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SoftmaxArg {
+    Sync,
+    Async,
+    Both,
+}
+
+pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if a.ctx < 2 {
+        anyhow::bail!(
+            "--ctx {}: a window needs at least 2 tokens (one to condition on, one scored)",
+            a.ctx
+        );
+    }
+    let spec = crate::model::spec::ModelSpec::resolve(&a.model)?;
+    let tok_path = spec.tokenizer_path().with_context(|| {
+        format!(
+            "'{}' has no tokenizer (tokenizer.json or a GGUF vocabulary): perplexity scores text",
+            a.model
+        )
+    })?;
+    let tok = crate::model::spec::ModelSpec::load_tokenizer(&tok_path)?;
+    let text = std::fs::read_to_string(&a.text).with_context(|| format!("--text {}", a.text.display()))?;
+    let mut ids = tok.encode_plain(&text)?;
+    if a.max_tokens > 0 {
+        ids.truncate(a.max_tokens);
+    }
+    if ids.len() < 2 {
+        anyhow::bail!(
+            "--text {}: {} tokens; at least 2 are needed",
+            a.text.display(),
+            ids.len()
+        );
+    }
+    let source = super::model_setup::weight_source(&spec, &a.model, false, 0)?;
+    let (any, note) = crate::backend::open(a.backend, a.device)?;
+    eprintln!("{note}");
+    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, &ids))
+}
+
+fn run_on<B: crate::backend::Backend>(
+    b: &B,
+    a: &PerplexityArgs,
+    spec: &crate::model::spec::ModelSpec,
+    source: &crate::engine::build::WeightSource,
+    ids: &[u32],
+) -> anyhow::Result<()> {
+    use crate::engine::build::{build, memory_plan, softmax_scheme, EngineOptions, SoftmaxChoice};
+    let (found, note) = super::model_setup::find_profile(b, None, spec, &a.model, a.dtype)?;
+    eprintln!("{note}");
+    let profile = found.map(|f| f.profile);
+    let choices: &[SoftmaxChoice] = match a.softmax {
+        SoftmaxArg::Sync => &[SoftmaxChoice::Sync],
+        SoftmaxArg::Async => &[SoftmaxChoice::Async],
+        SoftmaxArg::Both => &[SoftmaxChoice::Sync, SoftmaxChoice::Async],
+    };
+    let ctx = a.ctx.min(spec.context_len());
+    eprintln!(
+        "{} tokens of {} in windows of {ctx}; weights: {}",
+        ids.len(),
+        a.text.display(),
+        source.describe()
+    );
+    let mut rows = Vec::new();
+    for &choice in choices {
+        let (scheme, line) = softmax_scheme(Some(choice), profile.as_ref())?;
+        eprintln!("{line}");
+        let opts = EngineOptions {
+            dtype: a.dtype,
+            scheme,
+            ..EngineOptions::default()
+        };
+        let plan = memory_plan(b, spec, &opts, &[ctx], 1)?;
+        let mut engine = build(b, spec, source, profile.clone(), &opts, plan)?;
+        let before = engine.attn.recomputed;
+        let mut forward = |w: &[u32]| -> Result<Vec<Vec<f32>>> {
+            let mut table = crate::kv::BlockTable::default();
+            let mut rows = engine.prefill(std::slice::from_mut(&mut table), &[&w[..1]], 1, &mut |_, _| Ok(()))?;
+            for &t in &w[1..] {
+                rows.extend(engine.decode(&mut [&mut table], &[t])?);
+            }
+            engine.release(&mut table)?;
+            Ok(rows)
+        };
+        let r = score_text(ids, ctx, &mut forward)?;
+        rows.push(PplRow {
+            label: format!("fdpp {} {}", b.info().backend, scheme.label()),
+            ppl: r.ppl(),
+            tokens_scored: r.tokens_scored,
+            tokens_per_second: Some(r.tokens_per_second()),
+            recomputes: Some((engine.attn.recomputed - before) as u64),
+        });
+    }
+    print!("{}", table(&rows));
+    Ok(())
 }

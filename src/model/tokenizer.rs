@@ -47,6 +47,12 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids of `text` alone, no special tokens added (perplexity scores the text itself).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| self.err("encode", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// The text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(|e| self.err("decode", e))
