@@ -55,7 +55,11 @@ constexpr int COMBINE_MAX_SPLITS = 64;  // ops/attention.rs MAX_SPLITS
 constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-static_assert(HG >= 1 && HG <= 4, "at most 4 query heads per block (the launcher chunks larger groups)");
+// Up to 4 heads per block on the CUDA-core pass (HG · 8 q and HG · 8 accumulator floats per lane);
+// up to 8 where the tensor-core pass runs (attn_decode_tc.cuh: the heads fill the n8 side of the
+// mma, so a block costs the same at 2 heads as at 8). The launcher chunks larger groups.
+static_assert(HG >= 1 && HG <= 8, "at most 8 query heads per block (the launcher chunks larger groups)");
+static_assert(HG <= 4 || D <= 128, "more than 4 heads per block only on the tensor-core pass (head_dim <= 128)");
 
 // Derived sizes of one block shape.
 template <int NT, int U>
@@ -283,6 +287,9 @@ struct Smem {
 // 2^(m − bm), 0 for a state that saw no token (m = −inf; also avoids −inf − −inf).
 __device__ __forceinline__ float rescale(float m, float bm) { return m == -FDPP_INF ? 0.f : exp2f(m - bm); }
 
+template <bool ASYNC, int NT, int U>
+__device__ __forceinline__ void block_sum(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT]);
+
 // Merge the block's token groups. First the GPW groups of each warp, with shuffles; then the
 // warps, through shared memory behind one barrier. On return, for each of the thread's merged
 // elements e = threadIdx.x + j·NT (< HG·D; head e / D, dim e % D): a[j] is the block's sum
@@ -335,6 +342,15 @@ __device__ __forceinline__ void block_merge(Smem<Shape<NT, U>::NW>& sm, Part& p,
             }
         }
     }
+    block_sum<ASYNC, NT, U>(sm, a);
+}
+
+// The block half of a merge, after each warp has written its slot of `sm` (block_merge for the
+// CUDA-core pass, tc_store for the tensor-core pass): one barrier, then each thread's merged
+// elements, as block_merge describes.
+template <bool ASYNC, int NT, int U>
+__device__ __forceinline__ void block_sum(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT]) {
+    using S = Shape<NT, U>;
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < S::EPT; ++j) {
@@ -387,6 +403,32 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
         unpack2(v.w, qr[h][6], qr[h][7]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) qr[h][i] *= scale2;
+    }
+}
+
+#include "attn_decode_tc.cuh"
+
+// One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
+// on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
+// block_merge describes. TC picks the tensor-core pass (attn_decode_tc.cuh) over the CUDA-core
+// one; BW the bandwidth path's loop over the latency path's (the tensor-core pass: page ids
+// looked up per step, or a step ahead).
+template <bool ASYNC, int NT, int U, bool BW, bool TC>
+__device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
+                                           const u16* __restrict__ q, int row0, int nh, float scale2,
+                                           const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                           const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
+                                           int t1, float phi2, float b2) {
+    if constexpr (TC) {
+        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
+                                         b2);
+    } else {
+        float qr[HG][8];
+        load_q(qr, q, row0, scale2, nh);
+        Part p;
+        init_part(p, ASYNC ? phi2 : -FDPP_INF);
+        accumulate_path<ASYNC, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2, nh);
+        block_merge<ASYNC, NT, U>(sm, p, a);
     }
 }
 
@@ -464,18 +506,13 @@ __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT],
 // Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
 // caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
 // loaded again: the rare path then costs the common one no registers.
-template <int NT, int U, bool BW>
+template <int NT, int U, bool BW, bool TC>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
                                             u16* __restrict__ out, int row0, int nh, unsigned mask) {
-    float qr[HG][8];
-    load_q(qr, q, row0, scale2, nh);
-    Part p;
-    init_part(p, -FDPP_INF);
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f, nh);
     float a[Shape<NT, U>::EPT];
-    block_merge<false, NT, U>(sm, p, a);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     float lh[HG];
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
@@ -486,7 +523,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
-template <int NT, int U, bool BW>
+template <int NT, int U, bool BW, bool TC>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -499,14 +536,10 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
-    float qr[HG][8];
-    load_q(qr, q, row0, scale2, w.nh);
-    Part p;
-    init_part(p, -FDPP_INF);
     const int* pages = table + (size_t)w.b * max_pages;
-    accumulate_path<false, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f, 0.f, w.nh);
     float a[S::EPT];
-    block_merge<false, NT, U>(sm, p, a);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
+                                     0.f);
     if (splits == 1) {
         float lh[HG];
 #pragma unroll
@@ -596,7 +629,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
 }
 
 // The async kernel of both paths (workspace: async_ws(); `recomputed` is a running total).
-template <int NT, int U, bool BW>
+template <int NT, int U, bool BW, bool TC>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -614,13 +647,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
 
-    float qr[HG][8];
-    load_q(qr, q, row0, scale2, w.nh);
-    Part p;
-    init_part(p, phi2);
-    accumulate_path<true, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, phi2, b2, w.nh);
     float a[S::EPT];
-    block_merge<true, NT, U>(sm, p, a);
+    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
+                                    phi2, b2);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];
@@ -709,7 +738,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     write_elems<NT, U>(a, lh, out, row0, live_mask(w.nh) & ~flagged);
     if (flagged) {
         // Every read of the per-warp slots happened before the barriers above.
-        recompute_sync<NT, U, BW>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, w.nh,
+        recompute_sync<NT, U, BW, TC>(sm, q, scale2, kp, vp, pages, page_size, G, w.kvh, w.len, out, row0, w.nh,
                                   flagged);
         if (threadIdx.x == 0) atomicAdd(recomputed, __popc(flagged));
     }
@@ -718,19 +747,19 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // The entry points: attn_decode_{sync,async}_t128u4, the latency path (128 threads, 4 tokens per
 // group per round), and attn_decode_{sync,async}, the bandwidth path (the same block, merge and
 // epilogue around the bandwidth loop).
-#define FDPP_DECODE_ENTRIES(SUFFIX, NT, U, BW, MINB_SYNC, MINB_ASYNC)                                           \
+#define FDPP_DECODE_ENTRIES(SUFFIX, NT, U, BW, TC, MINB_SYNC, MINB_ASYNC)                                       \
     extern "C" __global__ void __launch_bounds__(NT, MINB_SYNC) attn_decode_sync##SUFFIX(                    \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {                   \
-        decode_sync<NT, U, BW>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out); \
+        decode_sync<NT, U, BW, TC>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out); \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(NT, MINB_ASYNC) attn_decode_async##SUFFIX(                  \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
         unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
-        decode_async<NT, U, BW>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2,  \
+        decode_async<NT, U, BW, TC>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2,  \
                                 b2, ws, recomputed, out);                                                     \
     }
 
@@ -740,5 +769,18 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 % faster at
 // 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
 // registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
-FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+#if FDPP_HG <= 4
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, false, 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+#endif
+
+// The tensor-core pass (attn_decode_tc.cuh), head_dim ≤ 128, any HG up to 8: attn_decode_*_tc
+// (the bandwidth path: page ids per step) and attn_decode_*_tc_t128u4 (the latency path: page ids
+// a step ahead). NVRTC 13.0, sm_90a, d128 HG 8: ptxas takes 136 registers for the bandwidth sync
+// kernel (3 blocks per SM); held to 128 (4 blocks) it spills 4 bytes, so it is held. The async
+// kernels (162-164) would spill 48-184 bytes at 128 and keep ptxas's choice, as the latency sync
+// kernel (161). Unmeasured on the GPU: the first timings decide whether these stay.
+#if FDPP_D <= 128
+FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, true, 0, 0)
+FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 0)
+#endif

@@ -22,6 +22,7 @@ pub enum Key {
     Pipeline,
     Prefill,
     DecodePath,
+    DecodeTc,
     HopperTma,
     HopperStages,
     HopperOverlap,
@@ -123,6 +124,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "planned per shape",
         kind: Kind::Behaviour,
         what: "force one decode attention path",
+    },
+    KeyInfo {
+        key: Key::DecodeTc,
+        name: "decode_tc",
+        env: "FDPP_DECODE_TC",
+        values: "auto|0|1",
+        default: "auto",
+        kind: Kind::Behaviour,
+        what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block at head_dim <= 128, up to 8 per block; 0: CUDA cores, at most 4; 1: also MHA)",
     },
     KeyInfo {
         key: Key::HopperTma,
@@ -414,7 +424,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 21);
+        assert_eq!(KEYS.len(), 22);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

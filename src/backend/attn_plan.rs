@@ -23,7 +23,13 @@ pub const ATTN_HEADS_PER_BLOCK: &[usize] = &[1, 2, 3, 4];
 /// a kv head's K/V rows (each block of a split reads them once; the second and later come from
 /// L2, but every block pays its round trips and its share of the merge).
 pub fn attn_chunks(group: usize) -> usize {
-    group.max(1).div_ceil(MAX_HEADS_PER_BLOCK)
+    attn_chunks_max(group, MAX_HEADS_PER_BLOCK)
+}
+
+/// [`attn_chunks`] for kernels that serve up to `max_hg` heads per block (CUDA's tensor-core
+/// pass: 8, so groups of 5-8 take one chunk and 16 two).
+pub fn attn_chunks_max(group: usize, max_hg: usize) -> usize {
+    group.max(1).div_ceil(max_hg.max(1))
 }
 
 /// HG for a GQA group size: the fewest heads per block that keep [`attn_chunks`] chunks, so a
@@ -31,8 +37,15 @@ pub fn attn_chunks(group: usize) -> usize {
 /// the last one partial at 5; 7: two of 4, one head masked; 12: three of 4). Powers of two keep
 /// the HG they always had (1, 2, 4). The kernels mask the heads of a partial last chunk.
 pub fn attn_heads_per_block(group: usize) -> usize {
+    attn_heads_per_block_max(group, MAX_HEADS_PER_BLOCK)
+}
+
+/// [`attn_heads_per_block`] for kernels that serve up to `max_hg` heads per block: the fewest
+/// heads that keep [`attn_chunks_max`] chunks (max 8: ratios 2-8 in one block of `group` heads,
+/// 12 in two of 6, 16 in two of 8).
+pub fn attn_heads_per_block_max(group: usize, max_hg: usize) -> usize {
     let group = group.max(1);
-    group.div_ceil(attn_chunks(group))
+    group.div_ceil(attn_chunks_max(group, max_hg))
 }
 
 /// The async window in the kernels' log2 units: (φ, a, b) · log2(e); zeros under `Sync`.
@@ -73,9 +86,14 @@ impl DecodePlan {
     /// `p.num_splits`, else [`num_splits_resident`] when the kernel's resident blocks per SM are
     /// known (`resident`), else [`num_splits`] of the shape.
     pub fn new(p: &DecodeParams, compute_units: usize, resident: Option<usize>) -> Self {
+        Self::with_max_heads(p, compute_units, resident, MAX_HEADS_PER_BLOCK)
+    }
+
+    /// [`Self::new`] for kernels that serve up to `max_hg` query heads per block.
+    pub fn with_max_heads(p: &DecodeParams, compute_units: usize, resident: Option<usize>, max_hg: usize) -> Self {
         let g = p.geom;
         let batch = p.batch();
-        let hg = attn_heads_per_block(g.group());
+        let hg = attn_heads_per_block_max(g.group(), max_hg);
         let max_len = (0..batch).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
         let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
         let splits = p.num_splits.unwrap_or_else(|| match resident {
@@ -166,11 +184,14 @@ impl DecodePath {
         }
     }
 
-    /// (sync entry, async entry).
-    pub fn entries(self) -> (&'static str, &'static str) {
-        match self {
-            DecodePath::Latency => ("attn_decode_sync_t128u4", "attn_decode_async_t128u4"),
-            DecodePath::Bandwidth => ("attn_decode_sync", "attn_decode_async"),
+    /// (sync entry, async entry) of the CUDA-core pass, or (`tc`) of the tensor-core pass
+    /// (kernels_cuda/attn_decode_tc.cuh; CUDA only, head_dim ≤ 128).
+    pub fn entries(self, tc: bool) -> (&'static str, &'static str) {
+        match (self, tc) {
+            (DecodePath::Latency, false) => ("attn_decode_sync_t128u4", "attn_decode_async_t128u4"),
+            (DecodePath::Bandwidth, false) => ("attn_decode_sync", "attn_decode_async"),
+            (DecodePath::Latency, true) => ("attn_decode_sync_tc_t128u4", "attn_decode_async_tc_t128u4"),
+            (DecodePath::Bandwidth, true) => ("attn_decode_sync_tc", "attn_decode_async_tc"),
         }
     }
 }
@@ -414,7 +435,12 @@ mod tests {
         // A forced single split of a short sequence stays on the latency path.
         let plan = DecodePlan::new(&decode(8, 8, &[97], Some(1)), 132, None);
         assert_eq!(DecodePath::by_shape(&plan, a, 132), DecodePath::Latency);
-        assert_ne!(DecodePath::Latency.entries(), DecodePath::Bandwidth.entries());
+        assert_ne!(DecodePath::Latency.entries(false), DecodePath::Bandwidth.entries(false));
+        assert_ne!(DecodePath::Latency.entries(true), DecodePath::Bandwidth.entries(true));
+        assert_ne!(
+            DecodePath::Bandwidth.entries(true),
+            DecodePath::Bandwidth.entries(false)
+        );
     }
 
     #[test]

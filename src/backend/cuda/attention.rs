@@ -8,6 +8,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::decode_tc::TcMode;
 use super::launch::Launch;
 use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
 use super::tma::PoolMaps;
@@ -203,8 +204,11 @@ pub fn decode(
     let (bsz, heads, kvh, d) = (p.batch(), g.num_heads, g.num_kv_heads, g.head_dim);
     let cus = b.info().compute_units as usize;
     let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
-    let first = DecodePlan::new(p, cus, None);
+    // The main pass (decode_tc.rs): the tensor-core one serves up to 8 heads per block.
+    let mode = TcMode::configured()?;
+    let first = DecodePlan::with_max_heads(p, cus, None, mode.max_heads_per_block(d));
     let hg = first.hg;
+    let tc = mode.uses_tc(d, hg);
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
@@ -216,15 +220,15 @@ pub fn decode(
     // 128 keys) the occupancy was the other kernel's (2 blocks per SM on the latency path, 3 on
     // the bandwidth path at four heads per block): a less exact count, not a wrong result.
     let plan = if p.num_splits.is_none() {
-        let (sync0, async0) = DecodePath::for_plan(&first, p.scheme, cus).entries();
+        let (sync0, async0) = DecodePath::for_plan(&first, p.scheme, cus).entries(tc);
         let entry = if is_async { async0 } else { sync0 };
         let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, entry, src)?;
-        DecodePlan::new(p, cus, Some(resident))
+        DecodePlan::with_max_heads(p, cus, Some(resident), mode.max_heads_per_block(d))
     } else {
         first
     };
     let path = DecodePath::for_plan(&plan, p.scheme, cus);
-    let (sync_entry, async_entry) = path.entries();
+    let (sync_entry, async_entry) = path.entries(tc);
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
@@ -245,7 +249,8 @@ pub fn decode(
         shared_mem_bytes: 0,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!("{uri} ({path:?} path) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
+    let pass = if tc { "tensor-core" } else { "CUDA-core" };
+    let what = format!("{uri} ({path:?} path, {pass} pass) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let part = if splits > 1 {

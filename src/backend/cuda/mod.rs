@@ -2,6 +2,9 @@
 //! compiled at run time by NVRTC for the device's arch, cuBLAS as ImplC.
 
 pub mod attention;
+pub mod decode_tc;
+#[cfg(test)]
+mod decode_tc_model;
 pub mod gemm;
 pub mod gemv_fused;
 pub mod graph;

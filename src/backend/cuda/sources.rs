@@ -13,6 +13,7 @@ const COMMON: &str = include_str!("../../../kernels_cuda/common.cuh");
 const GEMV: &str = include_str!("../../../kernels_cuda/gemv.cu");
 const FLAT_GEMM: &str = include_str!("../../../kernels_cuda/flat_gemm.cu");
 const ATTN_DECODE: &str = include_str!("../../../kernels_cuda/attn_decode.cu");
+const ATTN_DECODE_TC: &str = include_str!("../../../kernels_cuda/attn_decode_tc.cuh");
 const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu");
 const ATTN_PREFILL_HOPPER: &str = include_str!("../../../kernels_cuda/attn_prefill_hopper.cu");
 const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
@@ -55,6 +56,7 @@ pub fn kernel_hash() -> String {
 fn expand(file: &str) -> String {
     file.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
+        .replace("#include \"attn_decode_tc.cuh\"", ATTN_DECODE_TC)
 }
 
 /// Rows per warp and K-split of the gemv GLU entries (gemv.cu, RMS_GLU): a gate row and its up
@@ -158,8 +160,8 @@ pub fn all_sources() -> Vec<KernelSource> {
     v.extend(dtypes.iter().map(|&dt| sample_source(dt)));
     for dt in dtypes {
         for &d in &crate::ops::attention::SUPPORTED_HEAD_DIMS {
-            for hg in ATTN_HEADS_PER_BLOCK {
-                v.push(attn_decode_source(dt, d, *hg));
+            for hg in decode_heads_per_block(d) {
+                v.push(attn_decode_source(dt, d, hg));
             }
             v.push(attn_prefill_source(dt, d));
             v.push(attn_scores_source(dt, d));
@@ -200,6 +202,27 @@ pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize, v: super::prefi
 
 // Heads per decode block: shared with the ROCm port (src/backend/attn_plan.rs).
 pub use crate::backend::attn_plan::{attn_heads_per_block, ATTN_HEADS_PER_BLOCK};
+
+/// Most query heads per CUDA decode block with the tensor-core pass (attn_decode_tc.cuh): the
+/// heads fill the n8 side of its mma, so a group of 5-8 is one block (K/V read once per kv head)
+/// and 16 is two. The CUDA-core pass and the ROCm port stay at
+/// [`crate::backend::attn_plan::MAX_HEADS_PER_BLOCK`].
+pub const TC_MAX_HEADS_PER_BLOCK: usize = 8;
+
+/// Largest head_dim of the tensor-core pass: it holds D/2 fp32 accumulators, D/8 q registers and
+/// D/2 registers of K/V rows per lane; at 256 that is past 255 registers.
+pub const TC_MAX_HEAD_DIM: usize = 128;
+
+/// The decode modules compiled for one head_dim: HG 1..=4 (both passes at head_dim ≤ 128), and
+/// 5..=8 (the tensor-core pass only) where that pass exists.
+pub fn decode_heads_per_block(head_dim: usize) -> Vec<usize> {
+    let max = if head_dim <= TC_MAX_HEAD_DIM {
+        TC_MAX_HEADS_PER_BLOCK
+    } else {
+        crate::backend::attn_plan::MAX_HEADS_PER_BLOCK
+    };
+    (1..=max).collect()
+}
 
 /// Split-KV decode (sync, combine, async) for one dtype, head_dim and heads-per-block.
 pub fn attn_decode_source(dtype: DType, head_dim: usize, hg: usize) -> KernelSource {

@@ -1,0 +1,261 @@
+// The tensor-core main pass of the grouped decode kernels (included by attn_decode.cu after the
+// block's Shape, Smem and merge helpers; head_dim ≤ 128).
+//
+// Why: with several query heads per block the CUDA-core pass spends ~116 instructions per key
+// (per head and lane: 8 FMAs for q·k, 4 shuffles to sum them, 8 FMAs for p·v; SASS of session 9)
+// and ncu read it as issue-bound: GQA 32/8 reached 2.2-2.5 TB/s where the MHA kernel and SDPA
+// reach ~3 TB/s, and ratios 5-8 fell to 1.3-1.8 TB/s (reports/NOTES.md, sessions 9 and 10).
+// FlashDecoding++ §4 pads the small side of a flat GEMM to 8 to run it on tensor cores; here the
+// small side is the group's heads:
+//
+// - S^T = K·Q^T with mma.sync m16n8k16: 16 keys of a warp's step on M, the block's heads on N
+//   (≤ 8; zero q columns pad the rest and the masked heads of a partial chunk), 16 dims per
+//   k-step. A lane (g = lane / 4, t = lane % 4) reads 16 bytes of keys g and g + 8 per 32 dims
+//   (dims 32c + 8t .. + 7) and feeds them to two k-steps as they are: the k-steps then see the
+//   dims in a permuted order, and q's B fragments are read with the same permutation, which a dot
+//   product does not see. 2·D/32 mma per 16 keys.
+// - O^T += V^T·P^T: dims on M, heads on N, keys on K. Both operands want key pairs in a register,
+//   the loads give dim pairs, so the 8×8 tiles of V and P are transposed in registers
+//   (movmatrix: D/4 + 2 per 16 keys). The rows of O^T come out in a permuted order of the dims
+//   (tc_dim), undone when the warp writes its slot of shared memory. D/16 mma per 16 keys.
+// - About 18 instructions per key instead of ~116 (session 9's SASS of the same design): the
+//   pass costs the same at 2 heads as at 8, which is why the launcher gives CUDA up to 8 heads
+//   per block where this pass runs (a group of 5-8 reads each K/V row once).
+//
+// Softmax inside a warp, for both schemes: a running max per head (m), P = 2^(s − m) ≤ 1. P enters
+// the mma in 16 bits, and under the async scheme 2^(s − φ) reaches 2^b (b = 12 is 2^17.3, past
+// fp16's 65504), so the async kernel too keeps the warp's running max and turns its sums into
+// sums against φ once, at the end (× 2^(m − φ)). Between warps, blocks and splits nothing changes:
+// async still adds without a common max and needs no combine kernel. A row whose largest score
+// leaves the window is flagged as before (mx − φ > b, or < a) and recomputed by the sync pass; an
+// overflowing 2^(m − φ) belongs to such a row.
+//
+// The CPU model of one warp (src/backend/cuda/decode_tc_model.rs) runs this pass with mma and
+// movmatrix in their PTX lane layouts and fails when the dim permutation or a transpose is broken.
+
+constexpr int TC_KC = D / 32;  // 32-dim chunks: one 16-byte load per key and chunk
+constexpr int TC_MT = D / 16;  // 16-dim row tiles of O^T
+
+__device__ __forceinline__ void tc_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if FDPP_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Transpose of the 8×8 16-bit matrix whose row lane / 4, columns 2·(lane % 4) + {0, 1} this lane
+// holds.
+__device__ __forceinline__ u32 tc_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// The dim of row g of O^T tile j's half `hi` (rows g or g + 8): register 2·(j % 2) + hi of the
+// lanes' loads of chunk j / 2, transposed, holds dims 32c + 8·(g / 2) + 2r + g % 2.
+__device__ __forceinline__ int tc_dim(int j, int hi, int g) {
+    return 32 * (j >> 1) + 8 * (g >> 1) + 2 * (2 * (j & 1) + hi) + (g & 1);
+}
+
+// One warp's partial state: O^T tiles (c0, c1: dim row g, heads 2t, 2t + 1; c2, c3: row g + 8),
+// and per head 2t + k the running max and this lane's share of Σ 2^(s − m).
+struct TcPart {
+    float o[TC_MT][4];
+    float m[2];
+    float l[2];
+};
+
+// q as the B operand of S^T = K·Q^T: lane (g, t) holds head g's dims 32c + 8t .. + 7 of each chunk
+// c, raw (the scale is applied to the fp32 scores: q·scale rounded to 16 bits would cost
+// accuracy); zero for columns past the live heads (masked heads of a partial chunk, padding to 8).
+__device__ __forceinline__ void tc_load_q(uint4 (&qf)[TC_KC], const u16* __restrict__ q, int row0, int nh) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < TC_KC; ++c)
+        qf[c] = g < nh ? *reinterpret_cast<const uint4*>(q + (size_t)(row0 + g) * D + 32 * c + 8 * t)
+                       : make_uint4(0, 0, 0, 0);
+}
+
+// The page id and slot of token tok (page 0, slot 0 past t1: never read).
+__device__ __forceinline__ void tc_page(int& page, int& slot, const int* __restrict__ pages, int page_size, int tok,
+                                        int t1) {
+    const int idx = tok / page_size;
+    slot = tok - idx * page_size;
+    page = tok < t1 ? pages[idx] : 0;
+}
+
+// This lane's 16 bytes of each chunk of one token's K and V row (zeros for a token past t1, so
+// that P = 0 meets V = 0 and not a stale register).
+__device__ __forceinline__ void tc_load_row(uint4 (&kr)[TC_KC], uint4 (&vr)[TC_KC], const u16* __restrict__ kb,
+                                            const u16* __restrict__ vb, bool ok, int page, int slot, int page_size,
+                                            size_t row_elems) {
+    const size_t at = ((size_t)page * page_size + slot) * row_elems;
+#pragma unroll
+    for (int c = 0; c < TC_KC; ++c) {
+        kr[c] = ok ? ld_stream16(kb + at + 32 * c) : make_uint4(0, 0, 0, 0);
+        vr[c] = ok ? ld_stream16(vb + at + 32 * c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ u32 tc_reg(const uint4& v, int r) { return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w; }
+
+// 16 keys of one warp step: keys g (ka, va; valid if oka) and g + 8 (kb, vb; okb) of this lane.
+__device__ __forceinline__ void tc_step(TcPart& p, const uint4 (&qf)[TC_KC], const uint4 (&ka)[TC_KC],
+                                        const uint4 (&kb)[TC_KC], const uint4 (&va)[TC_KC],
+                                        const uint4 (&vb)[TC_KC], bool oka, bool okb, float scale2) {
+    // S^T: rows keys (g, g + 8), columns heads (2t, 2t + 1).
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < TC_KC; ++c) {
+        tc_mma(s, ka[c].x, kb[c].x, ka[c].y, kb[c].y, qf[c].x, qf[c].y);
+        tc_mma(s, ka[c].z, kb[c].z, ka[c].w, kb[c].w, qf[c].z, qf[c].w);
+    }
+    s[0] = oka ? s[0] * scale2 : -FDPP_INF;
+    s[1] = oka ? s[1] * scale2 : -FDPP_INF;
+    s[2] = okb ? s[2] * scale2 : -FDPP_INF;
+    s[3] = okb ? s[3] * scale2 : -FDPP_INF;
+    // The step's max per head over its 16 keys (the 8 lanes of a column pair share t).
+    float cm[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) cm[k] = fmaxf(cm[k], __shfl_xor_sync(0xffffffffu, cm[k], o));
+    const float nm0 = fmaxf(p.m[0], cm[0]), nm1 = fmaxf(p.m[1], cm[1]);
+    if (nm0 > p.m[0] || nm1 > p.m[1]) {
+        // The running max grew: rescale what was summed against the old one (rare after the
+        // first steps; the branch differs between lanes only by t).
+        const float f0 = rescale(p.m[0], nm0), f1 = rescale(p.m[1], nm1);
+#pragma unroll
+        for (int j = 0; j < TC_MT; ++j) {
+            p.o[j][0] *= f0;
+            p.o[j][1] *= f1;
+            p.o[j][2] *= f0;
+            p.o[j][3] *= f1;
+        }
+        p.l[0] *= f0;
+        p.l[1] *= f1;
+        p.m[0] = nm0;
+        p.m[1] = nm1;
+    }
+    float e[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e[i] = s[i] == -FDPP_INF ? 0.f : ex2(s[i] - p.m[i & 1]);
+    p.l[0] += e[0] + e[2];
+    p.l[1] += e[1] + e[3];
+    // P^T as the B operand: (keys 2t, 2t + 1; head g) of keys 0-7, then of keys 8-15.
+    const u32 pb0 = tc_trans(pack2(e[0], e[1])), pb1 = tc_trans(pack2(e[2], e[3]));
+    // V^T as the A operand of tile j: rows g from register 2·(j % 2), rows g + 8 from the next,
+    // keys 0-7 from key row g's load, 8-15 from key row g + 8's.
+#pragma unroll
+    for (int j = 0; j < TC_MT; ++j) {
+        const int c = j >> 1, r = 2 * (j & 1);
+        tc_mma(p.o[j], tc_trans(tc_reg(va[c], r)), tc_trans(tc_reg(va[c], r + 1)), tc_trans(tc_reg(vb[c], r)),
+               tc_trans(tc_reg(vb[c], r + 1)), pb0, pb1);
+    }
+}
+
+// Keys [t0, t1) into the warp's state: warp w takes keys t0 + 16w + 16·NW·i. AHEAD (the latency
+// path): the page ids of the warp's next step are requested while this step's K/V rows are in
+// flight, one dependent round trip per step instead of two; else (the bandwidth path) a page id,
+// then K/V, per step. The trip count is uniform within a warp (shuffles and mma need whole
+// warps); warps may differ.
+template <int NT, bool AHEAD>
+__device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, int G, int kvh, int t0, int t1, float scale2) {
+    constexpr int STEP = 16 * (NT / 32);
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+    const size_t row_elems = (size_t)G * D;
+    const u16* kb = kp + (size_t)kvh * D + 8 * t;
+    const u16* vb = vp + (size_t)kvh * D + 8 * t;
+    int base = t0 + 16 * warp;
+    int pa = 0, sa = 0, pb = 0, sb = 0;
+    if (AHEAD && base < t1) {
+        tc_page(pa, sa, pages, page_size, base + g, t1);
+        tc_page(pb, sb, pages, page_size, base + g + 8, t1);
+    }
+    for (; base < t1; base += STEP) {
+        const bool oka = base + g < t1, okb = base + g + 8 < t1;
+        if (!AHEAD) {
+            tc_page(pa, sa, pages, page_size, base + g, t1);
+            tc_page(pb, sb, pages, page_size, base + g + 8, t1);
+        }
+        uint4 ka[TC_KC], va[TC_KC], kb2[TC_KC], vb2[TC_KC];
+        tc_load_row(ka, va, kb, vb, oka, pa, sa, page_size, row_elems);
+        tc_load_row(kb2, vb2, kb, vb, okb, pb, sb, page_size, row_elems);
+        if (AHEAD && base + STEP < t1) {
+            tc_page(pa, sa, pages, page_size, base + STEP + g, t1);
+            tc_page(pb, sb, pages, page_size, base + STEP + g + 8, t1);
+        }
+        tc_step(p, qf, ka, kb2, va, vb2, oka, okb, scale2);
+    }
+}
+
+// The warp's state into its slot of shared memory, in block_merge's form: per head, the sums
+// against the warp's max (sync) or against φ (async: × 2^(m − φ), once), the largest score and
+// the over flag; O^T's rows back in dim order.
+template <bool ASYNC, int NW>
+__device__ __forceinline__ void tc_store(Smem<NW>& sm, TcPart& p, float phi2, float b2) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) p.l[k] += __shfl_xor_sync(0xffffffffu, p.l[k], o);
+    const float mx[2] = {p.m[0], p.m[1]};
+    if (ASYNC) {
+        // A warp that saw no key has m = −inf and zero sums: factor 0, not exp2(−inf − φ)·0 = NaN
+        // if φ were infinite. Past 2^b the row is flagged (mx − φ > b) and recomputed.
+        const float f0 = rescale(p.m[0], phi2), f1 = rescale(p.m[1], phi2);
+#pragma unroll
+        for (int j = 0; j < TC_MT; ++j) {
+            p.o[j][0] *= f0;
+            p.o[j][1] *= f1;
+            p.o[j][2] *= f0;
+            p.o[j][3] *= f1;
+        }
+        p.l[0] *= f0;
+        p.l[1] *= f1;
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int h = 2 * t + k;
+        if (h < HG) {
+#pragma unroll
+            for (int j = 0; j < TC_MT; ++j) {
+                sm.acc[warp][h][tc_dim(j, 0, g)] = p.o[j][k];
+                sm.acc[warp][h][tc_dim(j, 1, g)] = p.o[j][2 + k];
+            }
+            if (g == 0) {
+                sm.m[warp][h] = ASYNC ? phi2 : p.m[k];
+                sm.l[warp][h] = p.l[k];
+                sm.mx[warp][h] = mx[k];
+                sm.over[warp][h] = ASYNC && mx[k] - phi2 > b2;
+            }
+        }
+    }
+}
+
+// block_pass's tensor-core form.
+template <bool ASYNC, int NT, int U, bool AHEAD>
+__device__ __forceinline__ void tc_block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
+                                              const u16* __restrict__ q, int row0, int nh, float scale2,
+                                              const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                              const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
+                                              int t1, float phi2, float b2) {
+    static_assert(D <= 128, "the tensor-core pass holds D/2 accumulator floats per lane");
+    uint4 qf[TC_KC];
+    tc_load_q(qf, q, row0, nh);
+    TcPart p;
+#pragma unroll
+    for (int j = 0; j < TC_MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p.o[j][i] = 0.f;
+    p.m[0] = p.m[1] = -FDPP_INF;
+    p.l[0] = p.l[1] = 0.f;
+    tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
+    tc_store<ASYNC>(sm, p, phi2, b2);
+    block_sum<ASYNC, NT, U>(sm, a);
+}

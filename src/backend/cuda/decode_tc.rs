@@ -1,0 +1,123 @@
+//! Which main pass a CUDA decode launch runs: the tensor-core pass (kernels_cuda/attn_decode_tc.cuh)
+//! or the CUDA-core one, and so how many query heads one block serves.
+//!
+//! The tensor-core pass costs the same at 2 heads as at 8 (the heads fill the n8 side of its mma),
+//! and the CUDA-core pass is issue-bound above two heads per block (reports/NOTES.md, sessions 9
+//! and 10). So by default (`decode_tc=auto`) grouped decode at head_dim ≤ 128 takes the
+//! tensor-core pass with up to 8 heads per block, and MHA (one head per block, where the
+//! CUDA-core kernel streams at ~3 TB/s) and head_dim 256 keep the CUDA-core pass. `decode_tc=0`
+//! is the CUDA-core pass with at most 4 heads per block (the kernels of session 10), `decode_tc=1`
+//! the tensor-core pass wherever it exists (also at one head per block), so that one binary can
+//! time both.
+
+use super::sources::{TC_MAX_HEADS_PER_BLOCK, TC_MAX_HEAD_DIM};
+use crate::backend::attn_plan::MAX_HEADS_PER_BLOCK;
+use crate::error::{FdppError, Result};
+use crate::run_config::{self, Key};
+
+/// The `decode_tc` switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcMode {
+    /// The tensor-core pass for two or more heads per block at head_dim ≤ 128.
+    Auto,
+    /// Never (at most 4 heads per block).
+    Off,
+    /// Wherever the head_dim allows, one head per block included.
+    On,
+}
+
+impl TcMode {
+    /// The switch's value: unset or `auto`, `0`/`off`/`false`, `1`/`on`/`true`.
+    pub fn parse(v: Option<&str>) -> Result<Self> {
+        match v.map(str::trim) {
+            None | Some("") | Some("auto") => Ok(TcMode::Auto),
+            Some("0") | Some("off") | Some("false") => Ok(TcMode::Off),
+            Some("1") | Some("on") | Some("true") => Ok(TcMode::On),
+            Some(other) => Err(FdppError::InvalidArgument(format!(
+                "decode_tc (FDPP_DECODE_TC) = '{other}': expected auto, 0 or 1"
+            ))),
+        }
+    }
+
+    /// The process's run configuration's value.
+    pub fn configured() -> Result<Self> {
+        Self::parse(run_config::get().get(Key::DecodeTc))
+    }
+
+    /// Most query heads per block the launcher may give a block at `head_dim`.
+    pub fn max_heads_per_block(self, head_dim: usize) -> usize {
+        if self != TcMode::Off && head_dim <= TC_MAX_HEAD_DIM {
+            TC_MAX_HEADS_PER_BLOCK
+        } else {
+            MAX_HEADS_PER_BLOCK
+        }
+    }
+
+    /// Whether a block of `hg` heads at `head_dim` runs the tensor-core pass. Blocks of more than
+    /// [`MAX_HEADS_PER_BLOCK`] heads exist only on it.
+    pub fn uses_tc(self, head_dim: usize, hg: usize) -> bool {
+        head_dim <= TC_MAX_HEAD_DIM
+            && match self {
+                TcMode::Off => false,
+                TcMode::On => true,
+                TcMode::Auto => hg >= 2,
+            }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::attn_plan::attn_heads_per_block_max;
+    use crate::backend::cuda::sources::decode_heads_per_block;
+
+    #[test]
+    fn the_switch_parses_and_refuses_other_values() {
+        assert_eq!(TcMode::parse(None).unwrap(), TcMode::Auto);
+        assert_eq!(TcMode::parse(Some("auto")).unwrap(), TcMode::Auto);
+        assert_eq!(TcMode::parse(Some("0")).unwrap(), TcMode::Off);
+        assert_eq!(TcMode::parse(Some(" 1 ")).unwrap(), TcMode::On);
+        let e = TcMode::parse(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("FDPP_DECODE_TC") && e.contains("'yes'"), "{e}");
+    }
+
+    /// Every (mode, ratio, head_dim) lands on a module that is compiled and an entry it holds:
+    /// blocks past 4 heads only where the tensor-core pass runs, and groups of 5-8 in one chunk.
+    #[test]
+    fn every_group_gets_a_compiled_module_and_pass() {
+        for mode in [TcMode::Auto, TcMode::Off, TcMode::On] {
+            for d in crate::ops::attention::SUPPORTED_HEAD_DIMS {
+                for group in 1..=64 {
+                    let hg = attn_heads_per_block_max(group, mode.max_heads_per_block(d));
+                    assert!(decode_heads_per_block(d).contains(&hg), "{mode:?} d{d} group {group}");
+                    if hg > MAX_HEADS_PER_BLOCK {
+                        assert!(mode.uses_tc(d, hg), "{mode:?} d{d} group {group}: hg {hg} without TC");
+                    }
+                }
+            }
+        }
+        let auto = TcMode::Auto;
+        for (group, hg) in [
+            (1, 1),
+            (2, 2),
+            (3, 3),
+            (4, 4),
+            (5, 5),
+            (6, 6),
+            (7, 7),
+            (8, 8),
+            (12, 6),
+            (16, 8),
+        ] {
+            assert_eq!(
+                attn_heads_per_block_max(group, auto.max_heads_per_block(128)),
+                hg,
+                "group {group}"
+            );
+        }
+        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && !auto.uses_tc(256, 4));
+        assert!(TcMode::On.uses_tc(128, 1) && !TcMode::Off.uses_tc(128, 8));
+        assert_eq!(TcMode::Off.max_heads_per_block(128), 4);
+        assert_eq!(auto.max_heads_per_block(256), 4);
+    }
+}
