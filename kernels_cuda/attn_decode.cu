@@ -776,11 +776,12 @@ FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 
 // The tensor-core pass (attn_decode_tc.cuh), head_dim ≤ 128, any HG up to 8: attn_decode_*_tc
 // (the bandwidth path: page ids per step) and attn_decode_*_tc_t128u4 (the latency path: page ids
-// a step ahead). NVRTC 13.0, sm_90a, d128 HG 8: ptxas takes 136 registers for the bandwidth sync
-// kernel (3 blocks per SM); held to 128 (4 blocks) it spills 4 bytes, so it is held. The async
-// kernels (162-164) would spill 48-184 bytes at 128 and keep ptxas's choice, as the latency sync
-// kernel (161). Unmeasured on the GPU: the first timings decide whether these stay.
+// a step ahead). NVRTC 13.0, sm_90a, d128 HG 8: ptxas would take 128 registers for the bandwidth
+// sync kernel and 150 for its async one (3 blocks per SM); held to 128 (4 blocks, as the
+// CUDA-core kernels measured best in session 9) the async kernel spills 36 bytes, none of it in
+// the main loop (305-309 instructions per 16 keys in both). The latency path's kernels (148-156)
+// would spill inside the loop at 128 and keep ptxas's choice: they serve launches of few blocks.
 #if FDPP_D <= 128
 FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, true, 0, 0)
-FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 0)
+FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 4)
 #endif

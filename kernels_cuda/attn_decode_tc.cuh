@@ -79,24 +79,26 @@ __device__ __forceinline__ void tc_load_q(uint4 (&qf)[TC_KC], const u16* __restr
                        : make_uint4(0, 0, 0, 0);
 }
 
-// The page id and slot of token tok (page 0, slot 0 past t1: never read).
+// The page id and slot of token tok, clamped to the last token t1 − 1 (t1 > 0): a step's keys past
+// t1 read that row again instead of being zeroed (zeroing and predicating them cost 32 CS2R per
+// step in the SASS); their scores are masked to −inf, so P = 0 meets a finite V row.
 __device__ __forceinline__ void tc_page(int& page, int& slot, const int* __restrict__ pages, int page_size, int tok,
                                         int t1) {
+    tok = min(tok, t1 - 1);
     const int idx = tok / page_size;
     slot = tok - idx * page_size;
-    page = tok < t1 ? pages[idx] : 0;
+    page = pages[idx];
 }
 
-// This lane's 16 bytes of each chunk of one token's K and V row (zeros for a token past t1, so
-// that P = 0 meets V = 0 and not a stale register).
+// This lane's 16 bytes of each chunk of one token's K and V row.
 __device__ __forceinline__ void tc_load_row(uint4 (&kr)[TC_KC], uint4 (&vr)[TC_KC], const u16* __restrict__ kb,
-                                            const u16* __restrict__ vb, bool ok, int page, int slot, int page_size,
+                                            const u16* __restrict__ vb, int page, int slot, int page_size,
                                             size_t row_elems) {
     const size_t at = ((size_t)page * page_size + slot) * row_elems;
 #pragma unroll
     for (int c = 0; c < TC_KC; ++c) {
-        kr[c] = ok ? ld_stream16(kb + at + 32 * c) : make_uint4(0, 0, 0, 0);
-        vr[c] = ok ? ld_stream16(vb + at + 32 * c) : make_uint4(0, 0, 0, 0);
+        kr[c] = ld_stream16(kb + at + 32 * c);
+        vr[c] = ld_stream16(vb + at + 32 * c);
     }
 }
 
@@ -184,8 +186,8 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
             tc_page(pb, sb, pages, page_size, base + g + 8, t1);
         }
         uint4 ka[TC_KC], va[TC_KC], kb2[TC_KC], vb2[TC_KC];
-        tc_load_row(ka, va, kb, vb, oka, pa, sa, page_size, row_elems);
-        tc_load_row(kb2, vb2, kb, vb, okb, pb, sb, page_size, row_elems);
+        tc_load_row(ka, va, kb, vb, pa, sa, page_size, row_elems);
+        tc_load_row(kb2, vb2, kb, vb, pb, sb, page_size, row_elems);
         if (AHEAD && base + STEP < t1) {
             tc_page(pa, sa, pages, page_size, base + STEP + g, t1);
             tc_page(pb, sb, pages, page_size, base + STEP + g + 8, t1);

@@ -240,11 +240,54 @@ fn odd_ratio_cases(dt: DType, full: bool) -> Vec<AttnCase> {
     ]
 }
 
+/// GQA ratios the CUDA tensor-core decode pass serves (kernels_cuda/attn_decode_tc.cuh, up to 8
+/// heads per block): 2-8 in one block, 16 in two of 8.
+pub const TC_RATIOS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
+
+/// Decode at every ratio of [`TC_RATIOS`] and head_dim 64 and 128 (where the tensor-core pass
+/// runs under `decode_tc=auto|1`), two kv heads each: odd and ragged kv_lens (a key count that
+/// is no multiple of a warp's 16 or a block's 64, one split and several, sequences of 1 key
+/// beside long ones, page sizes other than 16), and forced recomputes of both kinds, which the
+/// async kernel redoes with the same pass. Only in the full list (`fdpp check`): their CPU
+/// reference is the cost, not the kernel.
+fn tc_cases(dt: DType) -> Vec<AttnCase> {
+    use AttnKind::Decode;
+    let lens: [&[usize]; 8] = [
+        &[1, 17, 4097],
+        &[63, 2000],
+        &[4097, 1],
+        &[97, 530, 1],
+        &[33],
+        &[1000, 65, 3],
+        &[129, 4096],
+        &[300, 17],
+    ];
+    let mut v = Vec::new();
+    for (i, &r) in TC_RATIOS.iter().enumerate() {
+        for (j, d) in [64usize, 128].into_iter().enumerate() {
+            let l = lens[(i + 3 * j) % lens.len()];
+            let c = AttnCase::new(Decode, dt, (2 * r, 2, d), l, &[], Force::None);
+            v.push(if (i + j) % 4 == 1 { c.paged(8) } else { c });
+        }
+    }
+    for (r, d, f) in [
+        (5, 64, Force::Overflow),
+        (6, 128, Force::Overflow),
+        (8, 64, Force::Underflow),
+        (16, 128, Force::Underflow),
+        (2, 128, Force::Overflow),
+        (7, 64, Force::Underflow),
+    ] {
+        v.push(AttnCase::new(Decode, dt, (2 * r, 2, d), &[97, 1000], &[], f));
+    }
+    v
+}
+
 /// Every case of `fdpp check`, in f16 and bf16.
 pub fn attention_cases() -> Vec<AttnCase> {
     [DType::F16, DType::Bf16]
         .iter()
-        .flat_map(|&dt| [cases_for(dt, true), odd_ratio_cases(dt, true)].concat())
+        .flat_map(|&dt| [cases_for(dt, true), odd_ratio_cases(dt, true), tc_cases(dt)].concat())
         .collect()
 }
 
@@ -257,6 +300,11 @@ pub fn attention_cases_quick() -> Vec<AttnCase> {
         .flat_map(|&dt| cases_for(dt, false))
         .collect();
     v.extend(odd_ratio_cases(DType::F16, false));
+    // Ratios 2 and 16, which the lists above lack (the tensor-core pass: one block of 2, two of
+    // 8), small enough for the CPU suite.
+    let n = Force::None;
+    v.push(AttnCase::new(AttnKind::Decode, DType::F16, (2, 1, 64), &[33, 1], &[], n));
+    v.push(AttnCase::new(AttnKind::Decode, DType::F16, (16, 1, 128), &[97, 300], &[], n));
     v
 }
 
@@ -735,6 +783,42 @@ mod tests {
                 of.iter().any(|c| c.kind == kind && c.force != Force::None),
                 "{dt}: {kind:?}"
             );
+        }
+    }
+
+    /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64 and
+    /// 128 in both dtypes, ragged and odd kv_lens, and forced recomputes of both kinds at both
+    /// head_dims.
+    #[test]
+    fn the_full_list_covers_the_tensor_core_pass() {
+        let list = attention_cases();
+        for dt in [DType::F16, DType::Bf16] {
+            let dec: Vec<_> = list
+                .iter()
+                .filter(|c| c.dtype == dt && c.kind == AttnKind::Decode && c.geom.head_dim <= 128)
+                .collect();
+            for r in TC_RATIOS {
+                for d in [64, 128] {
+                    assert!(
+                        dec.iter().any(|c| c.geom.group() == r && c.geom.head_dim == d),
+                        "{dt}: no ratio {r} at d{d}"
+                    );
+                }
+            }
+            for d in [64, 128] {
+                for f in [Force::Overflow, Force::Underflow] {
+                    assert!(
+                        dec.iter().any(|c| c.geom.head_dim == d && c.geom.group() > 4 && c.force == f),
+                        "{dt}: no {f:?} at d{d} with more than 4 heads per group"
+                    );
+                }
+            }
+            assert!(dec.iter().any(|c| c.kv_lens.iter().any(|&l| l % 16 != 0 && l > 64)));
+            assert!(dec.iter().any(|c| c.kv_lens.contains(&1) && c.kv_lens.len() > 1));
+        }
+        let quick = attention_cases_quick();
+        for r in [2, 16] {
+            assert!(quick.iter().any(|c| c.kind == AttnKind::Decode && c.geom.group() == r));
         }
     }
 

@@ -193,17 +193,11 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
             })
         })
         .collect();
-    // The lane's 16-byte load of one row (zeros past the keys).
+    // The lane's 16-byte load of one row; keys past the end read the last row again (the
+    // kernel's tc_page clamps), their scores are masked.
     let load = |rows: &[f32], key: usize, ch: usize, t: usize| -> [Reg; 4] {
-        std::array::from_fn(|r| {
-            std::array::from_fn(|e| {
-                if key < c.keys {
-                    rows[key * d + 32 * ch + 8 * t + 2 * r + e]
-                } else {
-                    0.0
-                }
-            })
-        })
+        let key = key.min(c.keys - 1);
+        std::array::from_fn(|r| std::array::from_fn(|e| rows[key * d + 32 * ch + 8 * t + 2 * r + e]))
     };
     let mut o = vec![[[0f32; 4]; LANES]; mt];
     let mut m = [[f32::NEG_INFINITY; 2]; LANES];
