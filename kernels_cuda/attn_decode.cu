@@ -36,6 +36,13 @@
 //   the device and for long splits, where that loop measured faster. (Until session 8 this path
 //   kept its own merge and epilogue: four barriers, a flag atomic per lane, three read-back round
 //   trips in the last split; its async kernel then ran 3-4 µs longer than its sync one.)
+//
+// Two main passes, chosen per launch (src/backend/cuda/decode_tc.rs, run-configuration switch
+// decode_tc): the CUDA-core pass below (token groups of D/8 lanes, FMAs and shuffles; HG ≤ 4),
+// and the tensor-core pass of attn_decode_tc.cuh (mma.sync with the block's heads on the n8 side;
+// HG ≤ 8, head_dim ≤ 128), which grouped decode takes by default because the CUDA-core pass is
+// issue-bound above two heads per block. Both leave the same per-warp state to the same merge,
+// epilogues and workspaces.
 #include "common.cuh"
 #include "attn_common.cuh"
 

@@ -303,8 +303,22 @@ pub fn attention_cases_quick() -> Vec<AttnCase> {
     // Ratios 2 and 16, which the lists above lack (the tensor-core pass: one block of 2, two of
     // 8), small enough for the CPU suite.
     let n = Force::None;
-    v.push(AttnCase::new(AttnKind::Decode, DType::F16, (2, 1, 64), &[33, 1], &[], n));
-    v.push(AttnCase::new(AttnKind::Decode, DType::F16, (16, 1, 128), &[97, 300], &[], n));
+    v.push(AttnCase::new(
+        AttnKind::Decode,
+        DType::F16,
+        (2, 1, 64),
+        &[33, 1],
+        &[],
+        n,
+    ));
+    v.push(AttnCase::new(
+        AttnKind::Decode,
+        DType::F16,
+        (16, 1, 128),
+        &[97, 300],
+        &[],
+        n,
+    ));
     v
 }
 
@@ -808,7 +822,8 @@ mod tests {
             for d in [64, 128] {
                 for f in [Force::Overflow, Force::Underflow] {
                     assert!(
-                        dec.iter().any(|c| c.geom.head_dim == d && c.geom.group() > 4 && c.force == f),
+                        dec.iter()
+                            .any(|c| c.geom.head_dim == d && c.geom.group() > 4 && c.force == f),
                         "{dt}: no {f:?} at d{d} with more than 4 heads per group"
                     );
                 }
