@@ -18,13 +18,20 @@ Peer rows: fdpp_version holds `torch-<version>`, git_commit `cuda-<version>`, pa
 usage: scripts/torch_attention_peer.py [--phase decode|prefill] [--batch 1,8,64]
          [--kv-len 1024,4096,16384] [--heads 32] [--kv-heads 32] [--head-dim 128]
          [--dtype f16|bf16] [--reps 30] [--warmup 5] [--peak-tflops 790] [--copy-gbps G]
-         [--out FILE]
+         [--sdpa-backend default|flash|cudnn|efficient] [--out FILE]
+
+--sdpa-backend pins torch's SDPA to one implementation (torch.nn.attention.sdpa_kernel); the
+rows keep the variant `sdpa` (fdpp's `vs sdpa` column takes the fastest peer row of a shape)
+and name the backend in `scheme`, so that runs of several backends can share one --peer file.
+A shape the pinned backend cannot run is skipped with the reason on stderr.
 """
 import argparse
 import csv
 import math
 import statistics
 import sys
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +87,20 @@ def has_enable_gqa():
         return False
 
 
+def pinned_backend(name):
+    """A context that pins SDPA to one backend, or does nothing for `default`."""
+    if name == "default":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[name]
+    return lambda: sdpa_kernel(which)
+
+
 def counts(phase, b, length, h, g, d, es):
     """(least bytes, FLOPs) as fdpp counts them."""
     if phase == "decode":
@@ -105,6 +126,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--copy-gbps", type=float, default=None, help="skip measuring the copy bandwidth")
+    ap.add_argument("--sdpa-backend", choices=["default", "flash", "cudnn", "efficient"], default="default")
     ap.add_argument("--out", default=None, help="CSV file (default stdout)")
     a = ap.parse_args()
     if a.heads % a.kv_heads != 0:
@@ -127,6 +149,9 @@ def main():
     gqa = g != h
     native_gqa = gqa and has_enable_gqa()
     scheme = "sdpa" if not gqa else ("sdpa(enable_gqa)" if native_gqa else "sdpa(kv repeated to all heads)")
+    pinned = pinned_backend(a.sdpa_backend)
+    if a.sdpa_backend != "default":
+        scheme += f"/{a.sdpa_backend}"
 
     out = open(a.out, "w", newline="") if a.out else sys.stdout
     w = csv.DictWriter(out, fieldnames=COLUMNS)
@@ -161,14 +186,19 @@ def main():
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            for i in range(a.warmup):
-                call(i)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(a.reps + 1)]
-            ev[0].record()
-            for i in range(a.reps):
-                call(i)
-                ev[i + 1].record()
-            torch.cuda.synchronize()
+            try:
+                with pinned():
+                    for i in range(a.warmup):
+                        call(i)
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(a.reps + 1)]
+                    ev[0].record()
+                    for i in range(a.reps):
+                        call(i)
+                        ev[i + 1].record()
+                    torch.cuda.synchronize()
+            except RuntimeError as e:
+                log(f"skipped b={b} len={length}: the {a.sdpa_backend} backend refused it ({e})")
+                continue
             t = [ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(a.reps)]
             med = statistics.median(t)
             byts, flops = counts(a.phase, b, length, h, g, d, es)
