@@ -36,6 +36,7 @@ pub enum Key {
     HipLib,
     HiprtcLib,
     RocblasLib,
+    GemmFallback,
 }
 
 /// What a switch is.
@@ -168,6 +169,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::GemmFallback,
+        name: "gemm_fallback",
+        env: "FDPP_GEMM_FALLBACK",
+        values: "rule|vendor",
+        default: "rule",
+        kind: Kind::Behaviour,
+        what: "what runs a linear op no profile measured: the backend's built-in rule, or the vendor GEMM",
     },
     KeyInfo {
         key: Key::OpTimes,
@@ -414,7 +424,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 21);
+        assert_eq!(KEYS.len(), 22);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

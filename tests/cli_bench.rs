@@ -75,7 +75,8 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
             "{r:?}"
         );
         assert!(r.gbps > 0.0 && r.gflops > 0.0);
-        assert!(r.roofline_pct.is_some_and(|p| p > 0.0), "{r:?}");
+        // A share of the memory roofline, never above it (a row served from a cache has none).
+        assert!(r.roofline_pct.is_none_or(|p| p > 0.0 && p <= 100.0), "{r:?}");
         assert!(r.speedup_vs_gemm.is_some_and(|s| s > 0.0), "{r:?}");
         if r.imp == "gemm" {
             assert!(r.speedup_vs_gemm.is_some_and(|s| (s - 1.0).abs() < 1e-12));
