@@ -52,9 +52,11 @@ pub enum Fallback {
 }
 
 /// The largest M at which the CPU's built-in rule runs the GEMV. Measured with `fdpp bench gemm
-/// --backend cpu` (release, 2 cores, f16; NOTES session 10 hardening): the GEMV reads each
-/// weight row once for every row of x and wins at small M in every shape tried (SmolLM2-135M,
-/// llama2-7b), by 3-5x over the cache-blocked GEMM at M = 1.
+/// --backend cpu --m 1,2,4,8,12,16,24` on SmolLM2-135M's four shapes (release, 2 shared cores,
+/// f16; reports/NOTES.md, session 10 hardening): the GEMV reads each weight row once for every
+/// row of x and beat the cache-blocked GEMM by 2.8-4.7x at M = 1 and by 1.1-1.6x at M = 8 in
+/// every shape; at M = 16 the two were even. flat_gemm won a few points from M = 4 by a few
+/// percent, not enough to rule on without `fdpp tune`.
 pub const CPU_GEMV_MAX_M: usize = 8;
 
 /// The largest M at which CUDA's built-in rule runs the GEMV: at M ≤ 2 the GEMV beat cuBLAS in

@@ -266,26 +266,50 @@ fn short_buffers_and_mismatched_caches_are_refused() {
     assert!(e.to_string().contains("every buffer must be f16"), "{e}");
 }
 
+/// The CLI's plumbing (case list, JSON rows, the tally) on a few cases: every quick case's
+/// kernels are checked in-process by `every_quick_case_passes_on_the_cpu`, and the whole list
+/// is `fdpp check --quick` (or the full `fdpp check`), so the subprocess need not run them all
+/// again in a debug build.
+const CLI_CASES: [&str; 2] = ["decode f16 h4/kv1 d128 kv=[97", "force=underflow"];
+
+fn cli_selected() -> Vec<fdpp::check::AttnCase> {
+    let pats: Vec<String> = CLI_CASES.iter().map(|s| s.to_string()).collect();
+    attention_cases_quick()
+        .into_iter()
+        .filter(|c| fdpp::cli::check::case_selected(&pats, &fdpp::cli::check::attn_case_key(c)))
+        .collect()
+}
+
 #[test]
 fn fdpp_check_runs_the_attention_cases() {
+    let selected = cli_selected();
+    assert!(
+        selected.len() >= 3 && selected.len() < attention_cases_quick().len() / 2,
+        "{}",
+        selected.len()
+    );
+    let mut args = vec![
+        "check",
+        "--backend",
+        "cpu",
+        "--quick",
+        "--op",
+        "attention",
+        "--format",
+        "json",
+    ];
+    for c in CLI_CASES {
+        args.extend(["--case", c]);
+    }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
-        .args([
-            "check",
-            "--backend",
-            "cpu",
-            "--quick",
-            "--op",
-            "attention",
-            "--format",
-            "json",
-        ])
+        .args(&args)
         .output()
         .expect("run fdpp");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "fdpp check failed: {stderr}");
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let rows = rows.as_array().expect("an array of rows");
-    assert_eq!(rows.len(), 2 * attention_cases_quick().len());
+    assert_eq!(rows.len(), 2 * selected.len());
     for r in rows {
         assert_eq!(r["op"], "attention", "{r}");
         assert_eq!(r["status"], "pass", "{r}");
@@ -294,12 +318,22 @@ fn fdpp_check_runs_the_attention_cases() {
         .iter()
         .any(|r| r["case"].as_str().is_some_and(|c| c.contains("force=underflow")) && r["recomputed"] == 1));
     assert!(stderr.contains(&format!("{} passed, 0 failed", rows.len())), "{stderr}");
+    // A pattern nothing matches is an error, not an empty pass.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args(["check", "--backend", "cpu", "--quick", "--case", "no-such-case"])
+        .output()
+        .expect("run fdpp");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no case of the quick list matches"));
 }
 
 #[test]
 fn fdpp_check_md_prints_both_tables_by_default() {
+    // One GEMM case key, one decode and one prefill attention key: every table is printed.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
         .args(["check", "--backend", "cpu", "--quick"])
+        .args(["--case", "f16 M=1 ", "--case", "decode bf16 h2/kv2 d128 kv=[1]"])
+        .args(["--case", "prefill f16 h2/kv2 d128 kv=[97] new=[97]"])
         .output()
         .expect("run fdpp");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -427,6 +461,24 @@ fn the_check_catches_broken_kernels() {
         Fault::NoRecompute,
         Fault::WriteGuard,
     ] {
+        // Each fault on the cases that can show it, and a couple that must stay clean (a
+        // correct kernel passing every case is `every_quick_case_passes_on_the_cpu`).
+        let shows = |c: &fdpp::check::AttnCase| match fault {
+            Fault::DropLastKey => c.kind == AttnKind::Decode,
+            Fault::NoPoolWrite => c.kind == AttnKind::Prefill,
+            Fault::NoRecompute => c.force != fdpp::check::attention::Force::None,
+            Fault::WriteGuard => false,
+        };
+        let mut clean = 0;
+        let cases: Vec<_> = cases
+            .iter()
+            .filter(|c| {
+                let keep = shows(c) || clean < 2;
+                clean += usize::from(!shows(c) && keep);
+                keep
+            })
+            .cloned()
+            .collect();
         let rows = check_attention(&Faulty(CpuBackend::new(), fault), &cases, 11).expect("check runs");
         for (r, c) in rows.iter().zip(cases.iter().flat_map(|c| [c, c])) {
             let async_forced = r.spec.contains("async") && c.force != fdpp::check::attention::Force::None;

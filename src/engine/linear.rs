@@ -179,7 +179,10 @@ mod tests {
         for spec in [s.qkv, s.o, s.ffn1, s.ffn2, s.lm_head] {
             assert_eq!(spec.imp, GemmImpl::Gemm);
         }
-        assert!(p.plan(Linear::LmHead, 4).reason.contains("not in the profile"));
+        assert!(p
+            .plan(Linear::LmHead, 4)
+            .reason
+            .contains("is not in a profile (no profile)"));
         assert_eq!(p.describe(8).len(), 5);
         assert_eq!(
             p.summary(1),
