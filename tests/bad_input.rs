@@ -97,6 +97,12 @@ fn sizes_that_cannot_fit_are_refused_before_anything_is_allocated() {
         &["bench", "gemm", "--model", c, "--backend", "cpu", "--m", "1"],
         &["GiB", "even at M=1", "whatever --m is"],
     );
+    // A refused tune leaves nothing behind, not even an empty profiles/<device>/ directory.
+    let work = tempfile::tempdir().expect("tmp");
+    let out = fdpp(&["tune", "--model", c, "--backend", "cpu", "--m-max", "4"], work.path());
+    assert_eq!(out.status.code(), Some(1));
+    let left: Vec<_> = std::fs::read_dir(work.path()).expect("dir").collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]

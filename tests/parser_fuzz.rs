@@ -498,9 +498,7 @@ fn check_profile(bytes: &[u8], file: &Path) {
         // Binary: through the file loader, which must say so.
         Err(_) => {
             std::fs::write(file, bytes).expect("write");
-            let e = Profile::load(file)
-                .err()
-                .expect("bytes that are not UTF-8 are no profile");
+            let e = Profile::load(file).expect_err("bytes that are not UTF-8 are no profile");
             assert!(e.to_string().contains("not UTF-8"), "{e}");
             None
         }
@@ -562,7 +560,7 @@ fn safetensors_named(names: [&str; 3]) -> Vec<u8> {
     );
     let header = Value::Object(header);
     let mut h = serde_json::to_vec(&header).expect("json");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -133,12 +133,13 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
         .report_dir
         .clone()
         .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
-    // Find an unwritable output, or inputs that cannot fit, before the sweep, not during it.
-    profile::check_writable(&profile_path)?;
+    // Find inputs that cannot fit, or an unwritable output, before the sweep, not during it (and
+    // the memory first: a refused tune leaves no empty profile directory behind).
     let dims: Vec<(usize, usize)> = ModelShapes::of(cfg).linears.iter().map(|s| (s.k, s.n)).collect();
     let max_m = opts.m_grid.last().copied().unwrap_or(1);
     let host = crate::backend::cpu::info::host_memory_bytes();
     crate::bench::timer::check_gemm_fits(&info, host, a.dtype, &dims, max_m, "--m-max")?;
+    profile::check_writable(&profile_path)?;
     let report_dir_existed = report_dir.exists();
     std::fs::create_dir_all(&report_dir)
         .map_err(|e| FdppError::io(&report_dir, format!("cannot create the report directory: {e}")))?;
