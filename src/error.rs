@@ -55,6 +55,10 @@ pub enum FdppError {
 
     #[error("{spec} at {shape}: wrote outside its output ({what})")]
     WroteOutside { spec: String, shape: String, what: String },
+
+    /// Ctrl-C during a long sweep ([`crate::interrupt`]).
+    #[error("interrupted (Ctrl-C) during {0}; nothing was written")]
+    Interrupted(String),
 }
 
 pub type Result<T, E = FdppError> = std::result::Result<T, E>;

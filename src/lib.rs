@@ -8,6 +8,7 @@ pub mod cli;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod interrupt;
 pub mod kv;
 pub mod model;
 pub mod ops;

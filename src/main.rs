@@ -10,6 +10,17 @@ fn main() {
     let cli = fdpp::cli::Cli::parse();
     if let Err(e) = fdpp::cli::run(cli) {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // Ctrl-C of a sweep: the shell's status for an interrupted command.
+        let interrupted = e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<fdpp::FdppError>(),
+                Some(fdpp::FdppError::Interrupted(_))
+            )
+        });
+        std::process::exit(if interrupted {
+            fdpp::interrupt::EXIT_INTERRUPTED
+        } else {
+            1
+        });
     }
 }

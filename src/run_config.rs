@@ -37,6 +37,7 @@ pub enum Key {
     HipLib,
     HiprtcLib,
     RocblasLib,
+    GemmFallback,
 }
 
 /// What a switch is.
@@ -178,6 +179,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::GemmFallback,
+        name: "gemm_fallback",
+        env: "FDPP_GEMM_FALLBACK",
+        values: "rule|vendor",
+        default: "rule",
+        kind: Kind::Behaviour,
+        what: "what runs a linear op no profile measured: the backend's built-in rule, or the vendor GEMM",
     },
     KeyInfo {
         key: Key::OpTimes,

@@ -6,9 +6,15 @@
 //! applied in the order C, B, A (gemm if M ≥ M2, else flat_gemm if M ≥ M1, else gemv), so a
 //! missing M1 or M2 (the implementation never won) simply removes its region, and M2 ≤ M1 means
 //! flat_gemm is never chosen. The config (B_N) is the implementation's best verified one at the
-//! grid M nearest to M. Without a profile, or without an entry for the shape, the vendor GEMM
-//! runs: it is correct and reasonable at every M.
+//! grid M nearest to M.
+//!
+//! Without a profile, or without an entry for the shape, a built-in rule per backend runs
+//! ([`Fallback`]) until `fdpp tune` has measured the machine: the vendor GEMM is correct at every
+//! M but is the slowest choice at decode M on the CPU (the cache-blocked GEMM re-reads W per row
+//! block), and slower than the GEMV at M ≤ 2 in every shape of the shipped H100 profiles.
+//! `--set gemm_fallback=vendor` (FDPP_GEMM_FALLBACK) restores the vendor GEMM everywhere.
 
+use crate::backend::BackendKind;
 use crate::dtype::DType;
 use crate::model::LinearShape;
 use crate::ops::gemm::{GemmImpl, GemmSpec};
@@ -36,14 +42,87 @@ impl Plan {
     }
 }
 
-/// The plan for `shape` at `m` rows (see the module docs for the rule).
+/// What runs a shape that no profile measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// The backend's built-in rule (see [`Fallback::plan`]).
+    Builtin(BackendKind),
+    /// The vendor GEMM at every M (`--set gemm_fallback=vendor`).
+    Vendor,
+}
+
+/// The largest M at which the CPU's built-in rule runs the GEMV. Measured with `fdpp bench gemm
+/// --backend cpu --m 1,2,4,8,12,16,24` on SmolLM2-135M's four shapes (release, 2 shared cores,
+/// f16; reports/NOTES.md, session 10 hardening): the GEMV reads each weight row once for every
+/// row of x and beat the cache-blocked GEMM by 2.8-4.7x at M = 1 and by 1.1-1.6x at M = 8 in
+/// every shape; at M = 16 the two were even. flat_gemm won a few points from M = 4 by a few
+/// percent, not enough to rule on without `fdpp tune`.
+pub const CPU_GEMV_MAX_M: usize = 8;
+
+/// The largest M at which CUDA's built-in rule runs the GEMV: at M ≤ 2 the GEMV beat cuBLAS in
+/// all 12 shapes of the three shipped H100 profiles (by 5-50 %); at M = 3 cuBLAS won one of them.
+pub const CUDA_GEMV_MAX_M: usize = 2;
+
+impl Fallback {
+    /// The built-in rule of `backend`, unless the run configuration's `gemm_fallback` says
+    /// `vendor`.
+    pub fn configured(backend: BackendKind) -> crate::Result<Fallback> {
+        match crate::run_config::get().get(crate::run_config::Key::GemmFallback) {
+            None | Some("rule") => Ok(Fallback::Builtin(backend)),
+            Some("vendor") => Ok(Fallback::Vendor),
+            Some(v) => Err(crate::FdppError::InvalidArgument(format!(
+                "gemm_fallback '{v}' (--set gemm_fallback / FDPP_GEMM_FALLBACK): expected rule or vendor"
+            ))),
+        }
+    }
+
+    /// The rule in words, for the output ("built-in rule for the CPU (gemv for M ≤ 8, else the
+    /// cache-blocked gemm)").
+    pub fn describe(self) -> String {
+        match self {
+            Fallback::Builtin(BackendKind::Cpu) => {
+                format!("built-in rule for the CPU (gemv for M ≤ {CPU_GEMV_MAX_M}, else the cache-blocked gemm)")
+            }
+            Fallback::Builtin(BackendKind::Cuda) => {
+                format!("built-in rule for CUDA (gemv for M ≤ {CUDA_GEMV_MAX_M}, else cuBLAS)")
+            }
+            Fallback::Builtin(BackendKind::Rocm) => {
+                "built-in rule for ROCm (rocBLAS at every M: nothing measured on ROCm yet)".into()
+            }
+            Fallback::Vendor => "the vendor gemm at every M".into(),
+        }
+    }
+
+    /// The plan at `m` rows; `why` says why no profile entry applies ("no profile").
+    pub fn plan(self, m: usize, why: &str) -> Plan {
+        let gemv_max = match self {
+            Fallback::Builtin(BackendKind::Cpu) => CPU_GEMV_MAX_M,
+            Fallback::Builtin(BackendKind::Cuda) => CUDA_GEMV_MAX_M,
+            Fallback::Builtin(BackendKind::Rocm) | Fallback::Vendor => 0,
+        };
+        Plan {
+            imp: if m <= gemv_max { GemmImpl::Gemv } else { GemmImpl::Gemm },
+            block_n: None,
+            stages: None,
+            reason: format!("{why}: {}", self.describe()),
+        }
+    }
+}
+
+/// The plan for `shape` at `m` rows (see the module docs for the rule), the vendor GEMM where
+/// the profile has nothing (`fdpp bench --impl auto`, which compares against the profile alone).
 pub fn select(shape: &LinearShape, m: usize, profile: Option<&Profile>) -> Plan {
+    select_or(shape, m, profile, Fallback::Vendor)
+}
+
+/// The plan for `shape` at `m` rows, `fallback` where the profile has nothing for the shape.
+pub fn select_or(shape: &LinearShape, m: usize, profile: Option<&Profile>, fallback: Fallback) -> Plan {
     let Some(p) = profile else {
-        return vendor("no profile");
+        return fallback.plan(m, "no profile");
     };
     match p.shape_for(shape) {
         Some(sp) => select_in(sp, m),
-        None => vendor(&format!("no profile entry for {}", shape.label())),
+        None => fallback.plan(m, &format!("no profile entry for {}", shape.label())),
     }
 }
 
@@ -315,7 +394,7 @@ mod tests {
     fn no_profile_or_no_entry_means_vendor_gemm() {
         let p = select(&shape(), 1, None);
         assert_eq!((p.imp, p.block_n), (GemmImpl::Gemm, None));
-        assert_eq!(p.reason, "no profile");
+        assert!(p.reason.starts_with("no profile: "), "{}", p.reason);
         let other = LinearShape {
             kind: LinearKind::Ffn2,
             k: 11008,

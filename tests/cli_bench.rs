@@ -18,7 +18,9 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
             "bench",
             "gemm",
             "--model",
-            "llama2-7b",
+            // The HF fixture's O [K=256, N=128]: llama2-7b's 4096 × 4096 took ~40 s of a debug
+            // `cargo test` for the same code paths.
+            concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-gqa"),
             "--backend",
             "cpu",
             "--shape",
@@ -35,9 +37,9 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
     // stdout is pure JSON (paths and notes go to stderr), the same rows as the file.
     let stdout = String::from_utf8(out.stdout).unwrap();
     let printed: Vec<GemmRecord> = serde_json::from_str(&stdout).unwrap();
-    let csv_path = out_dir.join("gemm-llama2-7b.csv");
-    let json_path = out_dir.join("gemm-llama2-7b.json");
-    let svg_path = out_dir.join("gemm-llama2-7b-o.svg");
+    let csv_path = out_dir.join("gemm-llama-gqa.csv");
+    let json_path = out_dir.join("gemm-llama-gqa.json");
+    let svg_path = out_dir.join("gemm-llama-gqa-o.svg");
     for p in [&csv_path, &json_path, &svg_path] {
         assert!(p.is_file(), "missing {}", p.display());
         assert!(
@@ -50,7 +52,7 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
     let from_json = json::read_json(&json_path).unwrap();
     use fdpp::backend::Backend;
     let rows = 2 * fdpp::backend::cpu::CpuBackend::new()
-        .gemm_candidates(fdpp::dtype::DType::F16, 4096, 4096)
+        .gemm_candidates(fdpp::dtype::DType::F16, 128, 256)
         .len();
     assert_eq!(from_csv.len(), rows, "every CPU candidate × 2 M");
     assert_eq!(from_json.len(), rows);
@@ -60,7 +62,7 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
     for r in &from_csv {
         assert_eq!(
             (r.model.as_str(), r.shape.as_str(), r.k, r.n),
-            ("llama2-7b", "o", 4096, 4096)
+            ("llama-gqa", "o", 256, 128)
         );
         assert_eq!(r.backend, "cpu");
         assert_eq!(r.fdpp_version, fdpp::VERSION);
@@ -75,7 +77,8 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
             "{r:?}"
         );
         assert!(r.gbps > 0.0 && r.gflops > 0.0);
-        assert!(r.roofline_pct.is_some_and(|p| p > 0.0), "{r:?}");
+        // A share of the memory roofline, never above it (a row served from a cache has none).
+        assert!(r.roofline_pct.is_none_or(|p| p > 0.0 && p <= 100.0), "{r:?}");
         assert!(r.speedup_vs_gemm.is_some_and(|s| s > 0.0), "{r:?}");
         if r.imp == "gemm" {
             assert!(r.speedup_vs_gemm.is_some_and(|s| (s - 1.0).abs() < 1e-12));
@@ -93,7 +96,7 @@ fn bench_gemm_on_cpu_writes_csv_json_and_svg() {
 
     let svg = std::fs::read_to_string(&svg_path).unwrap();
     assert!(svg.starts_with("<svg"));
-    assert!(svg.contains("llama2-7b o [K=4096, N=4096] on "));
+    assert!(svg.contains("llama-gqa o [K=256, N=128] on "));
 }
 
 fn fails_with(args: &[&str], needle: &str) {

@@ -208,7 +208,30 @@ fn the_profile_is_found_given_or_refused_and_drives_the_gemm_choice() {
         &args(d, &["--token-ids", "1,2,3", "--max-tokens", "2", "--profile", "none"]),
         work.path(),
     ));
-    assert!(se.contains("profile: none (vendor GEMM"), "{se}");
+    // Without a profile the CPU's built-in rule runs, and says so; gemm_fallback=vendor restores
+    // the vendor GEMM everywhere.
+    assert!(
+        se.contains("profile: none (asked for): built-in rule for the CPU"),
+        "{se}"
+    );
+    assert!(se.contains("gemm at decode M=1: qkv=gemv_f16"), "{se}");
+    let (_, se) = ok(&fdpp(
+        &args(
+            d,
+            &[
+                "--token-ids",
+                "1,2,3",
+                "--max-tokens",
+                "2",
+                "--profile",
+                "none",
+                "--set",
+                "gemm_fallback=vendor",
+            ],
+        ),
+        work.path(),
+    ));
+    assert!(se.contains("the vendor gemm at every M"), "{se}");
     assert!(se.contains("gemm at decode M=1: qkv=gemm_f16"), "{se}");
     // Tune the tiny model on the CPU into the default path, then generate finds it.
     let (_, tse) = ok(&fdpp(

@@ -397,3 +397,18 @@ fn unwritable_report_dir_is_a_clean_io_error() {
     // No temporary file is left behind.
     assert!(!ok_dir.join("g.csv.tmp").exists());
 }
+
+#[test]
+fn a_row_faster_than_the_roofline_has_no_roofline_share() {
+    let (k, n) = (4096, 4096);
+    // 33.6 MB in 1 µs at 1000 GB/s would be 3360 % of the roofline: from a cache, not memory.
+    let mut recs = vec![
+        rec("o", k, n, "gemv_f16", "gemv", 1, 1.0),
+        rec("o", k, n, "gemm_f16", "gemm", 1, 100.0),
+    ];
+    annotate(&mut recs, Some(1000.0));
+    assert_eq!(recs[0].roofline_pct, None);
+    assert!(recs[1].roofline_pct.is_some_and(|p| p > 0.0 && p <= 100.0));
+    assert_eq!(report::annotate::over_roofline(&recs, Some(1000.0)), 1);
+    assert_eq!(report::annotate::over_roofline(&recs, None), 0);
+}

@@ -223,9 +223,6 @@ fn failed_tune_leaves_the_previous_profile_intact() {
         "the first shapes were measured before the failure"
     );
     assert_eq!(fs::read_to_string(&path).unwrap(), "previous profile\n");
-    assert_eq!(files_in(dir.path()), vec![path.clone(), dir.path().join("report")]);
-    assert!(
-        files_in(&dir.path().join("report")).is_empty(),
-        "no report from a failed tune"
-    );
+    // No report from a failed tune, not even the (empty) report directory it made.
+    assert_eq!(files_in(dir.path()), vec![path.clone()]);
 }

@@ -79,20 +79,41 @@ pub fn check_gemm_fits(
     flag: &str,
 ) -> Result<()> {
     let gib = |b: u128| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
-    for &(k, n) in shapes {
-        let (device, host) = gemm_inputs_bytes(dtype, n, k, max_m);
-        let mut needs = vec![("device", device, info.memory_bytes as u128)];
+    // (device, host) bytes of one shape at M rows, each against what that memory has.
+    let needs_at = |k: usize, n: usize, m: usize| {
+        let (device, host) = gemm_inputs_bytes(dtype, n, k, m);
         if info.backend == BackendKind::Cpu {
-            needs = vec![("host", device + host, info.memory_bytes as u128)];
+            vec![("host", device + host, info.memory_bytes as u128)]
         } else {
-            needs.push(("host", host, host_bytes as u128));
+            vec![
+                ("device", device, info.memory_bytes as u128),
+                ("host", host, host_bytes as u128),
+            ]
         }
-        for (what, need, have) in needs {
+    };
+    let too_big = |need: u128, have: u128| have > 0 && need > (have as f64 * USABLE_MEMORY) as u128;
+    for &(k, n) in shapes {
+        for (what, need, have) in needs_at(k, n, max_m) {
             let usable = (have as f64 * USABLE_MEMORY) as u128;
-            if have > 0 && need > usable {
+            if too_big(need, have) {
+                // Fewer rows help only when the weight matrix itself fits.
+                let at_one = needs_at(k, n, 1)
+                    .into_iter()
+                    .find(|&(w, _, _)| w == what)
+                    .map_or(0, |(_, b, _)| b);
+                let advice = if too_big(at_one, have) {
+                    format!(
+                        "even at M=1 it needs {}: this model's weight matrix [K={k}, N={n}] cannot be \
+                         timed on this machine whatever {flag} is; check the config's sizes \
+                         (hidden_size, intermediate_size) or use a machine with more memory",
+                        gib(at_one)
+                    )
+                } else {
+                    format!("lower {flag}")
+                };
                 return Err(FdppError::InvalidArgument(format!(
                     "GEMM [K={k}, N={n}] at M={max_m} ({dtype}) needs {} of {what} memory for x, W and y, \
-                     more than the {} usable of {}'s {}; lower {flag}",
+                     more than the {} usable of {}'s {}; {advice}",
                     gib(need),
                     gib(usable),
                     if what == "host" && info.backend != BackendKind::Cpu {
@@ -208,7 +229,7 @@ impl<B: Backend> GemmInputs<B> {
         let mut out: Vec<Result<Vec<f64>>> = specs.iter().map(|_| Ok(Vec::new())).collect();
         for (spec, slot) in specs.iter().zip(out.iter_mut()) {
             for _ in 0..opts.warmup {
-                if let Err(e) = self.run_next(b, spec, dims) {
+                if let Err(e) = crate::interrupt::check("warm-up").and_then(|()| self.run_next(b, spec, dims)) {
                     *slot = Err(e);
                     break;
                 }
@@ -224,7 +245,12 @@ impl<B: Backend> GemmInputs<B> {
             for idx in order {
                 let (spec, slot) = (&specs[idx], &mut out[idx]);
                 let Ok(samples) = slot else { continue };
-                match b.time_each(per_round, &mut |_| self.run_next(b, spec, dims)) {
+                // Ctrl-C ends the timing at the next run (the caller checks and writes nothing).
+                let mut run = |_| {
+                    crate::interrupt::check("timing")?;
+                    self.run_next(b, spec, dims)
+                };
+                match b.time_each(per_round, &mut run) {
                     Ok(ms) => samples.extend(ms),
                     Err(e) => *slot = Err(e),
                 }

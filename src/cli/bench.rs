@@ -94,12 +94,12 @@ pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
 }
 
 /// `--impl`: None = every implementation; `auto` alone = only what select() picks.
-struct ImplChoice {
-    imps: Option<Vec<GemmImpl>>,
-    auto: bool,
+pub struct ImplChoice {
+    pub imps: Option<Vec<GemmImpl>>,
+    pub auto: bool,
 }
 
-fn parse_impls(list: &[String]) -> anyhow::Result<ImplChoice> {
+pub fn parse_impls(list: &[String]) -> anyhow::Result<ImplChoice> {
     if list.is_empty() {
         return Ok(ImplChoice {
             imps: None,
@@ -130,7 +130,7 @@ fn parse_impls(list: &[String]) -> anyhow::Result<ImplChoice> {
     })
 }
 
-fn pick_shapes(all: &[LinearShape], list: &[String]) -> anyhow::Result<Vec<LinearShape>> {
+pub fn pick_shapes(all: &[LinearShape], list: &[String]) -> anyhow::Result<Vec<LinearShape>> {
     if list.is_empty() {
         return Ok(all.to_vec());
     }
@@ -145,7 +145,7 @@ fn pick_shapes(all: &[LinearShape], list: &[String]) -> anyhow::Result<Vec<Linea
     Ok(all.iter().filter(|l| kinds.contains(&l.kind)).copied().collect())
 }
 
-fn m_list(given: &[usize], kind: BackendKind) -> anyhow::Result<Vec<usize>> {
+pub fn m_list(given: &[usize], kind: BackendKind) -> anyhow::Result<Vec<usize>> {
     let mut ms: Vec<usize> = if given.is_empty() {
         // The CPU's naive paths are slow enough that M past 16 only adds minutes.
         match kind {
@@ -292,10 +292,23 @@ fn bench_gemm<B: Backend>(
         seed: a.seed,
         profile,
     };
+    eprintln!(
+        "bench gemm: {} shape(s) × {} M × their candidates, {steps} steps; Ctrl-C stops it and writes no report",
+        plan.len(),
+        ms.len()
+    );
+    crate::interrupt::install();
     let (mut records, rejected) = sweep(b, &ctx, &plan, &sweep_opts, &pb)?;
     pb.finish_and_clear();
 
     report::annotate(&mut records, copy_gbps);
+    let over = report::annotate::over_roofline(&records, copy_gbps);
+    if over > 0 {
+        eprintln!(
+            "roofline: {over} row(s) ran faster than the measured memory bandwidth allows (their inputs fit in a \
+             cache); their % roofline is left empty"
+        );
+    }
     if profile.is_some() {
         eprint!("{}", auto_summary(&records));
     }
@@ -366,6 +379,7 @@ fn sweep<B: Backend>(
             .with_context(|| format!("inputs for {} {}", ctx.model, s.label()))?;
         // The same verification as the tuner: f64 reference on sampled columns, poisoned output,
         // nothing written past M rows.
+        crate::interrupt::check(&format!("the benchmark of {}", s.label()))?;
         let verifier = Verifier::new(&inputs, max_m, DEFAULT_SAMPLE_COLS)?;
         for &m in o.ms {
             let dims = GemmDims::new(m, s.n, s.k)?;
@@ -378,6 +392,8 @@ fn sweep<B: Backend>(
                 .map(|c| (c, false))
                 .chain(auto_spec.iter().map(|c| (c, true)))
             {
+                // Ctrl-C stops the sweep within one step; no report is written.
+                crate::interrupt::check(&format!("the benchmark of {} at M={m}", s.label()))?;
                 pb.set_message(format!("{} M={m} {spec}", s.kind));
                 let what = format!("{spec} at {} M={m}", s.label());
                 match verifier.check(b, &mut inputs, spec, m) {
@@ -392,6 +408,7 @@ fn sweep<B: Backend>(
             }
             let specs: Vec<GemmSpec> = verified.iter().map(|v| v.0).collect();
             let times = inputs.time_interleaved(b, &specs, m, o.timing, crate::tune::sweep::TIMING_ROUNDS);
+            crate::interrupt::check(&format!("the benchmark of {} at M={m}", s.label()))?;
             for ((spec, is_auto, err), t) in verified.into_iter().zip(times) {
                 match t {
                     Ok(stats) => {

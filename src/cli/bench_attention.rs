@@ -153,7 +153,7 @@ pub fn parse_scheme(phi: Option<f32>, range: Option<&str>) -> anyhow::Result<Sof
 
 /// A list option: None when not given (the per-backend default applies), sorted and deduplicated,
 /// zeros refused.
-fn positive_list(flag: &str, what: &str, given: &[usize]) -> anyhow::Result<Option<Vec<usize>>> {
+pub fn positive_list(flag: &str, what: &str, given: &[usize]) -> anyhow::Result<Option<Vec<usize>>> {
     if given.is_empty() {
         return Ok(None);
     }

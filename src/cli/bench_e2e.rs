@@ -67,7 +67,7 @@ pub struct E2eBenchArgs {
     /// Tokens generated per sequence (EOS ignored). Default: 128 on a GPU, 8 on the CPU.
     #[arg(long = "gen-len")]
     pub gen_len: Option<usize>,
-    /// A profile file, `none` (vendor GEMM only), or `both` (profiles/<device-slug>/<model>.json
+    /// A profile file, `none` (the backend's built-in GEMM rule), or `both` (profiles/<device-slug>/<model>.json
     /// and none, in the same run) [default: both when that profile exists, else none].
     #[arg(long)]
     pub profile: Option<String>,
@@ -119,7 +119,7 @@ struct Variant {
     softmax: String,
 }
 
-fn list(flag: &str, given: &[usize], default: &[usize]) -> anyhow::Result<Vec<usize>> {
+pub fn list(flag: &str, given: &[usize], default: &[usize]) -> anyhow::Result<Vec<usize>> {
     if given.contains(&0) {
         bail!("{flag}: every value must be at least 1 (got {given:?})");
     }
@@ -223,7 +223,7 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
             v.label,
             v.path
                 .as_ref()
-                .map_or("vendor GEMM for every linear op".into(), |p| format!(
+                .map_or("no profile: the backend's built-in GEMM rule".into(), |p| format!(
                     "profile {}",
                     p.display()
                 )),
@@ -370,7 +370,9 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
                 v.label,
                 if reuse { "" } else { " no-reuse" }
             ));
-            engine.model.linears = LinearPlanner::new(&self.spec.cfg, opts.dtype, v.profile.clone());
+            let fallback = engine.model.linears.fallback();
+            engine.model.linears =
+                LinearPlanner::new(&self.spec.cfg, opts.dtype, v.profile.clone()).with_fallback(fallback);
             engine.model.scheme = v.scheme;
             // One seed per configuration: every variant sees the same prompts.
             let seed = self.seed ^ ((case.batch as u64) << 32) ^ case.prompt_len as u64;

@@ -56,6 +56,36 @@ pub struct CheckArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0x5EED)]
     pub seed: u64,
+    /// Only the cases whose key contains this text (repeatable: any of them), e.g.
+    /// `--case force=underflow`, `--case "decode bf16"`, `--case "f16 M=1 "`, `--case qkv_rope`.
+    /// Keys: `f16 M=1 N=1000 K=4097` (GEMM), `decode f16 h8/kv2 d128 kv=[..]` (attention),
+    /// `qkv_rope bf16 tokens=..` (layer ops). For re-running one case without the whole list.
+    #[arg(long = "case", value_name = "TEXT")]
+    pub cases: Vec<String>,
+}
+
+/// The key `--case` matches for a GEMM case.
+pub fn gemm_case_key(c: &crate::check::GemmCase) -> String {
+    format!("{} {}", c.dtype, c.dims.label())
+}
+
+/// The key `--case` matches for an attention case.
+pub fn attn_case_key(c: &crate::check::AttnCase) -> String {
+    let kind = match c.kind {
+        crate::check::attention::AttnKind::Decode => "decode",
+        crate::check::attention::AttnKind::Prefill => "prefill",
+    };
+    format!("{kind} {} {}", c.dtype, c.label())
+}
+
+/// The key `--case` matches for a layer-op case.
+pub fn layer_case_key(c: &crate::check::LayerCase) -> String {
+    format!("{} {} {}", c.op_name(), c.dtype, c.label())
+}
+
+/// Whether `key` is kept by the `--case` patterns (all are kept without one).
+pub fn case_selected(patterns: &[String], key: &str) -> bool {
+    patterns.is_empty() || patterns.iter().any(|p| key.contains(p.as_str()))
 }
 
 pub fn run(a: CheckArgs) -> anyhow::Result<()> {
@@ -87,6 +117,17 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         (true, true) => layer_cases_quick(),
         (true, false) => layer_cases(),
     };
+    let keep = |key: String| case_selected(&a.cases, &key);
+    let cases: Vec<_> = cases.into_iter().filter(|c| keep(gemm_case_key(c))).collect();
+    let attn_cases: Vec<_> = attn_cases.into_iter().filter(|c| keep(attn_case_key(c))).collect();
+    let layer_cases: Vec<_> = layer_cases.into_iter().filter(|c| keep(layer_case_key(c))).collect();
+    if !a.cases.is_empty() && cases.is_empty() && attn_cases.is_empty() && layer_cases.is_empty() {
+        bail!(
+            "--case {}: no case of the {} list matches",
+            a.cases.join(" --case "),
+            if a.quick { "quick" } else { "full" }
+        );
+    }
     let mut rows = Vec::new();
     let mut attn_rows = Vec::new();
     let mut layer_rows = Vec::new();

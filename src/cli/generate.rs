@@ -39,7 +39,7 @@ pub struct GenerateArgs {
     /// Seed of the random weights, the random prompts and the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Tuning profile, or `none` for the vendor GEMM everywhere [default:
+    /// Tuning profile, or `none` for the backend's built-in GEMM rule [default:
     /// profiles/<device-slug>/<model>.json when it exists].
     #[arg(long)]
     pub profile: Option<String>,
@@ -229,7 +229,7 @@ fn collect_prompts(a: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> a
     Ok(out)
 }
 
-fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
+pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
     if s.trim().is_empty() {
         bail!("--token-ids '{s}' holds no ids; give e.g. --token-ids 1,2,3");
     }
@@ -403,6 +403,16 @@ fn print_timings(out: &GenerateOutput) {
                 "note: sequence {i} stopped after {} tokens at the end of the model's context ({} prompt + {} generated), before --max-tokens",
                 s.tokens.len(),
                 s.prompt.len(),
+                s.tokens.len()
+            );
+        } else if s.finish != crate::engine::batch::FinishReason::MaxTokens && out.seqs.len() == 1 {
+            // Why it stopped before --max-tokens, without --json.
+            let why = match s.finish {
+                crate::engine::batch::FinishReason::Eos => "at the end-of-sequence token (--ignore-eos goes on)",
+                _ => "at a --stop text",
+            };
+            eprintln!(
+                "note: sequence {i} stopped after {} tokens {why}, before --max-tokens",
                 s.tokens.len()
             );
         }

@@ -54,7 +54,13 @@ pub fn find_profile<B: Backend>(
     dtype: DType,
 ) -> anyhow::Result<(Option<FoundProfile>, String)> {
     match arg {
-        Some("none") => Ok((None, "profile: none (vendor GEMM for every linear op)".into())),
+        Some("none") => Ok((
+            None,
+            format!(
+                "profile: none (asked for): {}",
+                crate::select::Fallback::configured(b.info().backend)?.describe()
+            ),
+        )),
         Some(p) => {
             let path = PathBuf::from(p);
             let profile = load_profile(b, &path, spec, dtype)?;
@@ -95,8 +101,9 @@ pub fn find_by_shape<B: Backend>(
         Err(why) => Ok((
             None,
             format!(
-                "profile: none found at {} ({why}; defaults: vendor GEMM; run `fdpp tune --model {model_arg}` to make one)",
+                "profile: none found at {} ({why}); no profile: {} until `fdpp tune --model {model_arg}` measures this machine",
                 own.display(),
+                crate::select::Fallback::configured(b.info().backend)?.describe(),
             ),
         )),
     }

@@ -53,6 +53,9 @@ pub struct TuneArgs {
     pub calibrate: super::calibrate::CalibrateArgs,
 }
 
+/// Seconds between progress lines when stderr is not a terminal (the bar is not drawn there).
+const PROGRESS_LINE_SECS: f64 = 10.0;
+
 /// What a tune produced.
 pub struct TuneOutcome {
     pub profile: Profile,
@@ -130,29 +133,75 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
         .report_dir
         .clone()
         .unwrap_or_else(|| default_report_dir(a.out.as_deref(), &info.slug));
-    // Find an unwritable output, or inputs that cannot fit, before the sweep, not during it.
-    profile::check_writable(&profile_path)?;
+    // Find inputs that cannot fit, or an unwritable output, before the sweep, not during it (and
+    // the memory first: a refused tune leaves no empty profile directory behind).
     let dims: Vec<(usize, usize)> = ModelShapes::of(cfg).linears.iter().map(|s| (s.k, s.n)).collect();
     let max_m = opts.m_grid.last().copied().unwrap_or(1);
     let host = crate::backend::cpu::info::host_memory_bytes();
     crate::bench::timer::check_gemm_fits(&info, host, a.dtype, &dims, max_m, "--m-max")?;
+    profile::check_writable(&profile_path)?;
+    let report_dir_existed = report_dir.exists();
     std::fs::create_dir_all(&report_dir)
         .map_err(|e| FdppError::io(&report_dir, format!("cannot create the report directory: {e}")))?;
 
     let shapes = ModelShapes::of(cfg);
     // Weighted by each step's FLOPs: the bar's estimate then holds although the steps at large M
     // take far longer than those at small M.
-    let bar = ProgressBar::new(sweep::count_work(b, &shapes.linears, &opts));
+    let total_work = sweep::count_work(b, &shapes.linears, &opts);
+    let bar = ProgressBar::new(total_work);
     if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {percent}% (about {eta} left) {msg}")
     {
         bar.set_style(style.progress_chars("=> "));
     }
-    let profile = sweep::tune(b, cfg, &opts, &mut |step| {
+    let steps: usize = shapes
+        .linears
+        .iter()
+        .map(|s| sweep::candidates(b, a.dtype, s).len() * opts.m_grid.len())
+        .sum();
+    eprintln!(
+        "tune: {} shapes × {} M (1..={max_m}) × their candidates = {steps} steps; Ctrl-C stops it and writes nothing",
+        shapes.linears.len(),
+        opts.m_grid.len()
+    );
+    // Without a terminal the bar is not drawn: a line with the estimate every few seconds.
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let started = std::time::Instant::now();
+    let mut last_line = started;
+    let mut done = 0u64;
+    crate::interrupt::install();
+    let swept = sweep::tune(b, cfg, &opts, &mut |step| {
         bar.set_message(step.label.to_string());
         bar.inc(step.work);
-    })
-    .with_context(|| format!("tuning {} on {}", cfg.name, info.name))?;
+        done += step.work;
+        if !tty && last_line.elapsed().as_secs_f64() >= PROGRESS_LINE_SECS && done > 0 {
+            last_line = std::time::Instant::now();
+            let t = started.elapsed().as_secs_f64();
+            let left = t * (total_work.saturating_sub(done)) as f64 / done as f64;
+            eprintln!(
+                "tune: {:.0} % after {t:.0} s, about {left:.0} s left ({})",
+                100.0 * done as f64 / total_work.max(1) as f64,
+                step.label
+            );
+        }
+    });
     bar.finish_and_clear();
+    let profile = match swept {
+        Ok(p) => p,
+        Err(e) => {
+            // Leave no trace of a run that wrote nothing: the report directory it made is empty.
+            if !report_dir_existed {
+                let _ = std::fs::remove_dir(&report_dir);
+            }
+            if matches!(e, FdppError::Interrupted(_)) {
+                eprintln!(
+                    "tune: interrupted after {:.1} s; {} is unchanged",
+                    started.elapsed().as_secs_f64(),
+                    profile_path.display()
+                );
+            }
+            return Err(e).with_context(|| format!("tuning {} on {}", cfg.name, info.name));
+        }
+    };
 
     // The softmax calibration depends on the weights, not on the GEMM timings: keep the section
     // of the profile this one replaces (when it is for the same model).

@@ -147,7 +147,9 @@ pub fn build_model<'b, B: Backend>(
             family::load(b, &store, &arch, opts.dtype)?
         }
     };
-    let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile);
+    // What the profile does not cover (all of it without one) follows the backend's rule.
+    let fallback = crate::select::Fallback::configured(b.info().backend)?;
+    let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile).with_fallback(fallback);
     let model = Model::new(
         b,
         spec.cfg.clone(),

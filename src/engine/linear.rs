@@ -1,12 +1,13 @@
 //! Which GEMM runs each linear op of a step: the four layer shapes through
-//! [`crate::select::select`] with the profile (FlashDecoding++ §4's heuristic dataflow), and the
-//! LM head through its profile entry when the profile has its [K, N], else the vendor GEMM.
+//! [`crate::select::select_or`] with the profile (FlashDecoding++ §4's heuristic dataflow), and
+//! the LM head through its profile entry when the profile has its [K, N]; what the profile does
+//! not cover follows the planner's [`Fallback`] (the engine sets the backend's built-in rule).
 
 use crate::dtype::DType;
 use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
-use crate::ops::gemm::{GemmImpl, GemmSpec};
+use crate::ops::gemm::GemmSpec;
 use crate::profile::Profile;
-use crate::select::{select, select_in, Plan};
+use crate::select::{select_in, select_or, Fallback, Plan};
 
 /// The linear ops of a forward pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -42,6 +43,7 @@ pub struct LinearPlanner {
     shapes: ModelShapes,
     lm_head: (usize, usize),
     dtype: DType,
+    fallback: Fallback,
 }
 
 impl LinearPlanner {
@@ -51,7 +53,18 @@ impl LinearPlanner {
             shapes: ModelShapes::of(cfg),
             lm_head: (cfg.hidden_size, cfg.vocab_size),
             dtype,
+            fallback: Fallback::Vendor,
         }
+    }
+
+    /// What runs the ops the profile does not cover (the vendor GEMM unless set).
+    pub fn with_fallback(mut self, fallback: Fallback) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    pub fn fallback(&self) -> Fallback {
+        self.fallback
     }
 
     pub fn profile(&self) -> Option<&Profile> {
@@ -68,7 +81,7 @@ impl LinearPlanner {
     /// The plan (with its reason) for one op at M rows.
     pub fn plan(&self, op: Linear, m: usize) -> Plan {
         match op {
-            Linear::Layer(kind) => select(&self.shape(kind), m, self.profile.as_ref()),
+            Linear::Layer(kind) => select_or(&self.shape(kind), m, self.profile.as_ref(), self.fallback),
             Linear::LmHead => {
                 let (k, n) = self.lm_head;
                 let entry = self
@@ -98,12 +111,17 @@ impl LinearPlanner {
                             ..plan
                         }
                     }
-                    (None, None) => Plan {
-                        imp: GemmImpl::Gemm,
-                        block_n: None,
-                        stages: None,
-                        reason: format!("lm_head [K={k},N={n}] is not in the profile: vendor gemm"),
-                    },
+                    (None, None) => self.fallback.plan(
+                        m,
+                        &format!(
+                            "lm_head [K={k},N={n}] is not in {}",
+                            if self.profile.is_some() {
+                                "the profile"
+                            } else {
+                                "a profile (no profile)"
+                            }
+                        ),
+                    ),
                 }
             }
         }
@@ -151,6 +169,7 @@ impl LinearPlanner {
 mod tests {
     use super::*;
     use crate::model::presets::preset;
+    use crate::ops::gemm::GemmImpl;
 
     #[test]
     fn without_a_profile_every_op_is_the_vendor_gemm() {
@@ -160,12 +179,56 @@ mod tests {
         for spec in [s.qkv, s.o, s.ffn1, s.ffn2, s.lm_head] {
             assert_eq!(spec.imp, GemmImpl::Gemm);
         }
-        assert!(p.plan(Linear::LmHead, 4).reason.contains("not in the profile"));
+        assert!(p
+            .plan(Linear::LmHead, 4)
+            .reason
+            .contains("is not in a profile (no profile)"));
         assert_eq!(p.describe(8).len(), 5);
         assert_eq!(
             p.summary(1),
             "qkv=gemm_f16 o=gemm_f16 ffn1=gemm_f16 ffn2=gemm_f16 lm_head=gemm_f16"
         );
+    }
+
+    #[test]
+    fn without_a_profile_the_backends_built_in_rule_runs_and_says_so() {
+        use crate::backend::BackendKind;
+        use crate::select::{CPU_GEMV_MAX_M, CUDA_GEMV_MAX_M};
+        let cfg = preset("llama2-7b").expect("preset");
+        let cpu = LinearPlanner::new(&cfg, DType::F16, None).with_fallback(Fallback::Builtin(BackendKind::Cpu));
+        for (m, imp) in [
+            (1, GemmImpl::Gemv),
+            (CPU_GEMV_MAX_M, GemmImpl::Gemv),
+            (CPU_GEMV_MAX_M + 1, GemmImpl::Gemm),
+            (512, GemmImpl::Gemm),
+        ] {
+            let s = cpu.step(m, m);
+            for spec in [s.qkv, s.o, s.ffn1, s.ffn2, s.lm_head] {
+                assert_eq!(spec.imp, imp, "M={m}");
+            }
+        }
+        let why = cpu.plan(Linear::Layer(LinearKind::O), 1).reason;
+        assert!(
+            why.starts_with("no profile: built-in rule for the CPU (gemv for M ≤"),
+            "{why}"
+        );
+        assert!(cpu.plan(Linear::LmHead, 1).reason.contains("built-in rule"));
+        assert!(cpu.describe(1).iter().all(|l| l.contains("built-in rule")));
+        let cuda = LinearPlanner::new(&cfg, DType::F16, None).with_fallback(Fallback::Builtin(BackendKind::Cuda));
+        assert_eq!(cuda.step(CUDA_GEMV_MAX_M, 1).qkv.imp, GemmImpl::Gemv);
+        assert_eq!(cuda.step(CUDA_GEMV_MAX_M + 1, 1).qkv.imp, GemmImpl::Gemm);
+        let rocm = LinearPlanner::new(&cfg, DType::F16, None).with_fallback(Fallback::Builtin(BackendKind::Rocm));
+        assert_eq!(rocm.step(1, 1).qkv.imp, GemmImpl::Gemm);
+        // A profile's own entries win over the rule; the shapes it lacks follow the rule.
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/nvidia-h100-80gb-hbm3/llama2-7b.json");
+        let mut profile = Profile::load(&path).expect("the committed llama2-7b profile");
+        profile.shapes.retain(|s| s.kind != LinearKind::Ffn2);
+        let p = LinearPlanner::new(&cfg, DType::F16, Some(profile)).with_fallback(Fallback::Builtin(BackendKind::Cpu));
+        let ffn2 = p.plan(Linear::Layer(LinearKind::Ffn2), 1);
+        assert_eq!(ffn2.imp, GemmImpl::Gemv);
+        assert!(ffn2.reason.starts_with("no profile entry for ffn2"), "{}", ffn2.reason);
+        assert!(!p.plan(Linear::Layer(LinearKind::O), 1).reason.contains("built-in"));
     }
 
     #[test]

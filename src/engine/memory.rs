@@ -349,13 +349,34 @@ pub fn plan(cfg: &ModelConfig, dims: &ActDims, req: &MemoryRequest) -> Result<Me
     }
     let mut act = plan_activations_for(dims, req.dtype, req.max_step_tokens, req.max_batch, req.reuse);
     let per_token = kv_bytes_per_token(cfg, req.dtype);
-    let page_bytes = per_token * req.page_size as u64;
+    let page_bytes = per_token.saturating_mul(req.page_size as u64);
     let need_pages: usize = req.seq_tokens.iter().map(|&t| t.div_ceil(req.page_size)).sum();
     let usable = (req.device_memory as f64 * req.mem_fraction) as u64;
-    let need_kv = need_pages as u64 * page_bytes;
-    let need_total = req.weights_bytes + act.bytes + need_kv;
+    let need_kv = (need_pages as u64).saturating_mul(page_bytes);
+    let need_total = req.weights_bytes.saturating_add(act.bytes).saturating_add(need_kv);
     let room = usable.saturating_sub(req.weights_bytes + act.bytes);
     let fit_pages = (room / page_bytes.max(1)) as usize;
+    // KV is reserved in whole pages: a page much longer than the sequences can be what does not
+    // fit, and then the page size is what to change, not the batch.
+    let exact_kv = req.seq_tokens.iter().map(|&t| t as u64).sum::<u64>() * per_token;
+    if need_total > usable && req.weights_bytes + act.bytes + exact_kv <= usable {
+        return Err(FdppError::InvalidArgument(format!(
+            "--page-size {}: KV is reserved in whole pages of {} tokens, so {} tokens over {} \
+             sequences take {} pages = {} of KV (the tokens themselves need {}), more than the {} \
+             usable ({} of {}); lower --page-size (default {})",
+            req.page_size,
+            req.page_size,
+            req.seq_tokens.iter().sum::<usize>(),
+            req.seq_tokens.len(),
+            need_pages,
+            gib(need_kv),
+            gib(exact_kv),
+            gib(usable),
+            req.mem_fraction,
+            gib(req.device_memory),
+            crate::kv::DEFAULT_PAGE_SIZE
+        )));
+    }
     if need_total > usable {
         return Err(FdppError::InvalidArgument(format!(
             "the batch does not fit: it needs {} (weights {}, activations {} for {} tokens per step, \
@@ -429,14 +450,17 @@ impl MemoryPlan {
                 if a.reuse { "reused across layers" } else { "one per op per layer" },
                 a.max_tokens
             ),
+            // What is allocated first: the budget is an upper bound (all of it on a GPU without
+            // --max-kv-tokens; on the CPU the KV is sized from the request, and a 1 MB model
+            // must not read as a 21 GiB pool).
             format!(
-                "pool: {} ({} of {} minus weights): KV pages at [0, {}) from the bottom, activations at [{}, {}) from the top, {} free between",
+                "pool: {} allocated (KV {} + activations {}) within a budget of {} ({} of {} minus weights); {} of the budget left unused",
+                gib(self.kv.bytes + a.bytes),
+                gib(self.kv.bytes),
+                gib(a.bytes),
                 gib(self.pool_bytes),
                 self.mem_fraction,
                 gib(self.device_memory),
-                self.kv.bytes,
-                a.offset,
-                self.pool_bytes,
                 gib(self.free_bytes)
             ),
         ]

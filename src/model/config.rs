@@ -146,14 +146,19 @@ impl ModelConfig {
                 self.num_kv_heads, self.num_heads
             ));
         }
-        if self.hidden_size == 0 || self.head_dim == 0 || self.intermediate_size == 0 {
-            return bad("hidden_size, head_dim and intermediate_size must be positive".into());
-        }
-        if self.num_layers == 0 || self.vocab_size == 0 {
-            return bad("num_hidden_layers and vocab_size must be positive".into());
-        }
-        if self.max_position_embeddings == 0 {
-            return bad("max_position_embeddings must be positive".into());
+        // One field at a time, by its config.json name: "x and y must be positive" left the
+        // user to guess which.
+        for (field, value) in [
+            ("hidden_size", self.hidden_size),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if value == 0 {
+                return bad(format!("{field} is 0; it must be positive"));
+            }
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad(format!(

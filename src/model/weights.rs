@@ -216,6 +216,17 @@ fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
         .and_then(|m| m.as_object())
         .ok_or_else(|| cfg_err(index, "missing field 'weight_map'"))?;
     let dir = index.parent().unwrap_or(Path::new("."));
+    // Shards live beside the index: a name with a directory part (absolute, `..`) would map
+    // files from elsewhere.
+    for f in map.values().filter_map(|f| f.as_str()) {
+        let p = Path::new(f);
+        if p.components().count() != 1 || !matches!(p.components().next(), Some(std::path::Component::Normal(_))) {
+            return Err(cfg_err(
+                index,
+                format!("weight_map names '{f}', which is not a plain file name beside the index"),
+            ));
+        }
+    }
     let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
     files.sort();
     files.dedup();

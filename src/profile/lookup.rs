@@ -10,7 +10,8 @@
 //! The rule, in order: among the profiles in the device's directory that load and have no hard
 //! mismatch with this machine (backend, arch, kernel hash), take the one that covers the most of
 //! the model's four shapes; on a tie, the model's own profile, then the one of the same dtype,
-//! then the newest. Shapes it does not cover run the vendor GEMM, and the note says which.
+//! then the newest. Shapes it does not cover follow the backend's built-in rule
+//! ([`crate::select::Fallback`]), and the note says which.
 
 use std::path::{Path, PathBuf};
 
@@ -178,10 +179,13 @@ pub fn find(
         ));
     }
     if !coverage.missing.is_empty() {
+        let rule =
+            crate::select::Fallback::configured(current.backend).map_or_else(|e| e.to_string(), |f| f.describe());
         notes.push(format!(
-            "profile: no entry for {}: the vendor GEMM runs {}",
+            "profile: no entry for {}: {} follow{} the {rule}",
             coverage.missing_label(),
-            if coverage.missing.len() == 1 { "it" } else { "them" }
+            if coverage.missing.len() == 1 { "it" } else { "they" },
+            if coverage.missing.len() == 1 { "s" } else { "" }
         ));
     }
     let mut softmax_from = None;

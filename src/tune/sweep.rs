@@ -122,6 +122,7 @@ pub fn sweep_shape<B: Backend>(
         0 => FALLBACK_CACHE_BYTES,
         c => c,
     };
+    crate::interrupt::check(&format!("the sweep of {}", shape.label()))?;
     let seed = opts.seed.wrapping_add(0x1000 * (shape.kind as u64 + 1));
     let mut inputs = GemmInputs::new(b, opts.dtype, shape.n, shape.k, max_m, cache, seed).map_err(|e| {
         FdppError::device(
@@ -133,6 +134,7 @@ pub fn sweep_shape<B: Backend>(
             ),
         )
     })?;
+    crate::interrupt::check(&format!("the sweep of {}", shape.label()))?;
     let verifier = Verifier::new(&inputs, max_m, opts.verify_cols)?;
     let specs = candidates(b, opts.dtype, shape);
     let mut results: Vec<Vec<Measurement>> = vec![Vec::with_capacity(opts.m_grid.len()); specs.len()];
@@ -142,6 +144,8 @@ pub fn sweep_shape<B: Backend>(
         let mut verified: Vec<(usize, f64)> = Vec::new();
         let mut row: Vec<Option<Measurement>> = vec![None; specs.len()];
         for (i, spec) in specs.iter().enumerate() {
+            // Ctrl-C stops the sweep within one step; nothing is written (src/interrupt.rs).
+            crate::interrupt::check(&format!("the sweep of {} at M={m}", shape.label()))?;
             on_step(&Step {
                 label: &format!("{} M={m} {spec}", shape.label()),
                 work: step_work(m, shape),
@@ -153,6 +157,8 @@ pub fn sweep_shape<B: Backend>(
         }
         let timed_specs: Vec<GemmSpec> = verified.iter().map(|&(i, _)| specs[i]).collect();
         let times = inputs.time_interleaved(b, &timed_specs, m, opts.timing, TIMING_ROUNDS);
+        // Timing stops early on Ctrl-C: its partial times must not become a profile.
+        crate::interrupt::check(&format!("the sweep of {} at M={m}", shape.label()))?;
         for (&(i, nmse), t) in verified.iter().zip(times) {
             row[i] = Some(match t {
                 Ok(s) => Measurement::Ok {
@@ -183,6 +189,7 @@ pub fn sweep_shape<B: Backend>(
             .collect();
         let timed_specs: Vec<GemmSpec> = again.iter().map(|&i| specs[i]).collect();
         let times = inputs.time_interleaved(b, &timed_specs, m, opts.timing, TIMING_ROUNDS);
+        crate::interrupt::check(&format!("the second look at {} M={m}", shape.label()))?;
         for (&i, t) in again.iter().zip(times) {
             if let (Ok(st), Some(Measurement::Ok { nmse, .. })) = (t, results[i].get(j)) {
                 let nmse = *nmse;
