@@ -22,6 +22,7 @@ pub enum Key {
     Pipeline,
     Prefill,
     DecodePath,
+    SoftmaxWindows,
     HopperTma,
     HopperStages,
     HopperOverlap,
@@ -123,6 +124,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "planned per shape",
         kind: Kind::Behaviour,
         what: "force one decode attention path",
+    },
+    KeyInfo {
+        key: Key::SoftmaxWindows,
+        name: "softmax_windows",
+        env: "FDPP_SOFTMAX_WINDOWS",
+        values: "per_layer|global",
+        default: "per_layer when the profile has them",
+        kind: Kind::Behaviour,
+        what: "the async softmax's phi and [a, b]: each layer's calibrated window, or the global one for all",
     },
     KeyInfo {
         key: Key::HopperTma,
@@ -414,7 +424,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 21);
+        assert_eq!(KEYS.len(), 22);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }
