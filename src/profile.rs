@@ -139,6 +139,10 @@ pub struct SoftmaxSection {
     /// model, against which the async − sync difference is read.
     #[serde(default)]
     pub sync_noise_floor: Option<f64>,
+    /// The same measure between two async runs whose φ differs by 0.5 (the same maths, other
+    /// rounding): the floor of fp16 rounding amplified through the layers.
+    #[serde(default)]
+    pub async_rounding_floor: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -167,6 +171,7 @@ impl SoftmaxSection {
             validated_logit_diff: None,
             validated_same_tokens: None,
             sync_noise_floor: None,
+            async_rounding_floor: None,
         }
     }
 }

@@ -183,11 +183,11 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         None => None,
     };
     let chat = if a.chat {
-        if !needs_text {
-            bail!("--chat applies the model's chat template to --prompt or --prompt-file text; give one of them");
-        }
         if !a.token_ids.is_empty() || !a.random_prompt.is_empty() {
             bail!("--chat templates text prompts only; --token-ids and --random-prompt are ids already (drop --chat, or give the text with --prompt)");
+        }
+        if !needs_text {
+            bail!("--chat applies the model's chat template to --prompt or --prompt-file text; give one of them");
         }
         let t = spec.chat_template(tok.as_ref())?;
         eprintln!("chat template: {}", t.source);

@@ -549,6 +549,27 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
         );
     }
     if let (Some(r), Some(path)) = (&reference, &a.reference) {
+        // Both PPLs must score the same token sequence: where this tokenizer cuts the text
+        // differently (the GGUF vocabulary's pre-tokenizer near digits), the reference's ids
+        // are scored instead.
+        if let Some(rids) = r.ids.as_ref().filter(|rids| **rids != ids) {
+            let at = rids
+                .iter()
+                .zip(&ids)
+                .position(|(x, y)| x != y)
+                .unwrap_or(rids.len().min(ids.len()));
+            eprintln!(
+                "note: --reference {} tokenized the text into {} ids, this tokenizer into {} (first difference at \
+                 position {at}); scoring the reference's ids (field text.ids) so that both score the same tokens",
+                path.display(),
+                rids.len(),
+                ids.len()
+            );
+            ids = rids.clone();
+            if a.max_tokens > 0 {
+                ids.truncate(a.max_tokens);
+            }
+        }
         check_reference(r, path, &ids, a.ctx.min(spec.context_len()))?;
     }
     let source = super::model_setup::weight_source(&spec, &a.model, false, 0)?;
@@ -558,8 +579,7 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
 }
 
 /// The reference must have scored the same tokens in the same windows, or its PPL is not
-/// comparable: the window length and the count must match (a different tokenization is a
-/// warning with the first differing position).
+/// comparable: the window length and the count must match.
 fn check_reference(r: &Reference, path: &std::path::Path, ids: &[u32], ctx: usize) -> anyhow::Result<()> {
     let scored: usize = windows(ids.len(), ctx)?.iter().map(|w| w.len() - 1).sum();
     if r.ctx != ctx || r.tokens_scored != scored {
@@ -571,17 +591,6 @@ fn check_reference(r: &Reference, path: &std::path::Path, ids: &[u32], ctx: usiz
             r.ctx,
             r.ctx
         );
-    }
-    if let Some(rids) = &r.ids {
-        if let Some(i) = rids.iter().zip(ids).position(|(x, y)| x != y) {
-            eprintln!(
-                "warning: --reference {}: its token ids differ from this tokenizer's at position {i} ({} vs {}); \
-                 the perplexities score different token sequences",
-                path.display(),
-                rids[i],
-                ids[i]
-            );
-        }
     }
     Ok(())
 }
