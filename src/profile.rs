@@ -114,10 +114,17 @@ pub struct SoftmaxSection {
     /// What was run: weights (trained or random), prompts, tokens.
     #[serde(default)]
     pub source: Option<String>,
-    /// The window each layer's scores alone would get (for inspection; the engine uses the
-    /// global one).
+    /// The window each layer's scores alone get. The engine runs each layer with its own
+    /// (the global one where a layer has none usable) unless `softmax_windows=global`.
     #[serde(default)]
     pub per_layer: Vec<LayerWindow>,
+    /// The calibration's held-out comparison: sync, async with the global window, async with
+    /// the per-layer windows.
+    #[serde(default)]
+    pub comparison: Vec<WindowComparison>,
+    /// Share of the calibration scores inside FlashDecoding++'s Llama2-7B range [−16.8, 6.5].
+    #[serde(default)]
+    pub paper_range_share: Option<f64>,
     /// Held-out validation with these φ, a, b: rows recomputed / rows.
     #[serde(default)]
     pub recompute_rate: Option<f64>,
@@ -132,6 +139,10 @@ pub struct SoftmaxSection {
     /// model, against which the async − sync difference is read.
     #[serde(default)]
     pub sync_noise_floor: Option<f64>,
+    /// The same measure between two async runs whose φ differs by 0.5 (the same maths, other
+    /// rounding): the floor of fp16 rounding amplified through the layers.
+    #[serde(default)]
+    pub async_rounding_floor: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -154,12 +165,35 @@ impl SoftmaxSection {
             max: None,
             source: None,
             per_layer: Vec::new(),
+            comparison: Vec::new(),
+            paper_range_share: None,
             recompute_rate: None,
             validated_logit_diff: None,
             validated_same_tokens: None,
             sync_noise_floor: None,
+            async_rounding_floor: None,
         }
     }
+}
+
+/// One run of the calibration's held-out comparison.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WindowComparison {
+    /// `sync`, `global` or `per_layer`.
+    pub windows: String,
+    /// Attention rows recomputed / rows (async only).
+    #[serde(default)]
+    pub recompute_rate: Option<f64>,
+    /// Largest |async − sync| logit over the largest |sync| logit (async only).
+    #[serde(default)]
+    pub logit_diff: Option<f64>,
+    #[serde(default)]
+    pub same_tokens: Option<bool>,
+    /// Perplexity over the calibration's perplexity text, and the tokens it scored.
+    #[serde(default)]
+    pub ppl: Option<f64>,
+    #[serde(default)]
+    pub ppl_tokens: u64,
 }
 
 /// One layer's calibrated window.

@@ -23,6 +23,7 @@ pub enum Key {
     Prefill,
     DecodePath,
     DecodeTc,
+    SoftmaxWindows,
     HopperTma,
     HopperStages,
     HopperOverlap,
@@ -134,6 +135,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "auto",
         kind: Kind::Behaviour,
         what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block at head_dim <= 128, up to 8 per block; 0: CUDA cores, at most 4; 1: also MHA)",
+    },
+    KeyInfo {
+        key: Key::SoftmaxWindows,
+        name: "softmax_windows",
+        env: "FDPP_SOFTMAX_WINDOWS",
+        values: "per_layer|global",
+        default: "per_layer when the profile has them",
+        kind: Kind::Behaviour,
+        what: "the async softmax's phi and [a, b]: each layer's calibrated window, or the global one for all",
     },
     KeyInfo {
         key: Key::HopperTma,

@@ -114,19 +114,51 @@ fn calibration_writes_the_section_the_report_and_profile_show_prints_it() {
     assert_eq!(p["shapes"].as_array().expect("shapes").len(), 0);
     // The report.
     let report: Vec<&str> = se.lines().filter_map(|l| l.strip_prefix("report: ")).collect();
-    assert_eq!(report.len(), 2, "{se}");
+    assert_eq!(report.len(), 3, "{se}");
     let csv = std::fs::read_to_string(work.path().join(report[0])).expect("csv");
     assert!(csv.starts_with("bin_lo,bin_hi,count,in_window,layer0,layer1\n"));
     assert_eq!(csv.lines().count(), 1 + 1024 + 2);
     let svg = std::fs::read_to_string(work.path().join(report[1])).expect("svg");
     assert!(svg.contains("<svg") && svg.contains("φ+a = ") && svg.contains("φ+b = "));
     assert!(report[1].ends_with("-softmax.svg"));
+    // The comparison of windows: sync, global, per-layer, side by side in the text report and
+    // in the profile; the distribution against the paper's range.
+    let md = std::fs::read_to_string(work.path().join(report[2])).expect("md");
+    assert!(report[2].ends_with("-softmax.md"));
+    for row in [
+        "| sync |",
+        "| async, global window |",
+        "| async, per-layer windows |",
+        "distribution: ",
+    ] {
+        assert!(md.contains(row), "report lacks {row:?}: {md}");
+    }
+    assert!(
+        so.contains("held-out async vs sync, per-layer windows: logits max diff"),
+        "{so}"
+    );
+    let cmp = sm["comparison"].as_array().expect("comparison");
+    let kinds: Vec<&str> = cmp.iter().map(|r| r["windows"].as_str().expect("windows")).collect();
+    assert_eq!(kinds, ["sync", "global", "per_layer"]);
+    for r in &cmp[1..] {
+        assert_eq!(r["same_tokens"], true, "{r}");
+        assert!(r["logit_diff"].as_f64().expect("diff") <= 1e-3, "{r}");
+        let (ppl, sync_ppl) = (r["ppl"].as_f64().expect("ppl"), cmp[0]["ppl"].as_f64().expect("ppl"));
+        assert!((ppl / sync_ppl - 1.0).abs() < 1e-3, "{r}");
+        assert!(r["ppl_tokens"].as_u64().expect("tokens") > 0);
+    }
+    // Random weights' scores sit near 0, inside the paper's Llama2-7B range.
+    assert!(sm["paper_range_share"].as_f64().expect("share") > 0.999, "{sm}");
     // profile show.
     let (show, _) = ok(&fdpp(&["profile", "show", path.to_str().expect("utf-8")], work.path()));
     assert!(show.contains("## Softmax"), "{show}");
     assert!(show.contains(&format!("phi = {phi:.3}")), "{show}");
     assert!(show.contains("held-out validation: recompute rate 0.0000 %"), "{show}");
     assert!(show.contains("| layer | phi |"), "{show}");
+    assert!(
+        show.contains("| async, per-layer windows |") && show.contains("Llama2-7B range"),
+        "{show}"
+    );
     let (json, _) = ok(&fdpp(
         &["profile", "show", path.to_str().expect("utf-8"), "--format", "json"],
         work.path(),

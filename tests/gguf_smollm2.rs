@@ -507,3 +507,42 @@ fn fdpp_teacher_forced_agrees_with_hf() {
         assert!((r.ppl() / hf - 1.0).abs() < 0.005, "PPL {} vs HF {hf}", r.ppl());
     }
 }
+
+/// `--chat` on the GGUF: the metadata's template renders SmolLM2's ChatML (its default system
+/// turn first, as the template writes it when none is given) and the markers tokenize to the
+/// special tokens <|im_start|> (1) and <|im_end|> (2), not to their characters.
+#[test]
+#[ignore = "needs target/models/SmolLM2-135M-Instruct.Q4_1.gguf (run scripts/fetch_smollm2.sh)"]
+fn chat_template_renders_chatml_with_special_tokens() {
+    use fdpp::model::llama::ModelSpec;
+    let p = path();
+    let spec = ModelSpec::resolve(p.to_str().unwrap()).unwrap();
+    let tok = ModelSpec::load_tokenizer(&p).unwrap();
+    let t = spec.chat_template(Some(&tok)).unwrap();
+    assert!(t.source.contains("tokenizer.chat_template"), "{}", t.source);
+    assert_eq!(
+        (t.bos_token.as_str(), t.eos_token.as_str()),
+        ("<|im_start|>", "<|im_end|>")
+    );
+    let text = t.prompt("The capital of France is", None).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nThe capital of France is<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let with_system = t.prompt("Hi", Some("Be brief.")).unwrap();
+    assert_eq!(
+        with_system,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = tok.encode_plain(&text).unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|> is one special token: {ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3, "{ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 2, "{ids:?}");
+    // The user text inside tokenizes as it does alone (after the turn's newline).
+    let inner = tok.encode_plain("The capital of France is").unwrap();
+    assert!(
+        ids.windows(inner.len()).any(|w| w == inner.as_slice()),
+        "{ids:?} ∌ {inner:?}"
+    );
+}

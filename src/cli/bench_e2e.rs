@@ -15,7 +15,7 @@ use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::e2e::{case_plan, max_batch, memory_need, run_case, E2eCase, E2eMeasure, MemoryNeed};
 use crate::dtype::DType;
-use crate::engine::build::{build_model, softmax_scheme, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::build::{build_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource};
 use crate::engine::forward::Llama;
 use crate::engine::linear::LinearPlanner;
 use crate::engine::memory::{gib, MemoryPlan};
@@ -116,6 +116,8 @@ struct Variant {
     profile: Option<Profile>,
     path: Option<PathBuf>,
     scheme: SoftmaxScheme,
+    /// Each layer's window (empty: `scheme` for all).
+    layer_schemes: Vec<SoftmaxScheme>,
     softmax: String,
 }
 
@@ -169,21 +171,23 @@ pub fn run(a: E2eBenchArgs) -> anyhow::Result<()> {
 /// The variants `--profile` asks for.
 fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Result<Vec<Variant>> {
     let with = |profile: Profile, path: PathBuf| -> anyhow::Result<Variant> {
-        let (scheme, softmax) = softmax_scheme(a.softmax, Some(&profile))?;
+        let (scheme, layer_schemes, softmax) = softmax_setup(a.softmax, Some(&profile), spec.cfg.num_layers)?;
         Ok(Variant {
             label: WITH_PROFILE,
             profile: Some(profile),
             path: Some(path),
             scheme,
+            layer_schemes,
             softmax,
         })
     };
-    let (none_scheme, none_softmax) = softmax_scheme(a.softmax, None)?;
+    let (none_scheme, _, none_softmax) = softmax_setup(a.softmax, None, spec.cfg.num_layers)?;
     let none = || Variant {
         label: NO_PROFILE,
         profile: None,
         path: None,
         scheme: none_scheme,
+        layer_schemes: Vec::new(),
         softmax: none_softmax.clone(),
     };
     let out = match a.profile.as_deref() {
@@ -273,7 +277,7 @@ impl RowBase<'_> {
             kind: kind.into(),
             profile: v.label.into(),
             profile_path: v.path.as_ref().map(|p| p.display().to_string()),
-            softmax: v.scheme.label(),
+            softmax: softmax_label(v.scheme, &v.layer_schemes),
             reuse,
             batch: case.batch,
             prompt_len: case.prompt_len,
@@ -374,6 +378,7 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
             engine.model.linears =
                 LinearPlanner::new(&self.spec.cfg, opts.dtype, v.profile.clone()).with_fallback(fallback);
             engine.model.scheme = v.scheme;
+            engine.model.set_layer_schemes(v.layer_schemes.clone())?;
             // One seed per configuration: every variant sees the same prompts.
             let seed = self.seed ^ ((case.batch as u64) << 32) ^ case.prompt_len as u64;
             let res = run_case(&mut engine, case, self.spec.context_len(), seed, self.warmup);
@@ -413,6 +418,7 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         reuse,
         max_kv_tokens: None,
         scheme: variants[0].scheme,
+        layer_schemes: variants[0].layer_schemes.clone(),
     };
     // Refuse bad engine options (mem fraction, page size, chunk) before any weight is made.
     if let Err(e) = case_plan(

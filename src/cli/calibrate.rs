@@ -22,14 +22,15 @@ use rand::{Rng, SeedableRng};
 use super::tune::default_report_dir;
 use super::tune::TuneArgs;
 use crate::backend::{self, Backend};
-use crate::engine::build::{build, memory_plan, EngineOptions, WeightSource};
+use crate::cli::perplexity::score_on_engine;
+use crate::engine::build::{build, layer_schemes, memory_plan, EngineOptions, WeightSource, WindowsChoice};
 use crate::engine::runner::Engine;
 use crate::kv::BlockTable;
 use crate::model::llama::{check_supported, ModelSpec};
 use crate::model::tokenizer::Tokenizer;
 use crate::ops::attention::{AttnStats, SoftmaxScheme};
 use crate::ops::scores::{HistSpec, ScoreHist, ScoreStatsParams};
-use crate::profile::{self, LayerWindow, Profile, SoftmaxSection};
+use crate::profile::{self, LayerWindow, Profile, SoftmaxSection, WindowComparison};
 use crate::report::softmax::{write_softmax_report, Marked, SoftmaxFiles, SoftmaxReport};
 use crate::tune::softmax::{choose_window, Choice, DEFAULT_COVERAGE, MAX_WINDOW};
 
@@ -73,6 +74,16 @@ pub struct CalibrateArgs {
     /// Greedy decode steps after each prefill (decode-time scores; the greedy tokens compared).
     #[arg(long, default_value_t = 8)]
     pub decode_steps: usize,
+    /// A text whose perplexity the comparison of windows reports (sync, global, per-layer),
+    /// scored as `fdpp perplexity` does [default: the held-out prompts, one window each].
+    #[arg(long)]
+    pub ppl_text: Option<PathBuf>,
+    /// Tokens of --ppl-text scored (its first N; 0: all).
+    #[arg(long, default_value_t = 1024)]
+    pub ppl_tokens: usize,
+    /// Window length of the --ppl-text perplexity.
+    #[arg(long, default_value_t = crate::cli::perplexity::DEFAULT_CTX)]
+    pub ppl_ctx: usize,
 }
 
 impl Default for CalibrateArgs {
@@ -87,6 +98,9 @@ impl Default for CalibrateArgs {
             random_prompts: 8,
             prompt_len: 256,
             decode_steps: 8,
+            ppl_text: None,
+            ppl_tokens: 1024,
+            ppl_ctx: crate::cli::perplexity::DEFAULT_CTX,
         }
     }
 }
@@ -125,6 +139,8 @@ pub struct CalibrateOutcome {
     pub profile: Profile,
     pub profile_path: PathBuf,
     pub report: SoftmaxFiles,
+    /// The report's text (every line printed) as markdown.
+    pub report_md: PathBuf,
     /// The lines printed for the user.
     pub lines: Vec<String>,
 }
@@ -143,6 +159,7 @@ pub fn run(a: &TuneArgs) -> anyhow::Result<()> {
     eprintln!("profile: {}", out.profile_path.display());
     eprintln!("report: {}", out.report.csv.display());
     eprintln!("report: {}", out.report.svg.display());
+    eprintln!("report: {}", out.report_md.display());
     Ok(())
 }
 
@@ -161,6 +178,12 @@ fn check_args(c: &CalibrateArgs) -> anyhow::Result<()> {
     }
     if c.decode_steps == 0 {
         bail!("--decode-steps must be at least 1");
+    }
+    if c.ppl_ctx < 2 {
+        bail!(
+            "--ppl-ctx {}: a perplexity window needs at least 2 tokens (one to condition on, one scored)",
+            c.ppl_ctx
+        );
     }
     Ok(())
 }
@@ -362,6 +385,214 @@ fn layer_window(l: usize, h: &ScoreHist, coverage: f64) -> crate::Result<LayerWi
     })
 }
 
+/// FlashDecoding++ §3's range for Llama2-7B: over 99.99 % of its softmax inputs lie here.
+pub const PAPER_RANGE: (f64, f64) = (-16.8, 6.5);
+
+/// Share of the histogram's scores in [lo, hi], a bin cut by an edge counted in proportion
+/// (scores spread evenly within a bin); scores outside the bins count as outside.
+pub fn share_within(h: &ScoreHist, lo: f64, hi: f64) -> f64 {
+    let (start, w) = (h.spec.lo as f64, h.spec.width() as f64);
+    let inside: f64 = h
+        .counts
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let (l, r) = (start + i as f64 * w, start + (i + 1) as f64 * w);
+            let overlap = (r.min(hi) - l.max(lo)).max(0.0);
+            n as f64 * overlap / w
+        })
+        .sum();
+    inside / h.count.max(1) as f64
+}
+
+/// What the scores look like, in one plain line, against the paper's Llama2-7B range.
+fn distribution_line(
+    h: &ScoreHist,
+    per_layer: &[LayerWindow],
+    paper_share: f64,
+    coverage: f64,
+) -> crate::Result<String> {
+    let core = match choose_window(h, coverage)? {
+        Choice::Async(w) => w.core,
+        Choice::TooWide { core, .. } => core,
+    };
+    let (plo, phi) = per_layer.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, r), w| {
+        (l.min(w.phi), r.max(w.phi))
+    });
+    let layers = if per_layer.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; each layer's scores sit elsewhere: per-layer phi from {plo:.2} to {phi:.2}, layer cores {:.1} to {:.1} wide",
+            per_layer.iter().map(|w| w.b - w.a).fold(f64::INFINITY, f64::min),
+            per_layer.iter().map(|w| w.b - w.a).fold(0.0, f64::max)
+        )
+    };
+    Ok(format!(
+        "distribution: {:.4} % of the scores lie in FlashDecoding++'s Llama2-7B range [{}, {}] (the paper: > 99.99 %); \
+         {:.2} % of them lie in [{:.2}, {:.2}], {:.1} wide (the paper's range is {:.1} wide), extremes [{:.2}, {:.2}]{layers}",
+        paper_share * 100.0,
+        PAPER_RANGE.0,
+        PAPER_RANGE.1,
+        coverage * 100.0,
+        core.0,
+        core.1,
+        core.1 - core.0,
+        PAPER_RANGE.1 - PAPER_RANGE.0,
+        h.min,
+        h.max
+    ))
+}
+
+/// The perplexity the comparison reports: windows of token ids, each scored as `fdpp
+/// perplexity` scores a window, and what they are.
+struct PplInput {
+    windows: Vec<(Vec<u32>, usize)>,
+    what: String,
+    line: String,
+}
+
+fn ppl_input(a: &TuneArgs, tok: Option<&Tokenizer>, held: &[Vec<u32>], context: usize) -> anyhow::Result<PplInput> {
+    let c = &a.calibrate;
+    let Some(path) = &c.ppl_text else {
+        let n: usize = held.iter().map(|p| p.len().saturating_sub(1)).sum();
+        return Ok(PplInput {
+            windows: held.iter().map(|p| (p.clone(), p.len())).collect(),
+            what: format!("perplexity over the held-out prompts, {n} tokens scored"),
+            line: format!(
+                "perplexity: over the held-out prompts ({n} tokens scored; --ppl-text FILE scores a longer text)"
+            ),
+        });
+    };
+    let t = tok.with_context(|| {
+        format!(
+            "--ppl-text {}: scoring a text needs the model's tokenizer, and '{}' has none",
+            path.display(),
+            a.model
+        )
+    })?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("--ppl-text {}", path.display()))?;
+    let mut ids = t.encode_plain(&text)?;
+    if c.ppl_tokens > 0 {
+        ids.truncate(c.ppl_tokens);
+    }
+    if ids.len() < 2 {
+        bail!(
+            "--ppl-text {}: {} tokens; at least 2 are needed",
+            path.display(),
+            ids.len()
+        );
+    }
+    let ctx = c.ppl_ctx.min(context);
+    let what = format!(
+        "perplexity over {} tokens of {} in windows of {ctx}",
+        ids.len(),
+        path.display()
+    );
+    Ok(PplInput {
+        line: format!(
+            "perplexity: {} tokens of {} in windows of {ctx}",
+            ids.len(),
+            path.display()
+        ),
+        windows: vec![(ids, ctx)],
+        what,
+    })
+}
+
+/// exp(mean NLL) over every window, and the tokens scored.
+fn ppl_of<B: Backend>(e: &mut Engine<'_, B>, windows: &[(Vec<u32>, usize)]) -> crate::Result<(f64, u64)> {
+    let (mut nll, mut n) = (0.0, 0usize);
+    for (ids, ctx) in windows {
+        let (r, _) = score_on_engine(e, ids, *ctx)?;
+        nll += r.nll_sum;
+        n += r.tokens_scored;
+    }
+    let ppl = if n == 0 { f64::NAN } else { (nll / n as f64).exp() };
+    Ok((ppl, n as u64))
+}
+
+/// One async run against the sync one, with its perplexity (the engine's scheme as it is).
+fn compare<B: Backend>(
+    windows: &str,
+    asy: &GreedyRun,
+    sync: &GreedyRun,
+    e: &mut Engine<'_, B>,
+    ppl_windows: &[(Vec<u32>, usize)],
+) -> anyhow::Result<WindowComparison> {
+    let (ppl, tokens) =
+        ppl_of(e, ppl_windows).with_context(|| format!("perplexity, async softmax, {windows} windows"))?;
+    Ok(WindowComparison {
+        windows: windows.into(),
+        recompute_rate: Some(asy.attn.recomputed as f64 / asy.attn.rows.max(1) as f64),
+        logit_diff: Some(logit_diff(asy, sync)),
+        same_tokens: Some(asy.tokens == sync.tokens),
+        ppl: Some(ppl),
+        ppl_tokens: tokens,
+    })
+}
+
+/// ok within [`LOGIT_TOLERANCE`]; else ok when within twice the fp16 rounding floor measured by
+/// moving φ (the difference is then rounding, not the window); else FAIL.
+fn verdict(what: &str, r: &WindowComparison, floor: f64, async_floor: f64) -> String {
+    let diff = r.logit_diff.unwrap_or(f64::NAN);
+    format!(
+        "held-out async vs sync, {what}: logits max diff {diff:.2e} of the largest logit ({}; sync vs sync with \
+         {NOISE_FLOOR_CHUNK}-token prefill chunks differs by {floor:.2e}: the fp16 floor), greedy tokens {}",
+        if diff <= LOGIT_TOLERANCE {
+            format!("ok, ≤ {LOGIT_TOLERANCE:e}")
+        } else if diff <= 2.0 * async_floor {
+            format!(
+                "ok: above {LOGIT_TOLERANCE:e} but within twice the fp16 rounding floor {async_floor:.2e} of async vs \
+                 async with phi moved by 0.5, so rounding and not the window"
+            )
+        } else {
+            format!("FAIL, > {LOGIT_TOLERANCE:e} and > twice the fp16 rounding floor {async_floor:.2e}")
+        },
+        if r.same_tokens == Some(true) {
+            "the same"
+        } else {
+            "DIFFER (a near-tie flipped; the phi-moved run is compared in the line above)"
+        }
+    )
+}
+
+/// `floor`: sync vs sync in other prefill chunks; `async_floor`: async vs async with φ moved.
+pub fn comparison_table(rows: &[WindowComparison], floor: f64, async_floor: Option<f64>) -> String {
+    let sync_ppl = rows.iter().find(|r| r.windows == "sync").and_then(|r| r.ppl);
+    let mut out = String::from(
+        "| softmax | recompute rate | async − sync max logit diff | greedy tokens | PPL | PPL vs sync |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let name = match r.windows.as_str() {
+            "sync" => "sync".to_string(),
+            "global" => "async, global window".to_string(),
+            "per_layer" => "async, per-layer windows".to_string(),
+            other => other.to_string(),
+        };
+        let rel = match (r.ppl, sync_ppl) {
+            (Some(p), Some(s)) if r.windows != "sync" && s > 0.0 => format!("{:+.4} %", (p / s - 1.0) * 100.0),
+            _ => "–".into(),
+        };
+        out.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {rel} |\n",
+            r.recompute_rate.map_or("–".into(), |x| format!("{:.4} %", x * 100.0)),
+            r.logit_diff.map_or(
+                format!(
+                    "(floors: sync chunks {floor:.2e}{})",
+                    async_floor.map_or(String::new(), |f| format!(", async phi+0.5 {f:.2e}"))
+                ),
+                |x| format!("{x:.2e}")
+            ),
+            r.same_tokens
+                .map_or("–".into(), |x| if x { "same".into() } else { "DIFFER".to_string() }),
+            r.ppl.map_or("–".into(), |x| format!("{x:.4}")),
+        ));
+    }
+    out
+}
+
 /// The calibration on an opened backend. Nothing is written unless every run succeeds.
 pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> anyhow::Result<CalibrateOutcome> {
     let c = &a.calibrate;
@@ -402,6 +633,8 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
     lines.push(prompt_line.clone());
     crate::engine::batch::check_prompts(&calib, cfg.vocab_size, context)?;
     crate::engine::batch::check_prompts(&held, cfg.vocab_size, context)?;
+    let ppl_input = ppl_input(a, tok.as_ref(), &held, context)?;
+    lines.push(ppl_input.line.clone());
 
     // The profile: the existing one (its GEMM sweep kept) or one without a sweep.
     let profile_path = a
@@ -461,7 +694,11 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         scheme: SoftmaxScheme::Sync,
         ..EngineOptions::default()
     };
-    let seq_tokens: Vec<usize> = calib.iter().chain(&held).map(|p| p.len() + c.decode_steps).collect();
+    let mut seq_tokens: Vec<usize> = calib.iter().chain(&held).map(|p| p.len() + c.decode_steps).collect();
+    // The perplexity text's windows run one at a time beside nothing else.
+    if let Some(w) = ppl_input.windows.iter().map(|(_, ctx)| *ctx).max() {
+        seq_tokens.push(w);
+    }
     let prompt_tokens: usize = calib.iter().chain(&held).map(Vec::len).sum();
     let plan = memory_plan(b, spec, &opts, &seq_tokens, prompt_tokens)?;
     let mut engine = build(b, spec, &source, None, &opts, plan)?;
@@ -498,6 +735,8 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
         .enumerate()
         .map(|(l, h)| layer_window(l, h, c.coverage))
         .collect::<crate::Result<Vec<_>>>()?;
+    let paper_share = share_within(&global, PAPER_RANGE.0, PAPER_RANGE.1);
+    lines.push(distribution_line(&global, &per_layer, paper_share, c.coverage)?);
     let mut section = SoftmaxSection::window(0.0, 0.0, 0.0, None);
     section.target_coverage = Some(c.coverage);
     section.samples = global.count;
@@ -505,6 +744,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
     section.max = Some(global.max as f64);
     section.source = Some(format!("{weights_line}; {prompt_line}"));
     section.per_layer = per_layer;
+    section.paper_range_share = Some(paper_share);
 
     let marked = match choose_window(&global, c.coverage)? {
         Choice::Async(w) => {
@@ -536,33 +776,93 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
                 .context("held-out run, sync softmax in small prefill chunks")?;
             let floor = logit_diff(&sync_small, &sync);
             section.sync_noise_floor = Some(floor);
+            let (sync_ppl, sync_ppl_tokens) =
+                ppl_of(&mut engine, &ppl_input.windows).context("perplexity, sync softmax")?;
+            let mut comparison = vec![WindowComparison {
+                windows: "sync".into(),
+                recompute_rate: None,
+                logit_diff: None,
+                same_tokens: None,
+                ppl: Some(sync_ppl),
+                ppl_tokens: sync_ppl_tokens,
+            }];
             engine.model.scheme = w.scheme();
             let asy = greedy(&mut engine, &held, c.decode_steps, chunk).context("held-out run, async softmax")?;
-            let rate = asy.attn.recomputed as f64 / asy.attn.rows.max(1) as f64;
-            let diff = logit_diff(&asy, &sync);
-            let same = asy.tokens == sync.tokens;
-            section.recompute_rate = Some(rate);
-            section.validated_logit_diff = Some(diff);
-            section.validated_same_tokens = Some(same);
+            // How far a change that is exact in real arithmetic moves the logits: the global
+            // window moved by 0.5 with φ (every e^(x − φ) scaled by e^−0.5; a flagged row is
+            // recomputed either way). Its difference is the fp16 rounding of the attention outputs, amplified
+            // through the layers; an async − sync difference of the same size is that rounding,
+            // not the window.
+            engine.model.scheme = SoftmaxScheme::Async {
+                phi: (w.phi + 0.5) as f32,
+                a: w.a as f32,
+                b: w.b as f32,
+            };
+            let shifted = greedy(&mut engine, &held, c.decode_steps, chunk)
+                .context("held-out run, async softmax with phi moved by 0.5")?;
+            let async_floor = logit_diff(&shifted, &asy);
+            engine.model.scheme = w.scheme();
+            section.async_rounding_floor = Some(async_floor);
             lines.push(format!(
-                "held-out ({} prompts, {} decode steps): recompute rate {:.4} % ({} of {} attention rows; the \
-                 paper reports 0.45 % for Llama2-7B)",
+                "held-out async vs async with phi moved by 0.5 (exact in real arithmetic): logits max diff \
+                 {async_floor:.2e}, greedy tokens {}: the fp16 rounding floor that async − sync differences are read \
+                 against",
+                if shifted.tokens == asy.tokens {
+                    "the same"
+                } else {
+                    "DIFFER"
+                }
+            ));
+            let global = compare("global", &asy, &sync, &mut engine, &ppl_input.windows)?;
+            section.recompute_rate = global.recompute_rate;
+            section.validated_logit_diff = global.logit_diff;
+            section.validated_same_tokens = global.same_tokens;
+            lines.push(format!(
+                "held-out ({} prompts, {} decode steps), global window: recompute rate {:.4} % ({} of {} attention \
+                 rows; the paper reports 0.45 % for Llama2-7B)",
                 held.len(),
                 c.decode_steps,
-                rate * 100.0,
+                global.recompute_rate.unwrap_or(0.0) * 100.0,
                 asy.attn.recomputed,
                 asy.attn.rows
             ));
+            lines.push(verdict("global window", &global, floor, async_floor));
+            comparison.push(global);
+            // The same held-out prompts with each layer's own window (FlashDecoding++ §3 per
+            // layer): what the engine runs by default when the profile has them.
+            let (per, _) = layer_schemes(w.scheme(), Some(&section), cfg.num_layers, WindowsChoice::PerLayer)?;
+            if per.is_empty() {
+                lines.push(
+                    "per-layer windows: none usable (every layer too wide alone): the engine runs the global window"
+                        .into(),
+                );
+            } else {
+                engine.model.set_layer_schemes(per)?;
+                let asy = greedy(&mut engine, &held, c.decode_steps, chunk)
+                    .context("held-out run, async softmax with per-layer windows")?;
+                let row = compare("per_layer", &asy, &sync, &mut engine, &ppl_input.windows);
+                engine.model.set_layer_schemes(Vec::new())?;
+                let row = row?;
+                lines.push(format!(
+                    "held-out, per-layer windows: recompute rate {:.4} % ({} of {} attention rows)",
+                    row.recompute_rate.unwrap_or(0.0) * 100.0,
+                    asy.attn.recomputed,
+                    asy.attn.rows
+                ));
+                lines.push(verdict("per-layer windows", &row, floor, async_floor));
+                comparison.push(row);
+            }
+            lines.push(String::new());
             lines.push(format!(
-                "held-out async vs sync: logits max diff {diff:.2e} of the largest logit ({}; sync vs sync with \
-                 {NOISE_FLOOR_CHUNK}-token prefill chunks differs by {floor:.2e}: the fp16 floor), greedy tokens {}",
-                if diff <= LOGIT_TOLERANCE {
-                    format!("ok, ≤ {LOGIT_TOLERANCE:e}")
-                } else {
-                    format!("FAIL, > {LOGIT_TOLERANCE:e}")
-                },
-                if same { "the same" } else { "DIFFER" }
+                "global vs per-layer windows on the held-out prompts ({}):",
+                ppl_input.what
             ));
+            lines.extend(
+                comparison_table(&comparison, floor, Some(async_floor))
+                    .lines()
+                    .map(str::to_string),
+            );
+            section.comparison = comparison;
             Marked::Window {
                 phi: w.phi,
                 a: w.a,
@@ -627,10 +927,20 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, spec: &ModelSpec) -> an
             marked,
         },
     )?;
+    // The whole report as text beside the histogram (the lines printed, the comparison table
+    // among them).
+    let md = report_dir.join(format!("{}-softmax.md", profile::file_stem(&cfg.name)));
+    let mut text = format!("# {title}\n\n");
+    for l in &lines {
+        text.push_str(l);
+        text.push('\n');
+    }
+    profile::write_atomic(&md, text.as_bytes())?;
     Ok(CalibrateOutcome {
         profile: prof,
         profile_path,
         report,
+        report_md: md,
         lines,
     })
 }

@@ -14,11 +14,14 @@ use super::model_setup::{find_profile, weight_source};
 use crate::backend::{self, Backend, BackendChoice};
 use crate::dtype::DType;
 use crate::engine::batch::{generate, GenerateOptions, GenerateOutput};
-use crate::engine::build::{build, memory_plan, softmax_scheme, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::build::{
+    build, memory_plan, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource,
+};
 use crate::engine::memory::MemoryPlan;
 use crate::engine::runner::DEFAULT_CHUNK;
 use crate::engine::sampler::SamplingParams;
 use crate::kv::DEFAULT_PAGE_SIZE;
+use crate::model::chat::ChatTemplate;
 use crate::model::llama::{check_supported, ModelSpec};
 use crate::model::tokenizer::Tokenizer;
 
@@ -56,6 +59,14 @@ pub struct GenerateArgs {
     /// A file whose whole text is one prompt; repeat for a batch.
     #[arg(long)]
     pub prompt_file: Vec<PathBuf>,
+    /// Apply the model's chat template (GGUF `tokenizer.chat_template`, or tokenizer_config.json's
+    /// `chat_template`) to every --prompt and --prompt-file, as one user turn followed by the
+    /// start of the assistant's reply: the input an instruction-tuned model was trained on.
+    #[arg(long)]
+    pub chat: bool,
+    /// A system message before the user turn (with --chat).
+    #[arg(long)]
+    pub system: Option<String>,
     /// Comma-separated token ids of one prompt, e.g. 1,15043,29892; repeat for a batch.
     #[arg(long)]
     pub token_ids: Vec<String>,
@@ -171,15 +182,38 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         },
         None => None,
     };
-    let prompts = collect_prompts(&a, tok.as_ref(), spec.cfg.vocab_size)?;
+    let chat = if a.chat {
+        if !a.token_ids.is_empty() || !a.random_prompt.is_empty() {
+            bail!("--chat templates text prompts only; --token-ids and --random-prompt are ids already (drop --chat, or give the text with --prompt)");
+        }
+        if !needs_text {
+            bail!("--chat applies the model's chat template to --prompt or --prompt-file text; give one of them");
+        }
+        let t = spec.chat_template(tok.as_ref())?;
+        eprintln!("chat template: {}", t.source);
+        Some(t)
+    } else {
+        if a.system.is_some() {
+            bail!("--system is a message of the chat template: add --chat");
+        }
+        None
+    };
+    let prompts = collect_prompts(&a, tok.as_ref(), chat.as_ref(), spec.cfg.vocab_size)?;
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
     crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, tok.as_ref(), &prompts, sampling))
 }
 
 /// Prompts from --prompt, --prompt-file, --token-ids and --random-prompt, in that order; a
-/// model without a tokenizer and no prompt gets one random prompt (its ids are printed).
-fn collect_prompts(a: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+/// model without a tokenizer and no prompt gets one random prompt (its ids are printed). With
+/// `chat`, each text is rendered as a user turn and encoded as it is (the template writes the
+/// special tokens, BOS included where the model wants it, as HF's apply_chat_template does).
+fn collect_prompts(
+    a: &GenerateArgs,
+    tok: Option<&Tokenizer>,
+    chat: Option<&ChatTemplate>,
+    vocab: usize,
+) -> anyhow::Result<Vec<Vec<u32>>> {
     let need_tok = |what: &str| {
         tok.with_context(|| {
             format!(
@@ -188,13 +222,20 @@ fn collect_prompts(a: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> a
             )
         })
     };
+    let encode = |what: &str, text: &str| -> anyhow::Result<Vec<u32>> {
+        let t = need_tok(what)?;
+        Ok(match chat {
+            Some(c) => t.encode_plain(&c.prompt(text, a.system.as_deref())?)?,
+            None => t.encode(text)?,
+        })
+    };
     let mut out = Vec::new();
     for p in &a.prompt {
-        out.push(need_tok("--prompt")?.encode(p)?);
+        out.push(encode("--prompt", p)?);
     }
     for f in &a.prompt_file {
         let text = std::fs::read_to_string(f).with_context(|| format!("--prompt-file {}", f.display()))?;
-        out.push(need_tok("--prompt-file")?.encode(&text)?);
+        out.push(encode("--prompt-file", &text)?);
     }
     for s in &a.token_ids {
         out.push(parse_ids(s)?);
@@ -271,8 +312,9 @@ fn run_on<B: Backend>(
     eprintln!("{profile_note}");
     let profile_path = found.as_ref().map(|f| f.path.display().to_string());
     let profile = found.map(|f| f.profile);
-    let (scheme, softmax_note) = softmax_scheme(a.softmax, profile.as_ref())?;
+    let (scheme, layer_schemes, softmax_note) = softmax_setup(a.softmax, profile.as_ref(), spec.cfg.num_layers)?;
     eprintln!("{softmax_note}");
+    let softmax = softmax_label(scheme, &layer_schemes);
     let opts = EngineOptions {
         dtype: a.dtype,
         mem_fraction: a.mem_fraction,
@@ -281,6 +323,7 @@ fn run_on<B: Backend>(
         reuse: !a.no_reuse,
         max_kv_tokens: a.max_kv_tokens,
         scheme,
+        layer_schemes,
     };
     let context = spec.context_len();
     crate::engine::batch::check_prompts(prompts, spec.cfg.vocab_size, context)?;
@@ -343,7 +386,7 @@ fn run_on<B: Backend>(
             device: b.info().name.clone(),
             dtype: a.dtype,
             profile: profile_path,
-            softmax: scheme.label(),
+            softmax,
             load_ms,
             gemm_plans,
             memory: &engine.memory,

@@ -182,29 +182,42 @@ pub struct PplRow {
 }
 
 /// A markdown table, padded for the terminal; "vs first" is each PPL's relative difference to
-/// the first row's (the reference).
+/// the first row's (the reference), and, when a row's label ends in " sync", "vs sync" is each
+/// async row's difference to that one (the asynchronous softmax's cost).
 pub fn table(rows: &[PplRow]) -> String {
-    let header = ["run", "PPL", "vs first", "tokens", "tok/s", "recomputes"];
     let base = rows.first().map(|r| r.ppl);
-    let body: Vec<[String; 6]> = rows
+    let sync = rows.iter().find(|r| r.label.ends_with(" sync")).map(|r| r.ppl);
+    let rel = |x: f64, b: Option<f64>| match b {
+        Some(b) if b.is_finite() && b != 0.0 => format!("{:+.3} %", (x / b - 1.0) * 100.0),
+        _ => "–".into(),
+    };
+    let mut header = vec!["run", "PPL", "vs first", "tokens", "tok/s", "recomputes"];
+    if sync.is_some() {
+        header.push("vs sync");
+    }
+    let body: Vec<Vec<String>> = rows
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let rel = match base {
-                Some(b) if i > 0 && b.is_finite() && b != 0.0 => format!("{:+.3} %", (r.ppl / b - 1.0) * 100.0),
-                _ => "–".into(),
-            };
-            [
+            let mut cells = vec![
                 r.label.clone(),
                 format!("{:.4}", r.ppl),
-                rel,
+                if i > 0 { rel(r.ppl, base) } else { "–".into() },
                 r.tokens_scored.to_string(),
                 r.tokens_per_second.map_or("–".into(), |t| format!("{t:.1}")),
                 r.recomputes.map_or("–".into(), |n| n.to_string()),
-            ]
+            ];
+            if sync.is_some() {
+                cells.push(if r.recomputes.is_some() {
+                    rel(r.ppl, sync)
+                } else {
+                    "–".into()
+                });
+            }
+            cells
         })
         .collect();
-    let mut width = header.map(|h| h.chars().count());
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in &body {
         for (w, c) in width.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
@@ -213,12 +226,13 @@ pub fn table(rows: &[PplRow]) -> String {
     let line = |cells: &[String]| -> String {
         let padded: Vec<String> = cells
             .iter()
-            .zip(width)
-            .map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count())))
+            .zip(&width)
+            .map(|(c, &w)| format!("{c}{}", " ".repeat(w - c.chars().count())))
             .collect();
         format!("| {} |\n", padded.join(" | "))
     };
-    let mut out = line(&header.map(String::from));
+    let head: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = line(&head);
     let rule: Vec<String> = width.iter().map(|&w| "-".repeat(w)).collect();
     out.push_str(&format!("|-{}-|\n", rule.join("-|-")));
     for row in &body {
@@ -338,6 +352,55 @@ mod tests {
         assert!(lines[2].contains("| – "), "{t}");
         let widths: Vec<usize> = lines.iter().map(|l| l.chars().count()).collect();
         assert!(widths.windows(2).all(|w| w[0] == w[1]), "aligned: {t}");
+        assert!(!t.contains("vs sync"), "no sync row, no column: {t}");
+        // With a sync row: async rows read against it too.
+        let mut with_sync = rows.to_vec();
+        with_sync.insert(
+            1,
+            PplRow {
+                label: "fdpp cpu sync".into(),
+                ppl: 16.7664 * 1.001,
+                tokens_scored: 2219,
+                tokens_per_second: Some(800.0),
+                recomputes: None,
+            },
+        );
+        let t = table(&with_sync);
+        let lines: Vec<&str> = t.lines().collect();
+        let last = |l: &str| {
+            l.trim_end_matches('|')
+                .rsplit('|')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string()
+        };
+        assert_eq!(last(lines[0]), "vs sync", "{t}");
+        assert_eq!(last(lines[2]), "–", "the reference: {t}");
+        assert_eq!(last(lines[3]), "–", "the sync row itself: {t}");
+        assert_eq!(last(lines[4]), "+0.000 %", "{t}");
+    }
+
+    #[test]
+    fn a_reference_is_read_and_checked_against_the_windows() {
+        let path = std::path::Path::new("ref.json");
+        let r = Reference::parse(
+            r#"{"dtype":"float32","versions":{"transformers":"5"},"text":{"ppl":16.7,"ctx":4,"tokens_scored":8,"ids":[1,2,3]}}"#,
+            path,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.ctx, r.tokens_scored, r.label.as_str()),
+            (4, 8, "HF transformers float32")
+        );
+        assert_eq!(r.ids, Some(vec![1, 2, 3]));
+        // 11 tokens in windows of 4 score 3 + 3 + 2 = 8.
+        let ids: Vec<u32> = (0..11).collect();
+        assert!(check_reference(&r, path, &ids, 4).is_ok());
+        let e = check_reference(&r, path, &ids, 8).unwrap_err().to_string();
+        assert!(e.contains("--ctx 4") && e.contains("text.ctx"), "{e}");
+        let e = Reference::parse(r#"{"text":{"ctx":4}}"#, path).unwrap_err().to_string();
+        assert!(e.contains("text.ppl") && e.contains("ref.json"), "{e}");
     }
 }
 
@@ -353,12 +416,22 @@ pub struct PerplexityArgs {
     /// Window length in tokens.
     #[arg(long, default_value_t = DEFAULT_CTX)]
     pub ctx: usize,
-    /// The softmax scheme, or both side by side.
+    /// The softmax scheme, or both side by side (async once with the profile's global window
+    /// and, when the profile has them, once with its per-layer windows).
     #[arg(long, value_enum, default_value_t = SoftmaxArg::Both)]
     pub softmax: SoftmaxArg,
     /// Score only the first N tokens of the text (0: all).
     #[arg(long, default_value_t = 0)]
     pub max_tokens: usize,
+    /// Tuning profile (its softmax section gives the async windows), or `none` [default: the
+    /// device's profile for the model, as `generate` finds it].
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// A reference JSON with the same text scored by another implementation (the `text` object
+    /// of scripts/smollm2_reference.py's output: ppl, ctx, tokens_scored, ids); its PPL is the
+    /// table's first row, against which the others are read.
+    #[arg(long)]
+    pub reference: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t = crate::backend::BackendChoice::Auto)]
     pub backend: crate::backend::BackendChoice,
     #[arg(long, default_value_t = 0)]
@@ -374,6 +447,84 @@ pub enum SoftmaxArg {
     Both,
 }
 
+/// A reference perplexity read from a JSON file (`text.ppl`, `text.ctx`, `text.tokens_scored`,
+/// optionally `text.ids` and `dtype`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reference {
+    pub label: String,
+    pub ppl: f64,
+    pub ctx: usize,
+    pub tokens_scored: usize,
+    pub ids: Option<Vec<u32>>,
+}
+
+impl Reference {
+    pub fn load(path: &std::path::Path) -> Result<Reference> {
+        let text = std::fs::read_to_string(path).map_err(|e| FdppError::io(path, e))?;
+        Reference::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, path: &std::path::Path) -> Result<Reference> {
+        let bad = |msg: String| FdppError::Config {
+            path: path.to_path_buf(),
+            msg: format!("{msg} (--reference expects the output of scripts/smollm2_reference.py)"),
+        };
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+        let t = v.get("text").ok_or_else(|| bad("no field 'text'".into()))?;
+        let num = |k: &str| {
+            t.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| bad(format!("field 'text.{k}' is missing or not a positive number")))
+        };
+        let ids = t.get("ids").and_then(|a| {
+            a.as_array()?
+                .iter()
+                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+                .collect::<Option<Vec<u32>>>()
+        });
+        let dtype = v
+            .get("dtype")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("reference");
+        let source = v
+            .get("versions")
+            .and_then(|x| x.get("transformers"))
+            .map(|_| "HF transformers")
+            .unwrap_or("reference");
+        Ok(Reference {
+            label: format!("{source} {dtype}"),
+            ppl: num("ppl")?,
+            ctx: num("ctx")? as usize,
+            tokens_scored: num("tokens_scored")? as usize,
+            ids,
+        })
+    }
+}
+
+/// Score `ids` in windows of `ctx` on an engine: each window's first token prefilled, every
+/// later one fed teacher-forced as a decode step (so every position's logits come out of the
+/// decode attention kernels, with the engine's softmax). Returns the report and the rows the
+/// async softmax recomputed.
+pub fn score_on_engine<B: crate::backend::Backend>(
+    engine: &mut crate::engine::runner::Engine<'_, B>,
+    ids: &[u32],
+    ctx: usize,
+) -> Result<(PplReport, u64)> {
+    let before = engine.attn.recomputed;
+    let mut forward = |w: &[u32]| -> Result<Vec<Vec<f32>>> {
+        let mut table = crate::kv::BlockTable::default();
+        let mut rows = engine.prefill(std::slice::from_mut(&mut table), &[&w[..1]], 1, &mut |_, _| Ok(()))?;
+        for &t in &w[1..] {
+            rows.extend(engine.decode(&mut [&mut table], &[t])?);
+        }
+        engine.release(&mut table)?;
+        Ok(rows)
+    };
+    let r = score_text(ids, ctx, &mut forward)?;
+    Ok((r, (engine.attn.recomputed - before) as u64))
+}
+
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
     use anyhow::Context;
     if a.ctx < 2 {
@@ -382,6 +533,7 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
             a.ctx
         );
     }
+    let reference = a.reference.as_deref().map(Reference::load).transpose()?;
     let spec = crate::model::spec::ModelSpec::resolve(&a.model)?;
     let tok_path = spec.tokenizer_path().with_context(|| {
         format!(
@@ -402,10 +554,51 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
             ids.len()
         );
     }
+    if let (Some(r), Some(path)) = (&reference, &a.reference) {
+        // Both PPLs must score the same token sequence: where this tokenizer cuts the text
+        // differently (the GGUF vocabulary's pre-tokenizer near digits), the reference's ids
+        // are scored instead.
+        if let Some(rids) = r.ids.as_ref().filter(|rids| **rids != ids) {
+            let at = rids
+                .iter()
+                .zip(&ids)
+                .position(|(x, y)| x != y)
+                .unwrap_or(rids.len().min(ids.len()));
+            eprintln!(
+                "note: --reference {} tokenized the text into {} ids, this tokenizer into {} (first difference at \
+                 position {at}); scoring the reference's ids (field text.ids) so that both score the same tokens",
+                path.display(),
+                rids.len(),
+                ids.len()
+            );
+            ids = rids.clone();
+            if a.max_tokens > 0 {
+                ids.truncate(a.max_tokens);
+            }
+        }
+        check_reference(r, path, &ids, a.ctx.min(spec.context_len()))?;
+    }
     let source = super::model_setup::weight_source(&spec, &a.model, false, 0)?;
     let (any, note) = crate::backend::open(a.backend, a.device)?;
     eprintln!("{note}");
-    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, &ids))
+    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, &ids, reference.as_ref()))
+}
+
+/// The reference must have scored the same tokens in the same windows, or its PPL is not
+/// comparable: the window length and the count must match.
+fn check_reference(r: &Reference, path: &std::path::Path, ids: &[u32], ctx: usize) -> anyhow::Result<()> {
+    let scored: usize = windows(ids.len(), ctx)?.iter().map(|w| w.len() - 1).sum();
+    if r.ctx != ctx || r.tokens_scored != scored {
+        anyhow::bail!(
+            "--reference {}: it scored {} tokens in windows of {} (fields text.tokens_scored, text.ctx), this run \
+             would score {scored} in windows of {ctx}: give --ctx {} and the whole text (no --max-tokens) to compare",
+            path.display(),
+            r.tokens_scored,
+            r.ctx,
+            r.ctx
+        );
+    }
+    Ok(())
 }
 
 fn run_on<B: crate::backend::Backend>(
@@ -414,16 +607,30 @@ fn run_on<B: crate::backend::Backend>(
     spec: &crate::model::spec::ModelSpec,
     source: &crate::engine::build::WeightSource,
     ids: &[u32],
+    reference: Option<&Reference>,
 ) -> anyhow::Result<()> {
-    use crate::engine::build::{build, memory_plan, softmax_scheme, EngineOptions, SoftmaxChoice};
-    let (found, note) = super::model_setup::find_profile(b, None, spec, &a.model, a.dtype)?;
+    use crate::engine::build::{build, memory_plan, softmax_scheme, softmax_setup, EngineOptions, SoftmaxChoice};
+    use crate::ops::attention::SoftmaxScheme;
+    let (found, note) = super::model_setup::find_profile(b, a.profile.as_deref(), spec, &a.model, a.dtype)?;
     eprintln!("{note}");
     let profile = found.map(|f| f.profile);
-    let choices: &[SoftmaxChoice] = match a.softmax {
-        SoftmaxArg::Sync => &[SoftmaxChoice::Sync],
-        SoftmaxArg::Async => &[SoftmaxChoice::Async],
-        SoftmaxArg::Both => &[SoftmaxChoice::Sync, SoftmaxChoice::Async],
-    };
+    let layers = spec.cfg.num_layers;
+    // (label, scheme, per-layer windows) of every row.
+    let mut runs: Vec<(String, SoftmaxScheme, Vec<SoftmaxScheme>)> = Vec::new();
+    if a.softmax != SoftmaxArg::Async {
+        runs.push(("sync".into(), SoftmaxScheme::Sync, Vec::new()));
+    }
+    if a.softmax != SoftmaxArg::Sync {
+        let (scheme, per_layer, line) = softmax_setup(Some(SoftmaxChoice::Async), profile.as_ref(), layers)?;
+        eprintln!("{line}");
+        if per_layer.is_empty() || a.softmax == SoftmaxArg::Both {
+            let (global, _) = softmax_scheme(Some(SoftmaxChoice::Async), profile.as_ref())?;
+            runs.push((format!("{} (global window)", global.label()), global, Vec::new()));
+        }
+        if !per_layer.is_empty() {
+            runs.push(("async (per-layer windows)".into(), scheme, per_layer));
+        }
+    }
     let ctx = a.ctx.min(spec.context_len());
     eprintln!(
         "{} tokens of {} in windows of {ctx}; weights: {}",
@@ -431,34 +638,33 @@ fn run_on<B: crate::backend::Backend>(
         a.text.display(),
         source.describe()
     );
+    let opts = EngineOptions {
+        dtype: a.dtype,
+        ..EngineOptions::default()
+    };
+    let plan = memory_plan(b, spec, &opts, &[ctx], 1)?;
+    let mut engine = build(b, spec, source, profile.clone(), &opts, plan)?;
     let mut rows = Vec::new();
-    for &choice in choices {
-        let (scheme, line) = softmax_scheme(Some(choice), profile.as_ref())?;
-        eprintln!("{line}");
-        let opts = EngineOptions {
-            dtype: a.dtype,
-            scheme,
-            ..EngineOptions::default()
-        };
-        let plan = memory_plan(b, spec, &opts, &[ctx], 1)?;
-        let mut engine = build(b, spec, source, profile.clone(), &opts, plan)?;
-        let before = engine.attn.recomputed;
-        let mut forward = |w: &[u32]| -> Result<Vec<Vec<f32>>> {
-            let mut table = crate::kv::BlockTable::default();
-            let mut rows = engine.prefill(std::slice::from_mut(&mut table), &[&w[..1]], 1, &mut |_, _| Ok(()))?;
-            for &t in &w[1..] {
-                rows.extend(engine.decode(&mut [&mut table], &[t])?);
-            }
-            engine.release(&mut table)?;
-            Ok(rows)
-        };
-        let r = score_text(ids, ctx, &mut forward)?;
+    if let Some(r) = reference {
         rows.push(PplRow {
-            label: format!("fdpp {} {}", b.info().backend, scheme.label()),
+            label: r.label.clone(),
+            ppl: r.ppl,
+            tokens_scored: r.tokens_scored,
+            tokens_per_second: None,
+            recomputes: None,
+        });
+    }
+    for (label, scheme, per_layer) in runs {
+        engine.model.scheme = scheme;
+        engine.model.set_layer_schemes(per_layer)?;
+        let (r, recomputed) = score_on_engine(&mut engine, ids, ctx)?;
+        eprintln!("{label}: PPL {:.4} over {} tokens", r.ppl(), r.tokens_scored);
+        rows.push(PplRow {
+            label: format!("fdpp {} {label}", b.info().backend),
             ppl: r.ppl(),
             tokens_scored: r.tokens_scored,
             tokens_per_second: Some(r.tokens_per_second()),
-            recomputes: Some((engine.attn.recomputed - before) as u64),
+            recomputes: (scheme != SoftmaxScheme::Sync).then_some(recomputed),
         });
     }
     print!("{}", table(&rows));

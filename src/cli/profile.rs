@@ -468,6 +468,18 @@ fn softmax_md(sm: Option<&crate::profile::SoftmaxSection>) -> String {
             }
         );
     }
+    if let Some(share) = sm.paper_range_share {
+        s += &format!(
+            "- {:.4} % of the scores inside FlashDecoding++'s Llama2-7B range [-16.8, 6.5] (the paper: > 99.99 %)\n",
+            share * 100.0
+        );
+    }
+    if !sm.comparison.is_empty() {
+        let floor = sm.sync_noise_floor.unwrap_or(f64::NAN);
+        s += "\nGlobal vs per-layer windows on the held-out prompts (the engine runs per-layer unless \
+              softmax_windows=global):\n\n";
+        s += &crate::cli::calibrate::comparison_table(&sm.comparison, floor, sm.async_rounding_floor);
+    }
     if !sm.per_layer.is_empty() {
         s += "\n| layer | phi | a | b | window | coverage | samples | min | max |\n\
               |---:|---:|---:|---:|:---|---:|---:|---:|---:|\n";

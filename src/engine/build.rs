@@ -15,7 +15,8 @@ use crate::model::family;
 use crate::model::spec::ModelSpec;
 use crate::model::weights::WeightStore;
 use crate::ops::attention::SoftmaxScheme;
-use crate::profile::Profile;
+use crate::profile::{Profile, SoftmaxSection};
+use crate::run_config::{Key, RunConfig};
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -52,6 +53,9 @@ pub struct EngineOptions {
     /// pages the request needs (the host's memory is shared with everything else).
     pub max_kv_tokens: Option<usize>,
     pub scheme: SoftmaxScheme,
+    /// One async window per layer (the profile's calibrated ones, [`softmax_setup`]); empty:
+    /// `scheme` for every layer. Ignored while `scheme` is sync.
+    pub layer_schemes: Vec<SoftmaxScheme>,
 }
 
 impl Default for EngineOptions {
@@ -64,6 +68,7 @@ impl Default for EngineOptions {
             reuse: true,
             max_kv_tokens: None,
             scheme: SoftmaxScheme::ASYNC_DEFAULT,
+            layer_schemes: Vec::new(),
         }
     }
 }
@@ -150,7 +155,7 @@ pub fn build_model<'b, B: Backend>(
     // What the profile does not cover (all of it without one) follows the backend's rule.
     let fallback = crate::select::Fallback::configured(b.info().backend)?;
     let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile).with_fallback(fallback);
-    let model = Model::new(
+    let mut model = Model::new(
         b,
         spec.cfg.clone(),
         &spec.extras,
@@ -159,6 +164,7 @@ pub fn build_model<'b, B: Backend>(
         linears,
         opts.scheme,
     )?;
+    model.set_layer_schemes(opts.layer_schemes.clone())?;
     Ok(model)
 }
 
@@ -228,10 +234,133 @@ pub fn softmax_scheme(choice: Option<SoftmaxChoice>, profile: Option<&Profile>) 
     }
 }
 
+/// `softmax_windows` (run configuration): which async window each layer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowsChoice {
+    /// Each layer's own calibrated window where the profile has one (the default).
+    PerLayer,
+    /// The global window for every layer.
+    Global,
+}
+
+impl WindowsChoice {
+    /// The run configuration's `softmax_windows` (default per_layer).
+    pub fn from_config(cfg: &RunConfig) -> Result<Self> {
+        match cfg.get(Key::SoftmaxWindows) {
+            None | Some("per_layer") | Some("per-layer") => Ok(WindowsChoice::PerLayer),
+            Some("global") => Ok(WindowsChoice::Global),
+            Some(v) => Err(FdppError::InvalidArgument(format!(
+                "softmax_windows={v}: expected per_layer or global (--set softmax_windows=global, or \
+                 FDPP_SOFTMAX_WINDOWS)"
+            ))),
+        }
+    }
+}
+
+/// Each layer's async window from the profile's `softmax.per_layer` (FlashDecoding++ §3: the
+/// unified max φ only has to sit near the scores of the rows it serves, and one layer's scores
+/// sit in a narrower band than all layers' together, so its own φ and [a, b] flag fewer rows
+/// for recomputation and keep e^(x − φ) nearer 1). Empty when `scheme` is sync, when
+/// `windows` is global, or when the profile has no per-layer windows: `scheme` then serves
+/// every layer. A layer whose window the calibration marked too wide, or that the profile
+/// lacks, runs `scheme` (the global window). The string says what was chosen (None: nothing
+/// to say).
+pub fn layer_schemes(
+    scheme: SoftmaxScheme,
+    section: Option<&SoftmaxSection>,
+    layers: usize,
+    windows: WindowsChoice,
+) -> Result<(Vec<SoftmaxScheme>, Option<String>)> {
+    let Some(section) = section.filter(|s| !s.per_layer.is_empty()) else {
+        return Ok((Vec::new(), None));
+    };
+    if scheme == SoftmaxScheme::Sync {
+        return Ok((Vec::new(), None));
+    }
+    if windows == WindowsChoice::Global {
+        return Ok((
+            Vec::new(),
+            Some("softmax windows: global for every layer (softmax_windows=global)".into()),
+        ));
+    }
+    let mut out = vec![None; layers];
+    for lw in &section.per_layer {
+        if lw.layer >= layers {
+            return Err(FdppError::InvalidArgument(format!(
+                "the profile's softmax.per_layer has a window for layer {}, but the model has {layers} layers: \
+                 re-run `fdpp tune --calibrate` for this model, or --set softmax_windows=global",
+                lw.layer
+            )));
+        }
+        let w = SoftmaxScheme::Async {
+            phi: lw.phi as f32,
+            a: lw.a as f32,
+            b: lw.b as f32,
+        };
+        if lw.reason.is_none() && w.validate().is_ok() {
+            out[lw.layer] = Some(w);
+        }
+    }
+    let own = out.iter().flatten().count();
+    if own == 0 {
+        return Ok((
+            Vec::new(),
+            Some("softmax windows: global (no layer's own window is usable: each is too wide alone)".into()),
+        ));
+    }
+    let phis: Vec<f32> = out
+        .iter()
+        .flatten()
+        .filter_map(|s| match s {
+            SoftmaxScheme::Async { phi, .. } => Some(*phi),
+            SoftmaxScheme::Sync => None,
+        })
+        .collect();
+    let (lo, hi) = phis
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &p| (l.min(p), h.max(p)));
+    let note = format!(
+        "softmax windows: per layer from the profile ({own} of {layers} layers their own, phi {lo:.2} to {hi:.2}{}; \
+         --set softmax_windows=global for one window)",
+        if own < layers {
+            format!("; {} on the global window", layers - own)
+        } else {
+            String::new()
+        }
+    );
+    Ok((out.into_iter().map(|s| s.unwrap_or(scheme)).collect(), Some(note)))
+}
+
+/// The scheme, the per-layer windows and the lines saying where they came from: what
+/// [`softmax_scheme`] and [`layer_schemes`] choose, with `softmax_windows` from the run
+/// configuration.
+pub fn softmax_setup(
+    choice: Option<SoftmaxChoice>,
+    profile: Option<&Profile>,
+    layers: usize,
+) -> Result<(SoftmaxScheme, Vec<SoftmaxScheme>, String)> {
+    let (scheme, mut note) = softmax_scheme(choice, profile)?;
+    let windows = WindowsChoice::from_config(crate::run_config::get())?;
+    let (per_layer, more) = layer_schemes(scheme, profile.and_then(|p| p.softmax.as_ref()), layers, windows)?;
+    if let Some(m) = more {
+        note.push('\n');
+        note.push_str(&m);
+    }
+    Ok((scheme, per_layer, note))
+}
+
+/// `sync`, `async(phi=…,a=…,b=…)`, or `async(per-layer windows)` when layers have their own.
+pub fn softmax_label(scheme: SoftmaxScheme, per_layer: &[SoftmaxScheme]) -> String {
+    if scheme != SoftmaxScheme::Sync && per_layer.iter().any(|s| *s != scheme) {
+        "async(per-layer windows)".into()
+    } else {
+        scheme.label()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::SoftmaxSection;
 
     fn scheme_of(section: SoftmaxSection, choice: Option<SoftmaxChoice>) -> (SoftmaxScheme, String) {
         let b = crate::backend::cpu::CpuBackend::new();
@@ -262,5 +391,97 @@ mod tests {
         let (asked, note) = scheme_of(s, Some(SoftmaxChoice::Async));
         assert_eq!(asked, SoftmaxScheme::ASYNC_DEFAULT);
         assert!(note.contains("asked for"), "{note}");
+    }
+}
+
+#[cfg(test)]
+mod layer_window_tests {
+    use super::*;
+    use crate::profile::LayerWindow;
+
+    fn lw(layer: usize, phi: f64, too_wide: bool) -> LayerWindow {
+        LayerWindow {
+            layer,
+            phi,
+            a: -10.0,
+            b: 10.0,
+            coverage: 0.9999,
+            samples: 100,
+            min: phi - 5.0,
+            max: phi + 5.0,
+            reason: too_wide.then(|| "too wide".to_string()),
+        }
+    }
+
+    fn profile(per_layer: Vec<LayerWindow>) -> Profile {
+        let b = crate::backend::cpu::CpuBackend::new();
+        let cfg = crate::model::ModelConfig::resolve("llama2-7b").expect("preset");
+        let mut p = Profile::without_gemm(&b, &cfg, DType::F16);
+        let mut s = SoftmaxSection::window(-2.0, -30.0, 30.0, Some(0.9999));
+        s.per_layer = per_layer;
+        p.softmax = Some(s);
+        p
+    }
+
+    #[test]
+    fn each_layer_gets_its_window_and_the_global_one_where_it_has_none() {
+        let p = profile(vec![lw(0, -5.0, false), lw(1, 3.0, true), lw(3, 1.5, false)]);
+        let (scheme, _) = softmax_scheme(None, Some(&p)).unwrap();
+        let sec = p.softmax.as_ref();
+        let (per, note) = layer_schemes(scheme, sec, 4, WindowsChoice::PerLayer).unwrap();
+        let own = |phi: f32| SoftmaxScheme::Async { phi, a: -10.0, b: 10.0 };
+        assert_eq!(per, vec![own(-5.0), scheme, scheme, own(1.5)]);
+        let note = note.unwrap();
+        assert!(note.contains("2 of 4") && note.contains("2 on the global"), "{note}");
+        assert_eq!(softmax_label(scheme, &per), "async(per-layer windows)");
+        // Global asked for, sync, or no per-layer windows: none.
+        let (g, note) = layer_schemes(scheme, sec, 4, WindowsChoice::Global).unwrap();
+        assert!(g.is_empty() && note.unwrap().contains("softmax_windows=global"));
+        assert!(layer_schemes(SoftmaxScheme::Sync, sec, 4, WindowsChoice::PerLayer)
+            .unwrap()
+            .0
+            .is_empty());
+        let empty = profile(vec![]);
+        assert!(
+            layer_schemes(scheme, empty.softmax.as_ref(), 4, WindowsChoice::PerLayer)
+                .unwrap()
+                .0
+                .is_empty()
+        );
+        assert_eq!(softmax_label(scheme, &[]), scheme.label());
+    }
+
+    #[test]
+    fn a_window_for_a_layer_the_model_lacks_is_an_error_naming_the_switch() {
+        let p = profile(vec![lw(7, 0.0, false)]);
+        let e = layer_schemes(
+            SoftmaxScheme::ASYNC_DEFAULT,
+            p.softmax.as_ref(),
+            4,
+            WindowsChoice::PerLayer,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("layer 7") && e.contains("softmax_windows=global"), "{e}");
+    }
+
+    #[test]
+    fn the_switch_parses_and_refuses_unknown_values() {
+        let cfg = |v: &str| RunConfig::build(|_| None, &[format!("softmax_windows={v}")]).unwrap();
+        assert_eq!(
+            WindowsChoice::from_config(&cfg("global")).unwrap(),
+            WindowsChoice::Global
+        );
+        assert_eq!(
+            WindowsChoice::from_config(&cfg("per_layer")).unwrap(),
+            WindowsChoice::PerLayer
+        );
+        let none = RunConfig::build(|_| None, &[]).unwrap();
+        assert_eq!(WindowsChoice::from_config(&none).unwrap(), WindowsChoice::PerLayer);
+        let e = WindowsChoice::from_config(&cfg("layer")).unwrap_err().to_string();
+        assert!(
+            e.contains("softmax_windows=layer") && e.contains("per_layer or global"),
+            "{e}"
+        );
     }
 }

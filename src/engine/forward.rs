@@ -67,6 +67,9 @@ pub struct Model<'b, B: Backend> {
     pub inv_freq: Vec<f32>,
     pub linears: LinearPlanner,
     pub scheme: SoftmaxScheme,
+    /// Each layer's async window (FlashDecoding++ §3, calibrated per layer); empty: `scheme`
+    /// for every layer. Read through [`Model::scheme_for`]: a sync `scheme` overrides them.
+    pub layer_schemes: Vec<SoftmaxScheme>,
     /// Per-op device time when `FDPP_OP_TIMES` is set (see [`OpTimes`]).
     pub op_times: OpTimes,
     /// Softmax-input histograms, gathered while this is Some (see [`ScoreStats`]).
@@ -110,6 +113,7 @@ impl<'b, B: Backend> Model<'b, B> {
             inv_freq,
             linears,
             scheme,
+            layer_schemes: Vec::new(),
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
@@ -119,6 +123,51 @@ impl<'b, B: Backend> Model<'b, B> {
 
     pub fn backend(&self) -> &'b B {
         self.b
+    }
+
+    /// Give each layer its own async window (empty: `scheme` for all); one per layer, each a
+    /// valid window.
+    pub fn set_layer_schemes(&mut self, schemes: Vec<SoftmaxScheme>) -> Result<()> {
+        if !schemes.is_empty() && schemes.len() != self.arch.layers {
+            return Err(FdppError::InvalidArgument(format!(
+                "internal: {} per-layer softmax windows for a model of {} layers",
+                schemes.len(),
+                self.arch.layers
+            )));
+        }
+        for s in &schemes {
+            s.validate()?;
+        }
+        self.layer_schemes = schemes;
+        Ok(())
+    }
+
+    /// The softmax layer `l` runs: sync when the model runs sync, else its own window when it
+    /// has one, else the global `scheme`.
+    pub fn scheme_for(&self, l: usize) -> SoftmaxScheme {
+        match self.scheme {
+            SoftmaxScheme::Sync => SoftmaxScheme::Sync,
+            global => self.layer_schemes.get(l).copied().unwrap_or(global),
+        }
+    }
+
+    /// Folds the windows of layers 1.. into a decode-graph signature: the graph is keyed by
+    /// layer 0's launches (backend/cuda/graph.rs), and layers 1.. pass their own φ, a, b as
+    /// kernel arguments, so two window sets that agree on layer 0 must not share a graph.
+    fn windows_signature(&self, sig: u64) -> u64 {
+        let mut h = sig;
+        for l in 1..self.arch.layers {
+            let bits = match self.scheme_for(l) {
+                SoftmaxScheme::Sync => [u32::MAX; 3],
+                SoftmaxScheme::Async { phi, a, b } => [phi.to_bits(), a.to_bits(), b.to_bits()],
+            };
+            for v in bits {
+                // FNV-1a step per word (the signature's own hash is FNV-1a over bytes).
+                h ^= u64::from(v);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h
     }
 
     /// Run one step. The activation buffers must have been planned for at least this many
@@ -141,7 +190,7 @@ impl<'b, B: Backend> Model<'b, B> {
         self.op_times.start(self.b, kind.tag())?;
         self.embed(&inp, want, acts)?;
         let attn = Attn::new(kind, self.geom, self.dtype, self.scheme, tables, inp.new_lens.clone());
-        let la = LayerArgs {
+        let mut la = LayerArgs {
             rope: self.rope_params(inp.positions.clone()),
             stats_params: self.stats_params(&attn),
             attn,
@@ -150,7 +199,7 @@ impl<'b, B: Backend> Model<'b, B> {
             residual: acts.plan.globals.residual,
             fused,
         };
-        self.run_layers(&la, graphs, kv, acts)?;
+        self.run_layers(&mut la, graphs, kv, acts)?;
         self.final_norm(&la, acts)?;
         let mut attn_stats = AttnStats {
             rows: self.arch.layers * t * self.arch.heads,
@@ -245,7 +294,7 @@ impl<'b, B: Backend> Model<'b, B> {
     /// eagerly.
     fn run_layers(
         &self,
-        la: &LayerArgs,
+        la: &mut LayerArgs,
         graphs: bool,
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
@@ -266,7 +315,7 @@ impl<'b, B: Backend> Model<'b, B> {
         };
         let mut rest = || (1..n).try_for_each(|l| self.layer(la, l, Some(slots[l - 1].ffn2), kv, acts));
         match sig {
-            Some(sig) => b.graph_run(sig, &mut rest),
+            Some(sig) => b.graph_run(self.windows_signature(sig), &mut rest),
             None => rest(),
         }
     }
@@ -387,12 +436,14 @@ impl<'b, B: Backend> Model<'b, B> {
     /// read in a fused step, whose FFN2 added it already).
     fn layer(
         &self,
-        a: &LayerArgs,
+        a: &mut LayerArgs,
         l: usize,
         prev_ffn2: Option<usize>,
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
     ) -> Result<()> {
+        // The step's attention params serve every layer; only the softmax window is per layer.
+        a.attn.set_scheme(self.scheme_for(l));
         self.attn_in(a, l, prev_ffn2, acts)?;
         self.attend(a, l, kv, acts)?;
         self.attn_out(a, l, acts)?;

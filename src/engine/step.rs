@@ -164,6 +164,14 @@ impl Attn {
         }
     }
 
+    /// Run this layer's softmax (the tables and lengths stay the step's).
+    pub fn set_scheme(&mut self, scheme: SoftmaxScheme) {
+        match self {
+            Attn::Prefill(p) => p.scheme = scheme,
+            Attn::Decode(_, p) => p.scheme = scheme,
+        }
+    }
+
     /// The step's attention as a prefill of its new tokens (for the score statistics).
     pub fn as_prefill(&self) -> PrefillParams {
         match self {

@@ -1,6 +1,7 @@
 //! Model descriptions: what the engine needs to know to derive shapes and run a forward pass.
 
 pub mod arch;
+pub mod chat;
 pub mod config;
 pub mod family;
 pub mod gguf;

@@ -94,6 +94,51 @@ impl ModelSpec {
         super::tokenizer::Tokenizer::load(path)
     }
 
+    /// The model's chat template (`--chat`): the GGUF metadata's `tokenizer.chat_template`, or
+    /// the HF directory's tokenizer_config.json `chat_template` (or chat_template.jinja). The
+    /// BOS/EOS strings the template may use come from `tok`. A model without one is an error
+    /// naming the file that was read and the flag.
+    pub fn chat_template(&self, tok: Option<&super::tokenizer::Tokenizer>) -> Result<super::chat::ChatTemplate> {
+        let token = |id: Option<u32>| id.and_then(|i| tok.and_then(|t| t.id_to_token(i))).unwrap_or_default();
+        let (bos, eos) = (
+            token(self.extras.bos_token_id),
+            token(self.extras.eos_token_ids.first().copied()),
+        );
+        match (&self.gguf, &self.dir) {
+            (Some(g), _) => {
+                let file = super::gguf::GgufFile::open(g)?;
+                let t = super::gguf::config::chat_template(&file);
+                super::chat::ChatTemplate::from_gguf(g, t, bos, eos).ok_or_else(|| FdppError::Config {
+                    path: g.clone(),
+                    msg: "no chat template (metadata key 'tokenizer.chat_template' is absent or empty): --chat \
+                          needs one; run without --chat and write the prompt in the model's format"
+                        .into(),
+                })
+            }
+            (None, Some(d)) => {
+                let mut t = super::chat::ChatTemplate::from_hf_dir(d)?.ok_or_else(|| FdppError::Config {
+                    path: d.join("tokenizer_config.json"),
+                    msg: "no chat template (no field 'chat_template' here, no chat_template.jinja beside it): \
+                          --chat needs one; run without --chat, or add the model's template"
+                        .into(),
+                })?;
+                // tokenizer_config.json names its special tokens; else the ids of config.json.
+                if t.bos_token.is_empty() {
+                    t.bos_token = bos;
+                }
+                if t.eos_token.is_empty() {
+                    t.eos_token = eos;
+                }
+                Ok(t)
+            }
+            (None, None) => Err(FdppError::InvalidArgument(format!(
+                "--chat: '{}' is a preset, with no tokenizer and no chat template; give an HF model directory or a \
+                 GGUF file",
+                self.cfg.name
+            ))),
+        }
+    }
+
     /// The longest sequence the model attends over correctly: max_position_embeddings, or
     /// Mistral's sliding window when smaller (the kernels attend to the whole prefix, which is
     /// the same computation only while the sequence fits in the window).

@@ -66,6 +66,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The string of a token id (e.g. 2 → "<|im_end|>"), if the vocabulary has it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
