@@ -47,10 +47,31 @@ pub const GEMV_WARPS: u32 = 4;
 /// Warps per flat_gemm block (must match FLAT_WARPS in flat_gemm.cu).
 pub const FLAT_WARPS: u32 = 8;
 
-/// SHA-256 over the GEMM kernel sources ([`FILES`]), hex, first 16 digits: the kernel hash a
-/// tuning profile records.
+/// SHA-256 over the GEMM kernel sources ([`FILES`]) and the Rust-side constants their launches
+/// are built from ([`gemm_launch_constants`]), hex, first 16 digits: the kernel hash a tuning
+/// profile records. A profile measures what the kernels compute and how fast they run, and a
+/// define such as the loads in flight or the warps per block changes that as much as an edit of
+/// the .cu file does (issue #17, item 5).
 pub fn kernel_hash() -> String {
-    hash_files(FILES)
+    let constants = gemm_launch_constants();
+    let mut files = FILES.to_vec();
+    files.push(("launch constants", constants.as_str()));
+    hash_files(&files)
+}
+
+/// The GEMM launch constants of this file, one `NAME=value` per line, in the order hashed.
+pub fn gemm_launch_constants() -> String {
+    [
+        format!("GEMV_ROWS_PER_BLOCK={GEMV_ROWS_PER_BLOCK:?}"),
+        format!("FLAT_BN={FLAT_BN:?}"),
+        format!("FLAT_STAGES={FLAT_STAGES:?}"),
+        format!("FLAT_STAGE_KB={FLAT_STAGE_KB}"),
+        format!("GEMV_INFLIGHT={GEMV_INFLIGHT}"),
+        format!("GEMV_WARPS={GEMV_WARPS}"),
+        format!("FLAT_WARPS={FLAT_WARPS}"),
+        format!("GEMV_GLU_LAYOUT={GEMV_GLU_LAYOUT:?}"),
+    ]
+    .join("\n")
 }
 
 fn expand(file: &str) -> String {
@@ -306,6 +327,45 @@ pub fn flat_stages(spec: &GemmSpec) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_hash_covers_every_gemm_launch_constant() {
+        let c = gemm_launch_constants();
+        for name in [
+            "GEMV_ROWS_PER_BLOCK",
+            "FLAT_BN",
+            "FLAT_STAGES",
+            "FLAT_STAGE_KB",
+            "GEMV_INFLIGHT",
+            "GEMV_WARPS",
+            "FLAT_WARPS",
+            "GEMV_GLU_LAYOUT",
+        ] {
+            assert!(c.contains(&format!("{name}=")), "{name} missing from {c}");
+        }
+        assert_ne!(kernel_hash(), hash_files(FILES), "the constants must enter the hash");
+    }
+
+    /// The shipped H100 profiles were measured with these sources and constants: a change to
+    /// either must come with a re-tune (`fdpp tune` on the H100), or they are refused at load.
+    #[test]
+    fn the_shipped_h100_profiles_record_this_builds_kernel_hash() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/nvidia-h100-80gb-hbm3");
+        let want = kernel_hash();
+        let mut seen = 0;
+        for e in std::fs::read_dir(&dir).expect("profiles dir") {
+            let path = e.expect("entry").path();
+            if path.extension().and_then(|x| x.to_str()) != Some("json") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("profile");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+            let got = v["provenance"]["kernel_hash"].as_str().unwrap_or_default();
+            assert_eq!(got, want, "{}", path.display());
+            seen += 1;
+        }
+        assert!(seen >= 3, "{seen} profiles in {}", dir.display());
+    }
 
     #[test]
     fn m_up_to_64_takes_one_block_along_m() {

@@ -30,9 +30,13 @@ pub const GEMV_ROWS: &[u32] = &[1, 2, 4];
 pub const FLAT_BN: &[u32] = &[32, 64, 128, 256];
 pub use super::launch::GEMV_INFLIGHT;
 
-/// SHA-256 over all HIP kernel sources, hex, first 16 digits.
+/// SHA-256 over all HIP kernel sources and the launch constants offered to the tuner, hex,
+/// first 16 digits (as on CUDA: a profile measures both).
 pub fn kernel_hash() -> String {
-    hash_files(FILES)
+    let constants = format!("GEMV_ROWS={GEMV_ROWS:?}\nFLAT_BN={FLAT_BN:?}\nGEMV_INFLIGHT={GEMV_INFLIGHT}");
+    let mut files = FILES.to_vec();
+    files.push(("launch constants", constants.as_str()));
+    hash_files(&files)
 }
 
 fn expand(file: &str) -> String {
