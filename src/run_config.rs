@@ -444,7 +444,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 22);
+        assert_eq!(KEYS.len(), 24);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }
