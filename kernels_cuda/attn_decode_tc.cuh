@@ -68,6 +68,19 @@ struct TcPart {
     float l[2];
 };
 
+// Scale head 2t's sums (O^T columns 0 and 2 of each tile, l[0]) by f0 and head 2t + 1's by f1.
+__device__ __forceinline__ void tc_scale(TcPart& p, float f0, float f1) {
+#pragma unroll
+    for (int j = 0; j < TC_MT; ++j) {
+        p.o[j][0] *= f0;
+        p.o[j][1] *= f1;
+        p.o[j][2] *= f0;
+        p.o[j][3] *= f1;
+    }
+    p.l[0] *= f0;
+    p.l[1] *= f1;
+}
+
 // q as the B operand of S^T = K·Q^T: lane (g, t) holds head g's dims 32c + 8t .. + 7 of each chunk
 // c, raw (the scale is applied to the fp32 scores: q·scale rounded to 16 bits would cost
 // accuracy); zero for columns past the live heads (masked heads of a partial chunk, padding to 8).
@@ -90,6 +103,19 @@ __device__ __forceinline__ void tc_page(int& page, int& slot, const int* __restr
     page = pages[idx];
 }
 
+// A 16-byte K/V load, streamed past L1, with an L2 prefetch-size hint: a miss fetches the whole
+// 128-byte line. A lane quad reads 64 bytes of each line per instruction (8 tokens x 64 B, the
+// next chunk's load the other half); without the hint DRAM served the halves apart. GQA 32/8 d128
+// on the H100: 2.92 -> 3.00 TB/s at batch 16 · 131072, 2.77 -> 2.84 at 4 · 32768 (L2::256B the
+// same; reports/NOTES.md, session 12). The CUDA-core pass reads whole lines (D/8 lanes per token
+// row) and measured the same with or without a hint, so it keeps ld_stream16.
+__device__ __forceinline__ uint4 tc_ld16(const u16* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 // This lane's 16 bytes of each chunk of one token's K and V row.
 __device__ __forceinline__ void tc_load_row(uint4 (&kr)[TC_KC], uint4 (&vr)[TC_KC], const u16* __restrict__ kb,
                                             const u16* __restrict__ vb, int page, int slot, int page_size,
@@ -97,8 +123,8 @@ __device__ __forceinline__ void tc_load_row(uint4 (&kr)[TC_KC], uint4 (&vr)[TC_K
     const size_t at = ((size_t)page * page_size + slot) * row_elems;
 #pragma unroll
     for (int c = 0; c < TC_KC; ++c) {
-        kr[c] = ld_stream16(kb + at + 32 * c);
-        vr[c] = ld_stream16(vb + at + 32 * c);
+        kr[c] = tc_ld16(kb + at + 32 * c);
+        vr[c] = tc_ld16(vb + at + 32 * c);
     }
 }
 
@@ -129,16 +155,7 @@ __device__ __forceinline__ void tc_step(TcPart& p, const uint4 (&qf)[TC_KC], con
     if (nm0 > p.m[0] || nm1 > p.m[1]) {
         // The running max grew: rescale what was summed against the old one (rare after the
         // first steps; the branch differs between lanes only by t).
-        const float f0 = rescale(p.m[0], nm0), f1 = rescale(p.m[1], nm1);
-#pragma unroll
-        for (int j = 0; j < TC_MT; ++j) {
-            p.o[j][0] *= f0;
-            p.o[j][1] *= f1;
-            p.o[j][2] *= f0;
-            p.o[j][3] *= f1;
-        }
-        p.l[0] *= f0;
-        p.l[1] *= f1;
+        tc_scale(p, rescale(p.m[0], nm0), rescale(p.m[1], nm1));
         p.m[0] = nm0;
         p.m[1] = nm1;
     }
@@ -210,16 +227,7 @@ __device__ __forceinline__ void tc_store(Smem<NW>& sm, TcPart& p, float phi2, fl
     if (ASYNC) {
         // A warp that saw no key has m = −inf and zero sums: factor 0, not exp2(−inf − φ)·0 = NaN
         // if φ were infinite. Past 2^b the row is flagged (mx − φ > b) and recomputed.
-        const float f0 = rescale(p.m[0], phi2), f1 = rescale(p.m[1], phi2);
-#pragma unroll
-        for (int j = 0; j < TC_MT; ++j) {
-            p.o[j][0] *= f0;
-            p.o[j][1] *= f1;
-            p.o[j][2] *= f0;
-            p.o[j][3] *= f1;
-        }
-        p.l[0] *= f0;
-        p.l[1] *= f1;
+        tc_scale(p, rescale(p.m[0], phi2), rescale(p.m[1], phi2));
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {

@@ -96,8 +96,9 @@ impl DecodePlan {
         let hg = attn_heads_per_block_max(g.group(), max_hg);
         let max_len = (0..batch).map(|i| p.tables.seq_len(i)).max().unwrap_or(1);
         let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
+        let chunks = g.group().div_ceil(hg);
         let splits = p.num_splits.unwrap_or_else(|| match resident {
-            Some(r) => num_splits_resident(batch, g.num_kv_heads, max_len, compute_units, r, hg, is_async),
+            Some(r) => num_splits_resident(batch, g.num_kv_heads, max_len, compute_units, r, hg, chunks, is_async),
             None => num_splits(batch, g.num_kv_heads, max_len, compute_units),
         });
         DecodePlan {
@@ -106,7 +107,7 @@ impl DecodePlan {
             kv_heads: g.num_kv_heads,
             head_dim: g.head_dim,
             hg,
-            chunks: g.group().div_ceil(hg),
+            chunks,
             splits,
             rows: batch * g.num_heads,
             max_len,

@@ -225,7 +225,9 @@ pub const GROUP_MAX_WAVES: usize = 4;
 /// (the fewest splits on a tie). At 32 heads / 8 kv heads that is 3 splits at batch 16, 32 and
 /// 64 (0.97, 1.94 and 3.88 waves), the fastest of 1-8 for both schemes at each (batch 16 · 4096:
 /// 139-143 µs at [`num_splits`]'s 5, 121-123 at 3); the one-wave rule above gave 1 split at
-/// batch 32, 2 blocks per SM, and measured 11-14 % slower. Smaller batches keep [`num_splits`].
+/// batch 32, 2 blocks per SM, and measured 11-14 % slower. Smaller batches (fewer blocks per
+/// split than half the SMs, counting each kv head's `chunks` of heads) keep [`num_splits`],
+/// capped at one wave of resident blocks.
 pub fn num_splits_resident(
     batch: usize,
     kv_heads: usize,
@@ -233,6 +235,7 @@ pub fn num_splits_resident(
     sm_count: usize,
     resident_per_sm: usize,
     heads_per_block: usize,
+    chunks: usize,
     async_scheme: bool,
 ) -> usize {
     let items = (batch * kv_heads).max(1);
@@ -240,9 +243,18 @@ pub fn num_splits_resident(
     let slots = resident_per_sm.max(1) * sms;
     let max = (kv_len / MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
     if heads_per_block > 1 {
-        if 2 * items < sms {
-            return num_splits(batch, kv_heads, kv_len, sm_count);
+        // Blocks per split: one per (sequence, kv head, head chunk).
+        let units = items * chunks.max(1);
+        if 2 * units < sms {
+            // Never past one wave of resident blocks: the splits are of equal length, so a
+            // second wave of a few blocks costs about as long as the first. num_splits aims at
+            // 4 per SM whatever the occupancy: GQA 32/8 at batch 4 took 17 splits, 544 blocks
+            // of a kernel with 528 slots (4 per SM on 132 SMs), and 32/4 at batch 16 took 9
+            // (576); both ran at 0.82-0.86x SDPA (reports/NOTES.md, session 12).
+            let one_wave = (slots / units).max(1);
+            return num_splits(batch, kv_heads, kv_len, sm_count).min(one_wave);
         }
+        let items = units;
         // Emptiness of the last wave in units of blocks·slots (exact integer arithmetic).
         let empty = |s: usize| (items * s).div_ceil(slots) * slots - items * s;
         return (1..=max)
@@ -520,39 +532,42 @@ mod tests {
     fn resident_split_counts_fill_one_wave_or_many() {
         // Fewer items than SMs: the small-batch rule, whatever the occupancy.
         assert_eq!(
-            num_splits_resident(1, 32, 4096, 132, 6, 1, true),
+            num_splits_resident(1, 32, 4096, 132, 6, 1, 1, true),
             num_splits(1, 32, 4096, 132)
         );
         // Batch 8 and 16 of 32 kv heads at 6 (async) and 7 (sync) resident blocks per SM: one wave.
-        assert_eq!(num_splits_resident(8, 32, 1024, 132, 6, 1, true), 3);
-        assert_eq!(num_splits_resident(8, 32, 1024, 132, 7, 1, false), 3);
-        assert_eq!(num_splits_resident(16, 32, 4096, 132, 6, 1, true), 1);
-        assert_eq!(num_splits_resident(16, 32, 4096, 132, 7, 1, false), 1);
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 6, 1, 1, true), 3);
+        assert_eq!(num_splits_resident(8, 32, 1024, 132, 7, 1, 1, false), 3);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 6, 1, 1, true), 1);
+        assert_eq!(num_splits_resident(16, 32, 4096, 132, 7, 1, 1, false), 1);
         // Batch 32 overfills a wave: async keeps 8 per SM's count, sync aims for 8 waves.
-        assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, 1, true), 2);
-        assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, 1, false), 8);
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, 1, 1, true), 2);
+        assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, 1, 1, false), 8);
         // Short sequences still bound the split length, and 64 bounds the count.
-        assert_eq!(num_splits_resident(8, 32, 100, 132, 7, 1, false), 1);
-        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, 1, false), MAX_SPLITS);
-        assert_eq!(num_splits_resident(0, 0, 0, 0, 0, 1, true), 1);
+        assert_eq!(num_splits_resident(8, 32, 100, 132, 7, 1, 1, false), 1);
+        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, 1, 1, false), MAX_SPLITS);
+        assert_eq!(num_splits_resident(0, 0, 0, 0, 0, 1, 1, true), 1);
         // Four heads per block, 3 resident per SM (396 slots), 8 kv heads: batch 16, 32 and 64
         // all take 3 splits (0.97, 1.94 and 3.88 waves), either scheme.
         for batch in [16, 32, 64] {
             for a in [true, false] {
-                assert_eq!(num_splits_resident(batch, 8, 4096, 132, 3, 4, a), 3, "batch {batch}");
+                assert_eq!(num_splits_resident(batch, 8, 4096, 132, 3, 4, 1, a), 3, "batch {batch}");
             }
         }
-        // Batch 1-8 of 8 kv heads: the small-batch rule.
-        assert_eq!(
-            num_splits_resident(1, 8, 4096, 132, 3, 4, true),
-            num_splits(1, 8, 4096, 132)
-        );
-        assert_eq!(
-            num_splits_resident(8, 8, 4096, 132, 3, 4, true),
-            num_splits(8, 8, 4096, 132)
-        );
+        // Batch 1-8 of 8 kv heads: the small-batch rule, capped at one wave of resident blocks.
+        assert_eq!(num_splits(1, 8, 4096, 132), 64);
+        assert_eq!(num_splits_resident(1, 8, 4096, 132, 3, 4, 1, true), 49);
+        assert_eq!(num_splits_resident(1, 8, 4096, 132, 4, 8, 1, true), 64);
+        assert_eq!(num_splits_resident(8, 8, 4096, 132, 3, 4, 1, true), 6);
+        // The tensor-core pass (4 resident per SM, 528 slots): GQA 32/8 at batch 4 takes 16
+        // splits (512 blocks), not num_splits' 17 (544: a second wave of 16 blocks); 32/4 at
+        // batch 16, 8 not 9; two head chunks per kv head halve the count.
+        assert_eq!(num_splits(4, 8, 32768, 132), 17);
+        assert_eq!(num_splits_resident(4, 8, 32768, 132, 4, 4, 1, false), 16);
+        assert_eq!(num_splits_resident(16, 4, 32768, 132, 4, 8, 1, true), 8);
+        assert_eq!(num_splits_resident(4, 8, 32768, 132, 4, 8, 2, true), 8);
         // Short sequences bound it too.
-        assert_eq!(num_splits_resident(32, 8, 100, 132, 3, 4, true), 1);
+        assert_eq!(num_splits_resident(32, 8, 100, 132, 3, 4, 1, true), 1);
     }
 
     #[test]

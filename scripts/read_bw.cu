@@ -1,0 +1,187 @@
+// The card's streaming-read ceiling: the most bytes per second any of a sweep of plain read
+// kernels pulls from device memory. Decode attention reads K and V once and writes almost
+// nothing, so this (not the copy bandwidth, which also writes) bounds its effective TB/s; a
+// peer at x TB/s can be beaten by 5 % only if 1.05·x is below this ceiling.
+//
+//   nvcc -O3 -arch=sm_90a scripts/read_bw.cu -o /tmp/read_bw && /tmp/read_bw [GiB]
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e = (x);                                                                    \
+        if (e != cudaSuccess) {                                                                 \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));  \
+            exit(1);                                                                            \
+        }                                                                                       \
+    } while (0)
+
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// ld_nc with an L2 prefetch-size hint: on a miss, L2 fetches HINT bytes around the address.
+template <int HINT>
+__device__ __forceinline__ uint4 ld_nc_hint(const uint4* p) {
+    uint4 v;
+    if (HINT == 256)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    else if (HINT == 128)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    else
+        v = ld_nc(p);
+    return v;
+}
+
+// The decode kernels' pattern (kernels_cuda/attn_decode_tc.cuh, bandwidth path): K and V rows of
+// 256 bytes (d128 fp16) of one kv head inside token rows of 8 kv heads (2 KiB), one block per
+// (kv head, split of the tokens), 4 warps; a warp step is 16 tokens, lane (g, t) reading 16 bytes
+// at dims 32c + 8t of tokens g and g + 8 for c = 0..3, K and V: every load instruction covers
+// 8 tokens x 64 bytes (half of each 128-byte line).
+template <int HINT>
+__global__ void __launch_bounds__(128) read_rows(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                                 size_t tokens, int splits, unsigned* out) {
+    const int kvh = blockIdx.x % 8, split = blockIdx.x / 8;
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+    const size_t per = (tokens + splits - 1) / splits;
+    const size_t t0 = split * per, t1 = t0 + per < tokens ? t0 + per : tokens;
+    unsigned acc = 0;
+    for (size_t base = t0 + 16 * warp; base + 16 <= t1; base += 64) {
+        uint4 r[16];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const size_t at = (base + g + 8 * h) * 128 + kvh * 16 + c * 4 + t;  // in uint4
+                r[c * 4 + h * 2] = ld_nc_hint<HINT>(k + at);
+                r[c * 4 + h * 2 + 1] = ld_nc_hint<HINT>(v + at);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <int HINT>
+static double time_rows(const uint4* p, size_t n, unsigned* out, int splits, double* median) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    const size_t half = n / 2, tokens = half / 128;
+    const uint4 *k = p, *v = p + half;
+    for (int w = 0; w < 2; ++w) read_rows<HINT><<<8 * splits, 128>>>(k, v, tokens, splits, out);
+    std::vector<float> ms;
+    for (int r = 0; r < 10; ++r) {
+        CK(cudaEventRecord(a));
+        read_rows<HINT><<<8 * splits, 128>>>(k, v, tokens, splits, out);
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float tm = 0;
+        CK(cudaEventElapsedTime(&tm, a, b));
+        ms.push_back(tm);
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    const double bytes = (double)tokens * 128 * 16 * 2;
+    *median = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
+    return bytes / (ms[0] * 1e-3) / 1e12;
+}
+
+// U independent 16-byte loads in flight per thread, grid-stride; the xor of everything read is
+// written only if it equals a value it cannot plausibly take, so no load is dead code.
+template <int U>
+__global__ void read_kernel(const uint4* __restrict__ p, size_t n, unsigned* out) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    for (; i + (U - 1) * stride < n; i += U * stride) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = ld_nc(p + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < n; i += stride) {
+        uint4 v = ld_nc(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <int U>
+static double time_read(const uint4* p, size_t n, unsigned* out, int blocks, int threads, int reps,
+                        double* median) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int w = 0; w < 2; ++w) read_kernel<U><<<blocks, threads>>>(p, n, out);
+    std::vector<float> ms;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(a));
+        read_kernel<U><<<blocks, threads>>>(p, n, out);
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float t = 0;
+        CK(cudaEventElapsedTime(&t, a, b));
+        ms.push_back(t);
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    const double bytes = (double)n * 16;
+    *median = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
+    return bytes / (ms[0] * 1e-3) / 1e12;
+}
+
+int main(int argc, char** argv) {
+    const double gib = argc > 1 ? atof(argv[1]) : 8.0;
+    const size_t bytes = (size_t)(gib * (1ull << 30)) / 16 * 16;
+    const size_t n = bytes / 16;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    uint4* p;
+    unsigned* out;
+    CK(cudaMalloc(&p, bytes));
+    CK(cudaMalloc(&out, 4));
+    CK(cudaMemset(p, 0x5a, bytes));
+    CK(cudaDeviceSynchronize());
+    printf("device %s, %d SMs, buffer %.2f GiB, TB/s = 1e12 B/s, 10 timed runs each\n", prop.name,
+           prop.multiProcessorCount, gib);
+    printf("unroll,blocks_per_sm,threads,best_tbs,median_tbs\n");
+    double best = 0;
+    const int sms = prop.multiProcessorCount;
+    for (int threads : {256, 512, 1024})
+        for (int per_sm : {1, 2, 4, 8})
+            for (int u : {2, 4, 8}) {
+                if (threads * per_sm > 2048) continue;
+                double med = 0, top = 0;
+                if (u == 2) top = time_read<2>(p, n, out, sms * per_sm, threads, 10, &med);
+                if (u == 4) top = time_read<4>(p, n, out, sms * per_sm, threads, 10, &med);
+                if (u == 8) top = time_read<8>(p, n, out, sms * per_sm, threads, 10, &med);
+                printf("%d,%d,%d,%.3f,%.3f\n", u, per_sm, threads, top, med);
+                best = std::max(best, med);
+            }
+    printf("ceiling (best median over the sweep): %.3f TB/s\n", best);
+    printf("decode pattern (8 tokens x 64 B per load instruction), hint,splits,best_tbs,median_tbs\n");
+    for (int splits : {32, 64, 128}) {
+        double med = 0, top = 0;
+        top = time_rows<0>(p, n, out, splits, &med);
+        printf("none,%d,%.3f,%.3f\n", splits, top, med);
+        top = time_rows<128>(p, n, out, splits, &med);
+        printf("L2::128B,%d,%.3f,%.3f\n", splits, top, med);
+        top = time_rows<256>(p, n, out, splits, &med);
+        printf("L2::256B,%d,%.3f,%.3f\n", splits, top, med);
+    }
+    return 0;
+}
