@@ -247,8 +247,8 @@ pub const TC_RATIOS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
 /// Decode at every ratio of [`TC_RATIOS`] and head_dim 64 and 128 (where the tensor-core pass
 /// runs under `decode_tc=auto|1`), two kv heads each: odd and ragged kv_lens (a key count that
 /// is no multiple of a warp's 16 or a block's 64, one split and several, sequences of 1 key
-/// beside long ones, page sizes other than 16), and forced recomputes of both kinds, which the
-/// async kernel redoes with the same pass. Only in the full list (`fdpp check`): their CPU
+/// beside long ones, page sizes other than 16), forced recomputes of both kinds, which the
+/// async kernel redoes with the same pass, and two long contexts. Only in the full list (`fdpp check`): their CPU
 /// reference is the cost, not the kernel.
 fn tc_cases(dt: DType) -> Vec<AttnCase> {
     use AttnKind::Decode;
@@ -280,6 +280,18 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
     ] {
         v.push(AttnCase::new(Decode, dt, (2 * r, 2, d), &[97, 1000], &[], f));
     }
+    // Long contexts (issue #19): Llama-3's 32/8 at 131072 keys (64 splits of 2048 at batch 1) and
+    // 32/4 with a ragged batch of 1, 100000 and 4097 keys (the splits sized by the longest row,
+    // the short rows' blocks mostly empty).
+    v.push(AttnCase::new(Decode, dt, (32, 8, 128), &[131072], &[], Force::None));
+    v.push(AttnCase::new(
+        Decode,
+        dt,
+        (32, 4, 128),
+        &[1, 100_000, 4097],
+        &[],
+        Force::None,
+    ));
     v
 }
 
@@ -798,6 +810,26 @@ mod tests {
                 "{dt}: {kind:?}"
             );
         }
+    }
+
+    /// Issue #19: decode at 131072 keys and a ragged batch that mixes 1 and 100000 keys, in
+    /// both dtypes, in the full list only (the CPU reference of 131072 keys is the cost).
+    #[test]
+    fn the_full_list_has_long_and_ragged_decode() {
+        let full = attention_cases();
+        for dt in [DType::F16, DType::Bf16] {
+            let dec = |f: &dyn Fn(&AttnCase) -> bool| {
+                full.iter().any(|c| c.dtype == dt && c.kind == AttnKind::Decode && f(c))
+            };
+            assert!(dec(&|c| c.kv_lens.contains(&131072) && c.geom.group() == 4), "{dt}");
+            assert!(
+                dec(&|c| c.kv_lens.contains(&1) && c.kv_lens.iter().any(|&l| l >= 100_000)),
+                "{dt}"
+            );
+        }
+        assert!(attention_cases_quick()
+            .iter()
+            .all(|c| c.kv_lens.iter().all(|&l| l <= 4097)));
     }
 
     /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64 and
