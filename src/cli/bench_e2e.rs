@@ -5,6 +5,7 @@
 //! memory plan fits (FlashDecoding++Next's measure of an engine).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
@@ -15,7 +16,7 @@ use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::e2e::{case_plan, max_batch, memory_need, run_case, E2eCase, E2eMeasure, MemoryNeed};
 use crate::dtype::DType;
-use crate::engine::build::{build_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::build::{build_model, build_rank_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource};
 use crate::engine::forward::Llama;
 use crate::engine::linear::LinearPlanner;
 use crate::engine::memory::{gib, MemoryPlan};
@@ -25,6 +26,7 @@ use crate::model::llama::{check_supported, ModelSpec};
 use crate::ops::attention::SoftmaxScheme;
 use crate::profile::Profile;
 use crate::provenance::BuildInfo;
+use crate::tp::Communicator;
 use crate::report::e2e::{
     annotate_e2e, e2e_table, highest_throughput, write_e2e_report, E2eRecord, KIND_MAX_BATCH, KIND_SWEEP, NO_PROFILE,
     STATUS_FAILED, STATUS_NO_FIT, STATUS_OK, STATUS_REFUSED, WITH_PROFILE,
@@ -105,6 +107,13 @@ pub struct E2eBenchArgs {
     /// Format of the table on stdout.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     pub format: Format,
+    /// Tensor parallelism over N ranks (issue #22): one GPU per rank through NCCL on CUDA,
+    /// ranks as threads on the CPU. Rows are named `<model>-tp<N>`.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// The ranks' GPUs, one per rank, e.g. 0,1 [default: 0..tp].
+    #[arg(long)]
+    pub devices: Option<String>,
     /// Directory for the md, CSV, JSON and SVG files. Default: reports/bench/<device-slug>.
     #[arg(long, visible_alias = "report-dir")]
     pub out: Option<PathBuf>,
@@ -163,9 +172,34 @@ pub fn run(a: E2eBenchArgs) -> anyhow::Result<()> {
     let spec = ModelSpec::resolve(&a.model)?;
     check_supported(&spec.cfg)?;
     let source = weight_source(&spec, &a.model, a.random_weights, a.seed)?;
+    if a.tp != 1 || a.devices.is_some() {
+        if a.device != 0 {
+            bail!("--device picks one GPU; with --tp give the ranks' GPUs with --devices");
+        }
+        let (kind, devices) = super::tp::prepare(&spec.cfg, a.tp, a.devices.as_deref(), a.backend)?;
+        let job = BenchJob {
+            a: &a,
+            spec: &spec,
+            source: &source,
+        };
+        return super::tp::run(kind, &devices, &job);
+    }
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
-    crate::with_backend!(&any, b => bench_e2e(b, &a, &spec, &source))
+    crate::with_backend!(&any, b => bench_e2e(b, &a, &spec, &source, None))
+}
+
+/// `bench e2e --tp N`: every rank runs the same cases in lockstep; rank 0 times and reports.
+struct BenchJob<'a> {
+    a: &'a E2eBenchArgs,
+    spec: &'a ModelSpec,
+    source: &'a WeightSource,
+}
+
+impl super::tp::RankJob for BenchJob<'_> {
+    fn run<B: Backend>(&self, b: &B, comm: Arc<dyn Communicator<B>>) -> anyhow::Result<()> {
+        bench_e2e(b, self.a, self.spec, self.source, Some(comm))
+    }
 }
 
 /// The variants `--profile` asks for.
@@ -308,7 +342,11 @@ impl RowBase<'_> {
 /// configuration, whose KV pages and activation buffers are sized by that configuration's plan.
 struct Runner<'b, 'a, B: Backend> {
     b: &'b B,
+    /// The model one rank runs (the whole model without --tp).
     spec: &'a ModelSpec,
+    /// The whole model, and this rank's group with --tp.
+    whole: &'a ModelSpec,
+    comm: Option<Arc<dyn Communicator<B>>>,
     source: &'a WeightSource,
     variants: &'a [Variant],
     base: RowBase<'a>,
@@ -325,7 +363,10 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
             Some(m) => Ok(m),
             None => {
                 self.pb.set_message("making the weights");
-                Ok(build_model(self.b, self.spec, self.source, None, opts)?)
+                Ok(match &self.comm {
+                    Some(c) => build_rank_model(self.b, self.whole, self.source, None, opts, c.clone())?,
+                    None => build_model(self.b, self.spec, self.source, None, opts)?,
+                })
             }
         }
     }
@@ -402,7 +443,17 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
     }
 }
 
-fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &WeightSource) -> anyhow::Result<()> {
+fn bench_e2e<B: Backend>(
+    b: &B,
+    a: &E2eBenchArgs,
+    whole: &ModelSpec,
+    source: &WeightSource,
+    comm: Option<Arc<dyn Communicator<B>>>,
+) -> anyhow::Result<()> {
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+    // With --tp every rank runs the rank's model (its shapes, KV cache, profile lookup).
+    let rank_spec = crate::tp::rank_spec(whole, world)?;
+    let spec = &rank_spec;
     let info = b.info().clone();
     let cpu = info.backend == BackendKind::Cpu;
     let batches = list("--batch", &a.batch, if cpu { &[1, 2] } else { &[1, 8, 32] })?;
@@ -448,13 +499,19 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         .collect();
     let searches = if a.max_batch_search { prompt_lens.len() } else { 0 };
     let total = (cases.len() + searches) * variants.len() * reuses.len();
-    let pb = ProgressBar::new(total as u64);
+    let pb = if rank == 0 {
+        ProgressBar::new(total as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     if let Ok(style) = ProgressStyle::with_template("{bar:32} {pos}/{len} [{elapsed_precise}] {msg}") {
         pb.set_style(style);
     }
     let mut runner = Runner {
         b,
         spec,
+        whole,
+        comm,
         source,
         variants: &variants,
         base: RowBase {
@@ -504,6 +561,10 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         }
     }
     runner.pb.finish_and_clear();
+    if rank != 0 {
+        // Rank 0 reports for the group.
+        return Ok(());
+    }
     let mut records = runner.records;
     annotate_e2e(&mut records);
 

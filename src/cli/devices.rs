@@ -31,5 +31,10 @@ pub fn run(a: DevicesArgs) -> anyhow::Result<()> {
             );
         }
     }
+    // Tensor parallelism on CUDA needs NCCL (loaded at run time, like the CUDA libraries).
+    match crate::backend::cuda::nccl::Nccl::load() {
+        Ok(n) => println!("nccl: available: {} (for --tp on CUDA)", n.describe()),
+        Err(e) => println!("nccl: unavailable: {e}"),
+    }
     Ok(())
 }
