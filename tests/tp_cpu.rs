@@ -222,3 +222,144 @@ fn a_degree_the_model_cannot_take_is_an_error_naming_the_sizes() {
     let e = rank_spec(&m, 3).unwrap_err().to_string();
     assert!(e.contains("4 attention heads"), "{e}");
 }
+
+/// Rank 1 fails at its `after`-th collective, as a device error would.
+struct FailingComm {
+    inner: HostComm,
+    calls: std::sync::atomic::AtomicUsize,
+    after: usize,
+}
+
+impl FailingComm {
+    fn tick(&self) -> fdpp::Result<()> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.inner.rank() == 1 && n == self.after {
+            return Err(fdpp::FdppError::device("cpu", "injected failure in rank 1"));
+        }
+        Ok(())
+    }
+}
+
+impl Communicator<CpuBackend> for FailingComm {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_reduce_sum(&self, b: &CpuBackend, buf: &mut fdpp::backend::cpu::CpuBuffer, elems: usize) -> fdpp::Result<()> {
+        self.tick()?;
+        self.inner.all_reduce_sum(b, buf, elems)
+    }
+    fn broadcast(&self, b: &CpuBackend, buf: &mut fdpp::backend::cpu::CpuBuffer, elems: usize, root: usize) -> fdpp::Result<()> {
+        self.tick()?;
+        self.inner.broadcast(b, buf, elems, root)
+    }
+    fn abort(&self, why: &str) {
+        self.inner.fail(why);
+    }
+}
+
+#[test]
+fn a_rank_failing_mid_generation_stops_every_rank_with_its_error() {
+    let dir = fixture("llama-gqa");
+    let spec = ModelSpec::resolve(dir.to_str().expect("utf-8")).expect("spec");
+    let prompts = prompts(&dir);
+    let world = 2;
+    // A long timeout: the test must end through the failure, not the wait.
+    let comms = HostComm::group(world, Duration::from_secs(600));
+    let abort = |r: usize, why: &str| comms[r].fail(why);
+    let source = WeightSource::Dir(dir.clone());
+    let t0 = std::time::Instant::now();
+    let res = run_ranks(world, &abort, |rank| {
+        let b = CpuBackend::new();
+        let rspec = rank_spec(&spec, world)?;
+        let (seq, total) = sizes(&prompts);
+        let plan = memory_plan(&b, &rspec, &opts(), &seq, total)?;
+        let comm = Arc::new(FailingComm {
+            inner: comms[rank].clone(),
+            calls: Default::default(),
+            // Mid-way through the first decode step's layers.
+            after: 13,
+        });
+        let model = build_rank_model(&b, &spec, &source, None, &opts(), comm)?;
+        let mut e = Engine::new(model, plan)?;
+        Ok(drive(&mut e, &spec, &prompts, None).batched)
+    });
+    let e = res.expect_err("rank 1 failed").to_string();
+    assert!(e.contains("injected failure in rank 1"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(60));
+}
+
+fn fdpp_cli(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args(args)
+        .output()
+        .expect("run fdpp");
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(!e.contains("panicked"), "{e}");
+    (out.status.success(), o, e)
+}
+
+#[test]
+fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
+    let m = fixture("llama-gqa");
+    let m = m.to_str().expect("utf-8");
+    let run = |tp: &str| {
+        let (ok, out, err) = fdpp_cli(&[
+            "generate", "--model", m, "--backend", "cpu", "--token-ids", "1,15,27,99", "--max-tokens", "6",
+            "--json", "--tp", tp,
+        ]);
+        assert!(ok, "--tp {tp}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+        assert_eq!(v["tp"].as_u64(), Some(tp.parse().expect("tp")));
+        v["seqs"][0]["tokens"].clone()
+    };
+    assert_eq!(run("2"), run("1"));
+    let bad = |extra: &[&str], want: &[&str]| {
+        let mut args = vec!["generate", "--model", m, "--token-ids", "1,2", "--max-tokens", "2"];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = fdpp_cli(&args);
+        assert!(!ok, "{extra:?} should fail");
+        for w in want {
+            assert!(err.contains(w), "{extra:?}: {err}");
+        }
+    };
+    bad(&["--backend", "cpu", "--tp", "0"], &["--tp 0", "at least 1"]);
+    bad(&["--backend", "cpu", "--tp", "3"], &["--tp 3", "4 attention heads"]);
+    bad(&["--backend", "cpu", "--tp", "2", "--devices", "0,1"], &["--devices picks GPUs"]);
+    bad(&["--backend", "rocm", "--tp", "2"], &["RCCL"]);
+    // On this machine without a GPU a CUDA --tp is a clean error (on a GPU machine with one
+    // device, the device count; with two, it runs).
+    let (ok, _, err) = fdpp_cli(&["generate", "--model", m, "--token-ids", "1,2", "--backend", "cuda", "--tp", "2", "--devices", "0,0"]);
+    if !ok {
+        assert!(err.contains("error:"), "{err}");
+    }
+    // The intermediate size: a config whose heads split but whose MLP does not.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let text = std::fs::read_to_string(fixture("llama-gqa").join("config.json")).expect("config");
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).expect("json");
+    cfg["intermediate_size"] = serde_json::json!(250);
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).expect("write config");
+    let (ok, _, err) = fdpp_cli(&[
+        "generate", "--model", tmp.path().to_str().expect("utf-8"), "--random-weights", "--token-ids", "1,2",
+        "--backend", "cpu", "--tp", "4",
+    ]);
+    assert!(!ok && err.contains("--tp 4") && err.contains("intermediate size 250"), "{err}");
+}
+
+#[test]
+fn cli_bench_e2e_runs_with_tp2_and_names_its_rows() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let m = fixture("mistral");
+    let (ok, out, err) = fdpp_cli(&[
+        "bench", "e2e", "--model", m.to_str().expect("utf-8"), "--backend", "cpu", "--tp", "2", "--batch", "1,2",
+        "--prompt-len", "8", "--gen-len", "3", "--format", "csv", "--out", tmp.path().to_str().expect("utf-8"),
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.lines().filter(|l| l.contains(",ok")).count() == 2, "{out}");
+    assert!(tmp.path().join("e2e-mistral-tp2.csv").is_file());
+}
