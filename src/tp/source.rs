@@ -255,15 +255,17 @@ mod tests {
         // A fused slot (ChatGLM2's query_key_value) is cut by the same rows.
         let mut glm = cfg.clone();
         glm.arch = crate::model::ModelArch::ChatGlm;
+        // ChatGLM2 rotates half of each head: a head of 4 (2 rotated).
+        glm.head_dim = 4;
         let gfull = Arch::from_config(&glm).expect("arch");
         let gsrc = Counting(family::names(&gfull).names());
         let grc = super::super::split::rank_config(&glm, 2).expect("rank config");
         let gpart = Arch::from_config(&grc).expect("arch");
         let gs = ShardSource::new(&gsrc, &gfull, &gpart, Split::new(&glm, 1, 2).expect("split")).expect("source");
         let name = "transformer.encoder.layers.0.self_attention.query_key_value.weight";
-        let qkv = gs.load(name, &[8, 8], DType::F16).expect("qkv");
-        // Full rows: q 0..8, k 8..12, v 12..16; rank 1: q 4..8, k 10..12, v 14..16.
-        let want: Vec<u16> = [4..8, 10..12, 14..16]
+        let qkv = gs.load(name, &[16, 8], DType::F16).expect("qkv");
+        // Full rows: q 0..16, k 16..24, v 24..32; rank 1: q 8..16, k 20..24, v 28..32.
+        let want: Vec<u16> = [8..16, 20..24, 28..32]
             .into_iter()
             .flat_map(|r| (r.start * 8..r.end * 8).map(|i| i as u16))
             .collect();
