@@ -32,7 +32,7 @@ fail=0
 IDS="1,15,27,99,3,8,42,7"
 for fx in llama-gqa mistral qwen2-gqa6 qwen2-bias-tied chatglm2 opt; do
     for tp in 1 2; do
-        if ! "$FDPP" generate --model "tests/fixtures/hf/$fx" --backend cuda --token-ids "$IDS" \
+        if ! timeout "${GEN_TIMEOUT:-180}" "$FDPP" generate --model "tests/fixtures/hf/$fx" --backend cuda --token-ids "$IDS" \
             --max-tokens 24 --ignore-eos --json --tp "$tp" >"$OUT/gen-$fx-tp$tp.json" 2>"$OUT/gen-$fx-tp$tp.err"; then
             echo "$fx --tp $tp: FAILED (see $OUT/gen-$fx-tp$tp.err)"; tail -n 3 "$OUT/gen-$fx-tp$tp.err"; fail=1
         fi
@@ -53,7 +53,7 @@ done
 
 echo "== bench e2e llama2-13b random fp16, batch 1 and 32, --tp 1 vs --tp 2"
 for tp in 1 2; do
-    "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp "$tp" \
+    timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp "$tp" \
         --out "$OUT/bench" 2>"$OUT/bench-tp$tp.err" | tee "$OUT/bench-tp$tp.md" || { echo "bench --tp $tp FAILED"; tail -n 5 "$OUT/bench-tp$tp.err"; }
 done
 echo "results in $OUT"

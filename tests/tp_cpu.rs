@@ -42,7 +42,9 @@ struct Prompt {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
 }
 
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
@@ -247,11 +249,22 @@ impl Communicator<CpuBackend> for FailingComm {
     fn world(&self) -> usize {
         self.inner.world()
     }
-    fn all_reduce_sum(&self, b: &CpuBackend, buf: &mut fdpp::backend::cpu::CpuBuffer, elems: usize) -> fdpp::Result<()> {
+    fn all_reduce_sum(
+        &self,
+        b: &CpuBackend,
+        buf: &mut fdpp::backend::cpu::CpuBuffer,
+        elems: usize,
+    ) -> fdpp::Result<()> {
         self.tick()?;
         self.inner.all_reduce_sum(b, buf, elems)
     }
-    fn broadcast(&self, b: &CpuBackend, buf: &mut fdpp::backend::cpu::CpuBuffer, elems: usize, root: usize) -> fdpp::Result<()> {
+    fn broadcast(
+        &self,
+        b: &CpuBackend,
+        buf: &mut fdpp::backend::cpu::CpuBuffer,
+        elems: usize,
+        root: usize,
+    ) -> fdpp::Result<()> {
         self.tick()?;
         self.inner.broadcast(b, buf, elems, root)
     }
@@ -310,8 +323,18 @@ fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
     let m = m.to_str().expect("utf-8");
     let run = |tp: &str| {
         let (ok, out, err) = fdpp_cli(&[
-            "generate", "--model", m, "--backend", "cpu", "--token-ids", "1,15,27,99", "--max-tokens", "6",
-            "--json", "--tp", tp,
+            "generate",
+            "--model",
+            m,
+            "--backend",
+            "cpu",
+            "--token-ids",
+            "1,15,27,99",
+            "--max-tokens",
+            "6",
+            "--json",
+            "--tp",
+            tp,
         ]);
         assert!(ok, "--tp {tp}: {err}");
         let v: serde_json::Value = serde_json::from_str(&out).expect("json");
@@ -330,11 +353,26 @@ fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
     };
     bad(&["--backend", "cpu", "--tp", "0"], &["--tp 0", "at least 1"]);
     bad(&["--backend", "cpu", "--tp", "3"], &["--tp 3", "4 attention heads"]);
-    bad(&["--backend", "cpu", "--tp", "2", "--devices", "0,1"], &["--devices picks GPUs"]);
+    bad(
+        &["--backend", "cpu", "--tp", "2", "--devices", "0,1"],
+        &["--devices picks GPUs"],
+    );
     bad(&["--backend", "rocm", "--tp", "2"], &["RCCL"]);
     // On this machine without a GPU a CUDA --tp is a clean error (on a GPU machine with one
     // device, the device count; with two, it runs).
-    let (ok, _, err) = fdpp_cli(&["generate", "--model", m, "--token-ids", "1,2", "--backend", "cuda", "--tp", "2", "--devices", "0,0"]);
+    let (ok, _, err) = fdpp_cli(&[
+        "generate",
+        "--model",
+        m,
+        "--token-ids",
+        "1,2",
+        "--backend",
+        "cuda",
+        "--tp",
+        "2",
+        "--devices",
+        "0,0",
+    ]);
     if !ok {
         assert!(err.contains("error:"), "{err}");
     }
@@ -345,10 +383,21 @@ fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
     cfg["intermediate_size"] = serde_json::json!(250);
     std::fs::write(tmp.path().join("config.json"), cfg.to_string()).expect("write config");
     let (ok, _, err) = fdpp_cli(&[
-        "generate", "--model", tmp.path().to_str().expect("utf-8"), "--random-weights", "--token-ids", "1,2",
-        "--backend", "cpu", "--tp", "4",
+        "generate",
+        "--model",
+        tmp.path().to_str().expect("utf-8"),
+        "--random-weights",
+        "--token-ids",
+        "1,2",
+        "--backend",
+        "cpu",
+        "--tp",
+        "4",
     ]);
-    assert!(!ok && err.contains("--tp 4") && err.contains("intermediate size 250"), "{err}");
+    assert!(
+        !ok && err.contains("--tp 4") && err.contains("intermediate size 250"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -356,8 +405,24 @@ fn cli_bench_e2e_runs_with_tp2_and_names_its_rows() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let m = fixture("mistral");
     let (ok, out, err) = fdpp_cli(&[
-        "bench", "e2e", "--model", m.to_str().expect("utf-8"), "--backend", "cpu", "--tp", "2", "--batch", "1,2",
-        "--prompt-len", "8", "--gen-len", "3", "--format", "csv", "--out", tmp.path().to_str().expect("utf-8"),
+        "bench",
+        "e2e",
+        "--model",
+        m.to_str().expect("utf-8"),
+        "--backend",
+        "cpu",
+        "--tp",
+        "2",
+        "--batch",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--format",
+        "csv",
+        "--out",
+        tmp.path().to_str().expect("utf-8"),
     ]);
     assert!(ok, "{err}");
     assert!(out.lines().filter(|l| l.contains(",ok")).count() == 2, "{out}");

@@ -16,7 +16,9 @@ use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::e2e::{case_plan, max_batch, memory_need, run_case, E2eCase, E2eMeasure, MemoryNeed};
 use crate::dtype::DType;
-use crate::engine::build::{build_model, build_rank_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::build::{
+    build_model, build_rank_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource,
+};
 use crate::engine::forward::Llama;
 use crate::engine::linear::LinearPlanner;
 use crate::engine::memory::{gib, MemoryPlan};
@@ -26,11 +28,11 @@ use crate::model::llama::{check_supported, ModelSpec};
 use crate::ops::attention::SoftmaxScheme;
 use crate::profile::Profile;
 use crate::provenance::BuildInfo;
-use crate::tp::Communicator;
 use crate::report::e2e::{
     annotate_e2e, e2e_table, highest_throughput, write_e2e_report, E2eRecord, KIND_MAX_BATCH, KIND_SWEEP, NO_PROFILE,
     STATUS_FAILED, STATUS_NO_FIT, STATUS_OK, STATUS_REFUSED, WITH_PROFILE,
 };
+use crate::tp::Communicator;
 
 /// `--reuse`: activation buffers reused across layers, one per op, or both (for the ratio).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -34,6 +34,7 @@ pub fn run(a: DevicesArgs) -> anyhow::Result<()> {
     // Tensor parallelism on CUDA needs NCCL (loaded at run time, like the CUDA libraries).
     match crate::backend::cuda::nccl::Nccl::load() {
         Ok(n) => println!("nccl: available: {} (for --tp on CUDA)", n.describe()),
+        Err(crate::error::FdppError::BackendUnavailable { reason, .. }) => println!("nccl: unavailable: {reason}"),
         Err(e) => println!("nccl: unavailable: {e}"),
     }
     Ok(())

@@ -316,7 +316,11 @@ mod tests {
             c.all_reduce_bits(DType::F16, &mut [0u16; 4])
         });
         assert!(t0.elapsed() < Duration::from_secs(5));
-        let errs: Vec<String> = outs.iter().filter_map(|o| o.as_ref().err()).map(|e| e.to_string()).collect();
+        let errs: Vec<String> = outs
+            .iter()
+            .filter_map(|o| o.as_ref().err())
+            .map(|e| e.to_string())
+            .collect();
         assert_eq!(errs.len(), 2);
         assert!(errs.iter().any(|e| e.contains("rank(s) 1 did not reach")), "{errs:?}");
     }
@@ -345,6 +349,8 @@ mod tests {
             let mut bits = vec![0u16; 2 + c.rank()];
             c.all_reduce_bits(DType::F16, &mut bits)
         });
-        assert!(outs.iter().all(|o| o.as_ref().is_err_and(|e| e.to_string().contains("out of step"))));
+        assert!(outs
+            .iter()
+            .all(|o| o.as_ref().is_err_and(|e| e.to_string().contains("out of step"))));
     }
 }

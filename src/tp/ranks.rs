@@ -73,7 +73,11 @@ pub fn run_ranks<T: Send>(
             .collect()
     });
     let mut failures = failures.into_inner().unwrap_or_else(|p| p.into_inner());
-    if let Some(i) = failures.iter().position(|e| !is_echo(e)).or((!failures.is_empty()).then_some(0)) {
+    if let Some(i) = failures
+        .iter()
+        .position(|e| !is_echo(e))
+        .or((!failures.is_empty()).then_some(0))
+    {
         return Err(failures.swap_remove(i));
     }
     outs.into_iter()
@@ -106,7 +110,10 @@ mod tests {
             Ok(rank)
         });
         let e = res.expect_err("a rank failed").to_string();
-        assert!(e.contains("rank 1 cannot load") && !e.contains("stopped because"), "{e}");
+        assert!(
+            e.contains("rank 1 cannot load") && !e.contains("stopped because"),
+            "{e}"
+        );
         // A panic is a failure like any other.
         let comms = HostComm::group(2, Duration::from_secs(30));
         let abort = |r: usize, why: &str| comms[r].fail(why);

@@ -72,19 +72,34 @@ fn internal(what: String) -> FdppError {
 
 /// Row selection of a slot, tensor by tensor: the slot's rows are its tensors' rows one after
 /// the other, in the full model and in the rank's.
-fn cut_rows(full: &Stack, part: &Stack, sel: &[Range<usize>], cuts: &mut HashMap<String, (Vec<usize>, Cut)>) -> Result<()> {
+fn cut_rows(
+    full: &Stack,
+    part: &Stack,
+    sel: &[Range<usize>],
+    cuts: &mut HashMap<String, (Vec<usize>, Cut)>,
+) -> Result<()> {
     let rows: Vec<usize> = sel.iter().flat_map(Clone::clone).collect();
     let (mut f0, mut p0) = (0usize, 0usize);
     for ((name, fshape), (pname, pshape)) in full.iter().zip(part) {
         if name != pname {
             return Err(internal(format!("slot tensors differ: {name} and {pname}")));
         }
-        let (fr, pr) = (fshape.first().copied().unwrap_or(1), pshape.first().copied().unwrap_or(1));
-        let mine = rows
-            .get(p0..p0 + pr)
-            .ok_or_else(|| internal(format!("{name}: rows {p0}..{} of a selection of {}", p0 + pr, rows.len())))?;
+        let (fr, pr) = (
+            fshape.first().copied().unwrap_or(1),
+            pshape.first().copied().unwrap_or(1),
+        );
+        let mine = rows.get(p0..p0 + pr).ok_or_else(|| {
+            internal(format!(
+                "{name}: rows {p0}..{} of a selection of {}",
+                p0 + pr,
+                rows.len()
+            ))
+        })?;
         if let Some(r) = mine.iter().find(|r| !(f0..f0 + fr).contains(*r)) {
-            return Err(internal(format!("{name}: slot row {r} outside its rows {f0}..{}", f0 + fr)));
+            return Err(internal(format!(
+                "{name}: slot row {r} outside its rows {f0}..{}",
+                f0 + fr
+            )));
         }
         cuts.insert(
             name.clone(),
@@ -114,7 +129,12 @@ fn ranges(idx: impl Iterator<Item = usize>) -> Vec<Range<usize>> {
     out
 }
 
-fn cut_cols(full: &Stack, part: &Stack, cols: Range<usize>, cuts: &mut HashMap<String, (Vec<usize>, Cut)>) -> Result<()> {
+fn cut_cols(
+    full: &Stack,
+    part: &Stack,
+    cols: Range<usize>,
+    cuts: &mut HashMap<String, (Vec<usize>, Cut)>,
+) -> Result<()> {
     match (full.as_slice(), part.as_slice()) {
         ([(name, fshape)], [(_, pshape)]) if fshape.len() == 2 && cols.end <= fshape[1] => {
             cuts.insert(
@@ -138,7 +158,12 @@ fn cut_cols(full: &Stack, part: &Stack, cols: Range<usize>, cuts: &mut HashMap<S
 
 impl TensorSource for ShardSource<'_> {
     fn describe(&self) -> String {
-        format!("{} (rank {} of {})", self.inner.describe(), self.split.rank, self.split.world)
+        format!(
+            "{} (rank {} of {})",
+            self.inner.describe(),
+            self.split.rank,
+            self.split.world
+        )
     }
 
     fn names(&self) -> Vec<String> {
@@ -235,18 +260,28 @@ mod tests {
         let split = Split::new(&cfg, 1, 2).expect("split");
         let s = ShardSource::new(&src, &full, &part, split).expect("source");
         // q: heads 2, 3 of 2 elements → rows 4..8 of [8, 8].
-        let q = s.load("model.layers.0.self_attn.q_proj.weight", &[4, 8], DType::F16).expect("q");
+        let q = s
+            .load("model.layers.0.self_attn.q_proj.weight", &[4, 8], DType::F16)
+            .expect("q");
         assert_eq!(q, (32..64).collect::<Vec<u16>>());
         // k: KV head 1 → rows 2..4 of [4, 8].
-        let k = s.load("model.layers.0.self_attn.k_proj.weight", &[2, 8], DType::F16).expect("k");
+        let k = s
+            .load("model.layers.0.self_attn.k_proj.weight", &[2, 8], DType::F16)
+            .expect("k");
         assert_eq!(k, (16..32).collect::<Vec<u16>>());
         // O: columns 4..8 of [8, 8].
-        let o = s.load("model.layers.0.self_attn.o_proj.weight", &[8, 4], DType::F16).expect("o");
+        let o = s
+            .load("model.layers.0.self_attn.o_proj.weight", &[8, 4], DType::F16)
+            .expect("o");
         assert_eq!(&o[..8], &[4, 5, 6, 7, 12, 13, 14, 15]);
         // up: rows 3..6 of [6, 8]; down: columns 3..6 of [8, 6].
-        let up = s.load("model.layers.0.mlp.up_proj.weight", &[3, 8], DType::F16).expect("up");
+        let up = s
+            .load("model.layers.0.mlp.up_proj.weight", &[3, 8], DType::F16)
+            .expect("up");
         assert_eq!(up, (24..48).collect::<Vec<u16>>());
-        let down = s.load("model.layers.0.mlp.down_proj.weight", &[8, 3], DType::F16).expect("down");
+        let down = s
+            .load("model.layers.0.mlp.down_proj.weight", &[8, 3], DType::F16)
+            .expect("down");
         assert_eq!(&down[..6], &[3, 4, 5, 9, 10, 11]);
         // Replicated: the embedding whole.
         assert_eq!(s.shape("model.embed_tokens.weight").expect("embed"), vec![16, 8]);
@@ -271,7 +306,11 @@ mod tests {
             .collect();
         assert_eq!(qkv, want);
         let ffn1 = gs
-            .load("transformer.encoder.layers.0.mlp.dense_h_to_4h.weight", &[6, 8], DType::F16)
+            .load(
+                "transformer.encoder.layers.0.mlp.dense_h_to_4h.weight",
+                &[6, 8],
+                DType::F16,
+            )
             .expect("ffn1");
         let want: Vec<u16> = [3..6, 9..12]
             .into_iter()

@@ -65,7 +65,10 @@ pub fn check(cfg: &ModelConfig, world: usize) -> Result<()> {
 }
 
 fn divisors(n: usize) -> Vec<String> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).map(|d| d.to_string()).collect()
+    (1..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect()
 }
 
 /// The model one rank of `world` runs: 1/world of the heads and of the intermediate size, at
@@ -232,7 +235,9 @@ mod tests {
         assert_eq!(s.o_cols(), 8..16);
         assert_eq!(s.ffn2_cols(), 4..8);
         // 4 ranks over 2 KV heads: ranks 0, 1 read KV head 0, ranks 2, 3 KV head 1.
-        let kv: Vec<_> = (0..4).map(|r| Split::new(&c, r, 4).expect("split").kv_heads()).collect();
+        let kv: Vec<_> = (0..4)
+            .map(|r| Split::new(&c, r, 4).expect("split").kv_heads())
+            .collect();
         assert_eq!(kv, vec![0..1, 0..1, 1..2, 1..2]);
         let mut plain = c.clone();
         plain.gated_ffn = false;
@@ -245,7 +250,10 @@ mod tests {
         let e = err(32, 8, 64, 0);
         assert!(e.contains("--tp 0") && e.contains("at least 1"), "{e}");
         let e = err(32, 8, 64, 3);
-        assert!(e.contains("--tp 3") && e.contains("32 attention heads") && e.contains("1, 2, 4, 8, 16, 32"), "{e}");
+        assert!(
+            e.contains("--tp 3") && e.contains("32 attention heads") && e.contains("1, 2, 4, 8, 16, 32"),
+            "{e}"
+        );
         let e = err(32, 8, 60, 8);
         assert!(e.contains("intermediate size 60"), "{e}");
         let e = err(12, 3, 64, 4);

@@ -5,7 +5,8 @@
 //!
 //! Where the library is looked for: `$FDPP_NCCL_LIB` (a file), then the loader's own search
 //! (LD_LIBRARY_PATH, ldconfig), then the `nvidia/nccl/lib` directory of the pip wheel
-//! nvidia-nccl-cu12/13 that PyTorch installs, under the usual Python prefixes.
+//! nvidia-nccl-cu12/13 that PyTorch installs, under the usual Python prefixes and the
+//! environment of the `python3` on PATH.
 //!
 //! NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is set before the first
 //! communicator is made, whatever the environment said (the device machines' KINDS.md: NVLS
@@ -91,12 +92,27 @@ fn wheel_candidates() -> Vec<PathBuf> {
     if let Some(h) = std::env::var_os("HOME") {
         roots.push(PathBuf::from(h).join(".local/lib"));
     }
+    // The environment of the `python3` on PATH (a venv's bin/ beside its lib/): where PyTorch's
+    // wheels put NCCL on a machine whose torch lives in a venv that is not activated.
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if dir.join("python3").is_file() {
+                if let Some(env) = dir.parent() {
+                    roots.push(env.join("lib"));
+                }
+            }
+        }
+    }
+    roots.dedup();
     let mut out = Vec::new();
     for root in roots {
         let Ok(rd) = std::fs::read_dir(&root) else { continue };
         let mut pythons: Vec<PathBuf> = rd
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3")))
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("python3"))
+            })
             .collect();
         pythons.sort();
         for py in pythons {
@@ -281,7 +297,14 @@ unsafe impl Sync for NcclRank {}
 impl NcclRank {
     /// Join the group of `id` as `rank` of `world` on `b`'s device. Every rank must call this
     /// at the same time (it returns when all have joined).
-    pub fn init(nccl: Arc<Nccl>, group: Arc<Group>, b: &CudaBackend, id: UniqueId, rank: usize, world: usize) -> Result<Self> {
+    pub fn init(
+        nccl: Arc<Nccl>,
+        group: Arc<Group>,
+        b: &CudaBackend,
+        id: UniqueId,
+        rank: usize,
+        world: usize,
+    ) -> Result<Self> {
         // NCCL takes the device from the calling thread's current context.
         b.ctx.bind_to_thread().map_err(super::drv("cuCtxSetCurrent"))?;
         let mut comm: NcclComm = std::ptr::null_mut();
