@@ -126,9 +126,17 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
             );
             let id = nccl.unique_id()?;
             let group = Group::new();
-            let abort = |r: usize, why: &str| group.abort(&nccl, r, why);
+            // ncclCommInitRank waits for every rank and has no timeout: the ranks first meet at a
+            // host barrier once their device is open, so a rank that cannot open its GPU stops
+            // the others there instead of leaving them in NCCL's init.
+            let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
+            let abort = |r: usize, why: &str| {
+                gate[r].fail(why);
+                group.abort(&nccl, r, why);
+            };
             run_ranks(world, &abort, |rank| {
                 let b = CudaBackend::open(devices[rank])?;
+                gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
                 let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, rank, world)?;
                 job.run(&b, Arc::new(comm)).map_err(|e| to_fdpp(rank, e))
             })?;
