@@ -8,6 +8,7 @@
 #      its own shard.
 #   3. Speed: `bench e2e --tp 1` and `--tp 2` on Llama-2-13B with random fp16 weights, batch 1
 #      and 32 (TP 2 vs TP 1, issue #22's performance list).
+#   4. The same with `--set tp_graphs=1` (the all-reduces captured in the decode graph).
 #
 # Usage: scripts/tp_gpu_check.sh [OUT_DIR]   (FDPP=path/to/fdpp, default target/release/fdpp;
 # FDPP_NCCL_LIB=/path/libnccl.so.2 when NCCL is not on the loader's path or in pip's
@@ -56,5 +57,15 @@ for tp in 1 2; do
     timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp "$tp" \
         --out "$OUT/bench" 2>"$OUT/bench-tp$tp.err" | tee "$OUT/bench-tp$tp.md" || { echo "bench --tp $tp FAILED"; tail -n 5 "$OUT/bench-tp$tp.err"; }
 done
+echo "== the same at --tp 2 with the all-reduces captured in the decode graph (tp_graphs=1)"
+if timeout "${GEN_TIMEOUT:-180}" "$FDPP" generate --model tests/fixtures/hf/llama-gqa --backend cuda --token-ids "$IDS" \
+    --max-tokens 24 --ignore-eos --json --tp 2 --set tp_graphs=1 >"$OUT/gen-graphs-tp2.json" 2>"$OUT/gen-graphs-tp2.err"; then
+    python3 -c 'import json,sys; a,b=(json.load(open(p))["seqs"][0]["tokens"] for p in sys.argv[1:3]); g=json.load(open(sys.argv[2])).get("decode_graphs"); print("tp_graphs=1:", "tokens identical" if a==b else f"DIFFER tp1 {a} graphs {b}", "graphs", g)' \
+        "$OUT/gen-llama-gqa-tp1.json" "$OUT/gen-graphs-tp2.json"
+    timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp 2 \
+        --set tp_graphs=1 --out "$OUT/bench-graphs" 2>"$OUT/bench-graphs-tp2.err" | tee "$OUT/bench-graphs-tp2.md"
+else
+    echo "tp_graphs=1: FAILED"; tail -n 5 "$OUT/gen-graphs-tp2.err"
+fi
 echo "results in $OUT"
 exit "$fail"

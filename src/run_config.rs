@@ -39,6 +39,7 @@ pub enum Key {
     HiprtcLib,
     RocblasLib,
     GemmFallback,
+    TpGraphs,
 }
 
 /// What a switch is.
@@ -81,6 +82,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "1",
         kind: Kind::Behaviour,
         what: "a fused decode step computes silu(gate)·up inside the FFN1 GEMV",
+    },
+    KeyInfo {
+        key: Key::TpGraphs,
+        name: "tp_graphs",
+        env: "FDPP_TP_GRAPHS",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "with --tp, capture the decode layers' NCCL all-reduces in the CUDA graph (off: graphs are off with --tp)",
     },
     KeyInfo {
         key: Key::Graphs,
@@ -444,7 +454,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 24);
+        assert_eq!(KEYS.len(), 25);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

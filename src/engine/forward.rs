@@ -257,8 +257,9 @@ impl<'b, B: Backend> Model<'b, B> {
             && self.score_stats.borrow().is_none()
             && !self.op_times.on()
             && self.b.graph_counts().is_some()
-            // The collectives run eagerly between layers (no NCCL capture in the graph yet).
-            && self.comm.is_none()
+            // With tp the collectives run eagerly between layers unless `tp_graphs` captures
+            // them too (NCCL ops are capturable; the capture is thread-local per rank).
+            && (self.comm.is_none() || crate::run_config::get().set_on(Key::TpGraphs))
     }
 
     /// The step's block tables; in a graph-replayed step the stride is rounded up (it is a

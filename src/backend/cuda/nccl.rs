@@ -12,8 +12,10 @@
 //! communicator is made, whatever the environment said (the device machines' KINDS.md: NVLS
 //! needs the fabric manager's multicast objects, which these machines do not lend).
 //!
-//! The collectives run eagerly: `Model` keeps CUDA graphs off when tp > 1 (capturing
-//! ncclAllReduce in the decode graph is the next step, issue #22 item 2).
+//! The collectives run eagerly: `Model` keeps CUDA graphs off when tp > 1, unless
+//! `--set tp_graphs=1` (FDPP_TP_GRAPHS=1), which lets the decode graph capture layers 1..'s
+//! all-reduces with their kernels (issue #22 item 2; NCCL supports stream capture, and the
+//! backend's capture mode is thread-local, so ranks capture at the same time). Not yet run.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
