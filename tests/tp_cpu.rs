@@ -423,3 +423,14 @@ fn cli_bench_e2e_runs_with_tp2_and_names_its_rows() {
     assert!(out.lines().filter(|l| l.contains(",ok")).count() == 2, "{out}");
     assert!(tmp.path().join("e2e-mistral-tp2.csv").is_file());
 }
+
+#[test]
+fn cli_devices_says_whether_nccl_is_there() {
+    let (ok, out, err) = fdpp_cli(&["devices"]);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with("nccl: ")).expect("an nccl line");
+    assert!(
+        line.starts_with("nccl: available: 2.") || (line.contains("unavailable") && line.contains("FDPP_NCCL_LIB")),
+        "{line}"
+    );
+}

@@ -12,6 +12,7 @@ pub mod jit;
 pub mod launch;
 pub mod layer;
 pub mod nccl;
+pub mod peer;
 pub mod prefill_hopper;
 pub mod probe;
 pub mod sample;
