@@ -205,7 +205,8 @@ impl super::tp::RankJob for BenchJob<'_> {
 }
 
 /// The variants `--profile` asks for.
-fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Result<Vec<Variant>> {
+/// `lead`: this process prints the notes (rank 0 of a tensor-parallel group, or the only one).
+fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, lead: bool) -> anyhow::Result<Vec<Variant>> {
     let with = |profile: Profile, path: PathBuf| -> anyhow::Result<Variant> {
         let (scheme, layer_schemes, softmax) = softmax_setup(a.softmax, Some(&profile), spec.cfg.num_layers)?;
         Ok(Variant {
@@ -229,7 +230,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
     let out = match a.profile.as_deref() {
         Some("both") => {
             let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             let Some(f) = found else {
                 bail!(
                     "--profile both: no profile at {} nor any of this model's shapes beside it; run `fdpp tune --model {}` first, or pass --profile FILE --compare-none",
@@ -241,7 +244,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
         }
         None => {
             let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             match found {
                 Some(f) => vec![with(f.profile, f.path)?, none()],
                 None => vec![none()],
@@ -249,7 +254,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
         }
         arg => {
             let (found, note) = find_profile(b, arg, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             match found {
                 Some(f) if a.compare_none => vec![with(f.profile, f.path)?, none()],
                 Some(f) => vec![with(f.profile, f.path)?],
@@ -257,7 +264,7 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
             }
         }
     };
-    for v in &out {
+    for v in out.iter().filter(|_| lead) {
         eprintln!(
             "variant {}: {}; {}",
             v.label,
@@ -461,7 +468,7 @@ fn bench_e2e<B: Backend>(
     let batches = list("--batch", &a.batch, if cpu { &[1, 2] } else { &[1, 8, 32] })?;
     let prompt_lens = list("--prompt-len", &a.prompt_len, if cpu { &[16] } else { &[1024] })?;
     let gen_len = a.gen_len.unwrap_or(if cpu { 8 } else { 128 });
-    let variants = variants(b, a, spec)?;
+    let variants = variants(b, a, spec, rank == 0)?;
     let reuses = reuse_list(a);
     let opts_for = |reuse: bool| EngineOptions {
         dtype: a.dtype,
