@@ -6,6 +6,8 @@
 //! prefill). The fixtures cover split KV heads (llama-gqa at tp 2), KV heads replicated over ranks (qwen2-gqa6, qwen2-bias-tied, llama-gqa at tp 4),
 //! biases on QKV, O and the MLP (opt, qwen2-bias-tied), fused QKV and gate/up (chatglm2).
 
+mod gguf_common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -433,4 +435,52 @@ fn cli_devices_says_whether_nccl_is_there() {
         line.starts_with("nccl: available: 2.") || (line.contains("unavailable") && line.contains("FDPP_NCCL_LIB")),
         "{line}"
     );
+}
+
+#[test]
+fn a_gguf_llama_splits_after_its_qk_rows_are_unpermuted() {
+    // llama.cpp's converter interleaves each head's Q/K rows; a rank's slices are taken after the
+    // GGUF store restores HF's order with the whole model's head counts. (The tiny GGUF's heads
+    // of 16 are below what the engine's attention runs, so the slices are compared directly.)
+    use fdpp::model::arch::Arch;
+    use fdpp::model::gguf::{GgufFile, GgufStore};
+    use fdpp::model::weights::TensorSource;
+    use fdpp::tp::source::ShardSource;
+    use fdpp::tp::Split;
+    let (w, expected) = gguf_common::tiny_model("llama");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let path = w.write(tmp.path(), "tiny-llama.gguf");
+    let spec = ModelSpec::resolve(path.to_str().expect("utf-8")).expect("spec");
+    let cfg = &spec.cfg;
+    let dt = fdpp::dtype::DType::F16;
+    for world in [2, 4] {
+        for rank in 0..world {
+            let file = GgufFile::open(&path).expect("gguf");
+            let store = GgufStore::new(file, true, cfg.num_heads, cfg.num_kv_heads).expect("store");
+            let full = Arch::from_config(cfg).expect("arch");
+            let part = Arch::from_config(&rank_spec(&spec, world).expect("rank spec").cfg).expect("arch");
+            let split = Split::new(cfg, rank, world).expect("split");
+            let src = ShardSource::new(&store, &full, &part, split.clone()).expect("shard source");
+            let qkv = split.qkv_rows();
+            for (name, rows) in [("q_proj", &qkv[0]), ("k_proj", &qkv[1])] {
+                let hf = format!("model.layers.1.self_attn.{name}.weight");
+                let (_, shape, vals) = expected.iter().find(|(n, _, _)| *n == hf).expect("expected tensor");
+                let cols = shape[1];
+                // k rows in the QKV slot start after the q rows.
+                let base = if name == "k_proj" {
+                    cfg.num_heads * cfg.head_dim
+                } else {
+                    0
+                };
+                let want: Vec<f32> = vals[(rows.start - base) * cols..(rows.end - base) * cols].to_vec();
+                let got = src.load(&hf, &[rows.len(), cols], dt).expect("load");
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (dt.to_f32(*g) - w).abs() <= 1e-3 * w.abs().max(1e-2),
+                        "{hf} rank {rank}/{world}"
+                    );
+                }
+            }
+        }
+    }
 }
