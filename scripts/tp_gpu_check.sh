@@ -8,7 +8,9 @@
 #      its own shard.
 #   3. Speed: `bench e2e --tp 1` and `--tp 2` on Llama-2-13B with random fp16 weights, batch 1
 #      and 32 (TP 2 vs TP 1, issue #22's performance list).
-#   4. The same with `--set tp_graphs=1` (the all-reduces captured in the decode graph).
+#   4. The opt-in fast paths at --tp 2: `--set tp_graphs=1` (the all-reduces captured in the
+#      decode graph), `--set tp_fused=1` (the fused decode layer, the residual all-reduced), and
+#      both: tokens against --tp 1 on llama-gqa, then the 13B bench with both.
 #
 # Usage: scripts/tp_gpu_check.sh [OUT_DIR]   (FDPP=path/to/fdpp, default target/release/fdpp;
 # FDPP_NCCL_LIB=/path/libnccl.so.2 when NCCL is not on the loader's path or in pip's
@@ -57,15 +59,23 @@ for tp in 1 2; do
     timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp "$tp" \
         --out "$OUT/bench" 2>"$OUT/bench-tp$tp.err" | tee "$OUT/bench-tp$tp.md" || { echo "bench --tp $tp FAILED"; tail -n 5 "$OUT/bench-tp$tp.err"; }
 done
-echo "== the same at --tp 2 with the all-reduces captured in the decode graph (tp_graphs=1)"
-if timeout "${GEN_TIMEOUT:-180}" "$FDPP" generate --model tests/fixtures/hf/llama-gqa --backend cuda --token-ids "$IDS" \
-    --max-tokens 24 --ignore-eos --json --tp 2 --set tp_graphs=1 >"$OUT/gen-graphs-tp2.json" 2>"$OUT/gen-graphs-tp2.err"; then
-    python3 -c 'import json,sys; a,b=(json.load(open(p))["seqs"][0]["tokens"] for p in sys.argv[1:3]); g=json.load(open(sys.argv[2])).get("decode_graphs"); print("tp_graphs=1:", "tokens identical" if a==b else f"DIFFER tp1 {a} graphs {b}", "graphs", g)' \
-        "$OUT/gen-llama-gqa-tp1.json" "$OUT/gen-graphs-tp2.json"
-    timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp 2 \
-        --set tp_graphs=1 --out "$OUT/bench-graphs" 2>"$OUT/bench-graphs-tp2.err" | tee "$OUT/bench-graphs-tp2.md"
-else
-    echo "tp_graphs=1: FAILED"; tail -n 5 "$OUT/gen-graphs-tp2.err"
-fi
+echo "== --tp 2 with the opt-in fast paths: tokens against --tp 1 (llama-gqa), then the bench"
+# tp_graphs=1: the decode graph captures the all-reduces; tp_fused=1: the fused decode layer
+# (the residual all-reduced). Without a profile CUDA's built-in rule runs gemv at decode M, which
+# is what the fused layer needs.
+for sets in "tp_graphs=1" "tp_fused=1" "tp_graphs=1 tp_fused=1"; do
+    tag="${sets// /_}"; tag="${tag//=/}"
+    args=(); for kv in $sets; do args+=(--set "$kv"); done
+    if timeout "${GEN_TIMEOUT:-180}" "$FDPP" generate --model tests/fixtures/hf/llama-gqa --backend cuda --token-ids "$IDS" \
+        --max-tokens 24 --ignore-eos --json --tp 2 "${args[@]}" >"$OUT/gen-$tag.json" 2>"$OUT/gen-$tag.err"; then
+        python3 -c 'import json,sys; a,b=(json.load(open(p))["seqs"][0]["tokens"] for p in sys.argv[1:3]); g=json.load(open(sys.argv[2])).get("decode_graphs"); print(sys.argv[3]+":", "tokens identical" if a==b else f"DIFFER tp1 {a} vs {b}", "| decode graphs", g)' \
+            "$OUT/gen-llama-gqa-tp1.json" "$OUT/gen-$tag.json" "$sets" || fail=1
+    else
+        echo "$sets: FAILED"; tail -n 5 "$OUT/gen-$tag.err"; fail=1
+    fi
+done
+timeout "${BENCH_TIMEOUT:-240}" "$FDPP" bench e2e --model llama2-13b --random-weights --backend cuda --batch 1,32 --tp 2 \
+    --set tp_graphs=1 --set tp_fused=1 --out "$OUT/bench-fast" 2>"$OUT/bench-fast-tp2.err" \
+    | tee "$OUT/bench-fast-tp2.md" || { echo "bench tp_graphs=1 tp_fused=1 FAILED"; tail -n 5 "$OUT/bench-fast-tp2.err"; }
 echo "results in $OUT"
 exit "$fail"

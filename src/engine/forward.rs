@@ -222,9 +222,11 @@ impl<'b, B: Backend> Model<'b, B> {
         let graphs = self.graphs_on(kind);
         let tables = self.block_tables(kv, seqs, graphs)?;
         let gemms = self.linears.step(t, inp.wanted_rows.len().max(1));
-        // The fused layer adds O and FFN2 into the residual inside the GEMV, before a
-        // tensor-parallel all-reduce could sum the ranks' partial outputs: unfused with tp.
-        let fused = self.folded && self.comm.is_none() && self.fusable(&gemms, t);
+        // The fused layer adds O and FFN2 into the residual inside the GEMV. With tp that needs
+        // the residual itself all-reduced (`residual_out`), which `tp_fused` turns on; else
+        // the layers run unfused and the O/FFN2 outputs are reduced before the norm's add.
+        let tp_fused = self.comm.is_none() || crate::run_config::get().set_on(Key::TpFused);
+        let fused = self.folded && tp_fused && self.fusable(&gemms, t);
         self.op_times.start(self.b, kind.tag())?;
         self.embed(&inp, want, acts)?;
         let attn = Attn::new(kind, self.geom, self.dtype, self.scheme, tables, inp.new_lens.clone());
@@ -570,7 +572,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, qd) = (self.arch.hidden, self.arch.q_width());
         if a.fused {
-            self.gemm_residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
+            self.residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
         } else {
             self.gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
             self.bias_act(t, h, Activation::None, acts, s.o, w.o_bias.as_ref())?;
@@ -631,7 +633,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, inter) = (self.arch.hidden, self.arch.inter);
         if a.fused {
-            self.gemm_residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
+            self.residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
             self.gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
             self.bias_act(t, h, Activation::None, acts, s.ffn2, w.ffn2_bias.as_ref())?;
@@ -699,6 +701,35 @@ impl<'b, B: Backend> Model<'b, B> {
         let dims = GemmDims::new(m, n, k)?;
         let [r, y] = acts.many([residual, y])?;
         self.b.gemm_rms_in(spec, dims, self.arch.eps as f32, r, w, y)
+    }
+
+    /// residual += x · Wᵀ over the whole group (a fused step). With tp, rank 0 adds its partial
+    /// product into the residual and the other ranks overwrite theirs with their partials, so
+    /// the sum over ranks of that buffer is residual + Σ partials: one all-reduce of the
+    /// residual, and the next fused GEMV reads it as it is.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_out(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+        residual: usize,
+    ) -> Result<()> {
+        match &self.comm {
+            None => self.gemm_residual_out(spec, m, n, k, acts, x, w, residual),
+            Some(c) => {
+                if c.rank() == 0 {
+                    self.gemm_residual_out(spec, m, n, k, acts, x, w, residual)?;
+                } else {
+                    self.gemm(spec, m, n, k, acts, x, w, residual)?;
+                }
+                self.all_reduce(m * n, acts, residual)
+            }
+        }
     }
 
     /// residual += x · Wᵀ (a fused step).
