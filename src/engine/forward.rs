@@ -24,6 +24,12 @@
 //! residual in their epilogue (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself
 //! (`gemm_rms_glu`, no GLU launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused
 //! launches; `FDPP_FUSED_GLU=0` keeps the GLU apart.
+//!
+//! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
+//! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
+//! collectives per layer) before the residual add, and rank 0's logits are broadcast before
+//! sampling. The fused layer and the decode graphs stay off with tp unless `tp_fused` /
+//! `tp_graphs` turn them on ([`Model::set_comm`]).
 
 use std::cell::RefCell;
 use std::sync::Arc;
