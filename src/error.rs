@@ -56,6 +56,11 @@ pub enum FdppError {
     #[error("{spec} at {shape}: wrote outside its output ({what})")]
     WroteOutside { spec: String, shape: String, what: String },
 
+    /// A collective of tensor parallelism failed, timed out, or stopped because another rank
+    /// failed ([`crate::tp`]).
+    #[error("tensor parallelism, rank {rank}: {msg}")]
+    Collective { rank: usize, msg: String },
+
     /// Ctrl-C during a long sweep ([`crate::interrupt`]).
     #[error("interrupted (Ctrl-C) during {0}; nothing was written")]
     Interrupted(String),

@@ -18,6 +18,7 @@ pub mod reference;
 pub mod report;
 pub mod run_config;
 pub mod select;
+pub mod tp;
 pub mod tune;
 
 pub use error::{FdppError, Result};

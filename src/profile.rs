@@ -598,7 +598,11 @@ fn temp_path(path: &Path) -> Result<PathBuf> {
         .file_name()
         .ok_or_else(|| FdppError::io(path, "not a file path"))?
         .to_string_lossy();
-    Ok(parent_dir(path).join(format!(".{name}.tmp-{}", std::process::id())))
+    // Unique per writer within the process too: tensor-parallel ranks are threads of one
+    // process and may cache the same kernel at once.
+    static WRITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(parent_dir(path).join(format!(".{name}.tmp-{}-{n}", std::process::id())))
 }
 
 /// Check before a long run that `path` could be written: its directory can be made and a file

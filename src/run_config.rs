@@ -39,6 +39,8 @@ pub enum Key {
     HiprtcLib,
     RocblasLib,
     GemmFallback,
+    TpGraphs,
+    TpFused,
 }
 
 /// What a switch is.
@@ -81,6 +83,24 @@ pub const KEYS: &[KeyInfo] = &[
         default: "1",
         kind: Kind::Behaviour,
         what: "a fused decode step computes silu(gate)·up inside the FFN1 GEMV",
+    },
+    KeyInfo {
+        key: Key::TpGraphs,
+        name: "tp_graphs",
+        env: "FDPP_TP_GRAPHS",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "with --tp, capture the decode layers' NCCL all-reduces in the CUDA graph (off: graphs are off with --tp)",
+    },
+    KeyInfo {
+        key: Key::TpFused,
+        name: "tp_fused",
+        env: "FDPP_TP_FUSED",
+        values: "1|0",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "with --tp, run the fused decode layer: rank 0 adds O/FFN2 into the residual, the others write their partial there, and the residual is all-reduced (off: unfused with --tp)",
     },
     KeyInfo {
         key: Key::Graphs,
@@ -444,7 +464,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 24);
+        assert_eq!(KEYS.len(), 26);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

@@ -102,6 +102,7 @@ fn args(dir: &Path, m_max: usize) -> TuneArgs {
         out: Some(dir.join("profile.json")),
         report_dir: Some(dir.join("report")),
         format: Format::Csv,
+        tp: 1,
         calibrate: Default::default(),
     }
 }

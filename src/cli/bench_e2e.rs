@@ -5,6 +5,7 @@
 //! memory plan fits (FlashDecoding++Next's measure of an engine).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
@@ -15,7 +16,9 @@ use super::Format;
 use crate::backend::{self, slugify, Backend, BackendChoice, BackendKind};
 use crate::bench::e2e::{case_plan, max_batch, memory_need, run_case, E2eCase, E2eMeasure, MemoryNeed};
 use crate::dtype::DType;
-use crate::engine::build::{build_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource};
+use crate::engine::build::{
+    build_model, build_rank_model, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource,
+};
 use crate::engine::forward::Llama;
 use crate::engine::linear::LinearPlanner;
 use crate::engine::memory::{gib, MemoryPlan};
@@ -29,6 +32,7 @@ use crate::report::e2e::{
     annotate_e2e, e2e_table, highest_throughput, write_e2e_report, E2eRecord, KIND_MAX_BATCH, KIND_SWEEP, NO_PROFILE,
     STATUS_FAILED, STATUS_NO_FIT, STATUS_OK, STATUS_REFUSED, WITH_PROFILE,
 };
+use crate::tp::Communicator;
 
 /// `--reuse`: activation buffers reused across layers, one per op, or both (for the ratio).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -105,6 +109,13 @@ pub struct E2eBenchArgs {
     /// Format of the table on stdout.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     pub format: Format,
+    /// Tensor parallelism over N ranks (issue #22): one GPU per rank through NCCL on CUDA,
+    /// ranks as threads on the CPU. Rows are named `<model>-tp<N>`.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// The ranks' GPUs, one per rank, e.g. 0,1 [default: 0..tp].
+    #[arg(long)]
+    pub devices: Option<String>,
     /// Directory for the md, CSV, JSON and SVG files. Default: reports/bench/<device-slug>.
     #[arg(long, visible_alias = "report-dir")]
     pub out: Option<PathBuf>,
@@ -163,13 +174,39 @@ pub fn run(a: E2eBenchArgs) -> anyhow::Result<()> {
     let spec = ModelSpec::resolve(&a.model)?;
     check_supported(&spec.cfg)?;
     let source = weight_source(&spec, &a.model, a.random_weights, a.seed)?;
+    if a.tp != 1 || a.devices.is_some() {
+        if a.device != 0 {
+            bail!("--device picks one GPU; with --tp give the ranks' GPUs with --devices");
+        }
+        let (kind, devices) = super::tp::prepare(&spec.cfg, a.tp, a.devices.as_deref(), a.backend)?;
+        let job = BenchJob {
+            a: &a,
+            spec: &spec,
+            source: &source,
+        };
+        return super::tp::run(kind, &devices, &job);
+    }
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
-    crate::with_backend!(&any, b => bench_e2e(b, &a, &spec, &source))
+    crate::with_backend!(&any, b => bench_e2e(b, &a, &spec, &source, None))
+}
+
+/// `bench e2e --tp N`: every rank runs the same cases in lockstep; rank 0 times and reports.
+struct BenchJob<'a> {
+    a: &'a E2eBenchArgs,
+    spec: &'a ModelSpec,
+    source: &'a WeightSource,
+}
+
+impl super::tp::RankJob for BenchJob<'_> {
+    fn run<B: Backend>(&self, b: &B, comm: Arc<dyn Communicator<B>>) -> anyhow::Result<()> {
+        bench_e2e(b, self.a, self.spec, self.source, Some(comm))
+    }
 }
 
 /// The variants `--profile` asks for.
-fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Result<Vec<Variant>> {
+/// `lead`: this process prints the notes (rank 0 of a tensor-parallel group, or the only one).
+fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, lead: bool) -> anyhow::Result<Vec<Variant>> {
     let with = |profile: Profile, path: PathBuf| -> anyhow::Result<Variant> {
         let (scheme, layer_schemes, softmax) = softmax_setup(a.softmax, Some(&profile), spec.cfg.num_layers)?;
         Ok(Variant {
@@ -193,7 +230,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
     let out = match a.profile.as_deref() {
         Some("both") => {
             let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             let Some(f) = found else {
                 bail!(
                     "--profile both: no profile at {} nor any of this model's shapes beside it; run `fdpp tune --model {}` first, or pass --profile FILE --compare-none",
@@ -205,7 +244,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
         }
         None => {
             let (found, note) = find_by_shape(b, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             match found {
                 Some(f) => vec![with(f.profile, f.path)?, none()],
                 None => vec![none()],
@@ -213,7 +254,9 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
         }
         arg => {
             let (found, note) = find_profile(b, arg, spec, &a.model, a.dtype)?;
-            eprintln!("{note}");
+            if lead {
+                eprintln!("{note}");
+            }
             match found {
                 Some(f) if a.compare_none => vec![with(f.profile, f.path)?, none()],
                 Some(f) => vec![with(f.profile, f.path)?],
@@ -221,7 +264,7 @@ fn variants<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec) -> anyhow::Re
             }
         }
     };
-    for v in &out {
+    for v in out.iter().filter(|_| lead) {
         eprintln!(
             "variant {}: {}; {}",
             v.label,
@@ -308,7 +351,11 @@ impl RowBase<'_> {
 /// configuration, whose KV pages and activation buffers are sized by that configuration's plan.
 struct Runner<'b, 'a, B: Backend> {
     b: &'b B,
+    /// The model one rank runs (the whole model without --tp).
     spec: &'a ModelSpec,
+    /// The whole model, and this rank's group with --tp.
+    whole: &'a ModelSpec,
+    comm: Option<Arc<dyn Communicator<B>>>,
     source: &'a WeightSource,
     variants: &'a [Variant],
     base: RowBase<'a>,
@@ -325,7 +372,10 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
             Some(m) => Ok(m),
             None => {
                 self.pb.set_message("making the weights");
-                Ok(build_model(self.b, self.spec, self.source, None, opts)?)
+                Ok(match &self.comm {
+                    Some(c) => build_rank_model(self.b, self.whole, self.source, None, opts, c.clone())?,
+                    None => build_model(self.b, self.spec, self.source, None, opts)?,
+                })
             }
         }
     }
@@ -402,13 +452,23 @@ impl<'b, B: Backend> Runner<'b, '_, B> {
     }
 }
 
-fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &WeightSource) -> anyhow::Result<()> {
+fn bench_e2e<B: Backend>(
+    b: &B,
+    a: &E2eBenchArgs,
+    whole: &ModelSpec,
+    source: &WeightSource,
+    comm: Option<Arc<dyn Communicator<B>>>,
+) -> anyhow::Result<()> {
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+    // With --tp every rank runs the rank's model (its shapes, KV cache, profile lookup).
+    let rank_spec = crate::tp::rank_spec(whole, world)?;
+    let spec = &rank_spec;
     let info = b.info().clone();
     let cpu = info.backend == BackendKind::Cpu;
     let batches = list("--batch", &a.batch, if cpu { &[1, 2] } else { &[1, 8, 32] })?;
     let prompt_lens = list("--prompt-len", &a.prompt_len, if cpu { &[16] } else { &[1024] })?;
     let gen_len = a.gen_len.unwrap_or(if cpu { 8 } else { 128 });
-    let variants = variants(b, a, spec)?;
+    let variants = variants(b, a, spec, rank == 0)?;
     let reuses = reuse_list(a);
     let opts_for = |reuse: bool| EngineOptions {
         dtype: a.dtype,
@@ -448,13 +508,19 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         .collect();
     let searches = if a.max_batch_search { prompt_lens.len() } else { 0 };
     let total = (cases.len() + searches) * variants.len() * reuses.len();
-    let pb = ProgressBar::new(total as u64);
+    let pb = if rank == 0 {
+        ProgressBar::new(total as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     if let Ok(style) = ProgressStyle::with_template("{bar:32} {pos}/{len} [{elapsed_precise}] {msg}") {
         pb.set_style(style);
     }
     let mut runner = Runner {
         b,
         spec,
+        whole,
+        comm,
         source,
         variants: &variants,
         base: RowBase {
@@ -504,6 +570,10 @@ fn bench_e2e<B: Backend>(b: &B, a: &E2eBenchArgs, spec: &ModelSpec, source: &Wei
         }
     }
     runner.pb.finish_and_clear();
+    if rank != 0 {
+        // Rank 0 reports for the group.
+        return Ok(());
+    }
     let mut records = runner.records;
     annotate_e2e(&mut records);
 

@@ -31,5 +31,26 @@ pub fn run(a: DevicesArgs) -> anyhow::Result<()> {
             );
         }
     }
+    // Which GPUs reach each other's memory directly (what the tp all-reduce travels over).
+    if all
+        .iter()
+        .any(|s| s.backend == crate::backend::BackendKind::Cuda && s.devices.len() > 1)
+    {
+        match crate::backend::cuda::peer::peer_matrix() {
+            Ok(m) => {
+                println!("cuda peer access (row reads column):");
+                for l in crate::backend::cuda::peer::matrix_lines(&m) {
+                    println!("{l}");
+                }
+            }
+            Err(e) => println!("cuda peer access: unknown ({e})"),
+        }
+    }
+    // Tensor parallelism on CUDA needs NCCL (loaded at run time, like the CUDA libraries).
+    match crate::backend::cuda::nccl::Nccl::load() {
+        Ok(n) => println!("nccl: available: {} (for --tp on CUDA)", n.describe()),
+        Err(crate::error::FdppError::BackendUnavailable { reason, .. }) => println!("nccl: unavailable: {reason}"),
+        Err(e) => println!("nccl: unavailable: {e}"),
+    }
     Ok(())
 }

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -15,15 +16,16 @@ use crate::backend::{self, Backend, BackendChoice};
 use crate::dtype::DType;
 use crate::engine::batch::{generate, GenerateOptions, GenerateOutput};
 use crate::engine::build::{
-    build, memory_plan, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource,
+    build, build_rank_model, memory_plan, softmax_label, softmax_setup, EngineOptions, SoftmaxChoice, WeightSource,
 };
 use crate::engine::memory::MemoryPlan;
-use crate::engine::runner::DEFAULT_CHUNK;
+use crate::engine::runner::{Engine, DEFAULT_CHUNK};
 use crate::engine::sampler::SamplingParams;
 use crate::kv::DEFAULT_PAGE_SIZE;
 use crate::model::chat::ChatTemplate;
 use crate::model::llama::{check_supported, ModelSpec};
 use crate::model::tokenizer::Tokenizer;
+use crate::tp::Communicator;
 
 /// Tokens of the random prompt used when a model has no tokenizer and no prompt is given.
 const DEFAULT_RANDOM_PROMPT: usize = 16;
@@ -114,6 +116,13 @@ pub struct GenerateArgs {
     /// Print one JSON object (tokens, text, timings, memory) instead of streaming.
     #[arg(long)]
     pub json: bool,
+    /// Tensor parallelism over N ranks (Megatron split of heads and MLP, issue #22): one GPU
+    /// per rank through NCCL on CUDA, ranks as threads on the CPU.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// The ranks' GPUs, one per rank, e.g. 0,1 [default: 0..tp].
+    #[arg(long)]
+    pub devices: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -122,6 +131,8 @@ struct JsonReport<'a> {
     backend: String,
     device: String,
     dtype: DType,
+    /// Tensor-parallel ranks (1: one device).
+    tp: usize,
     profile: Option<String>,
     softmax: String,
     load_ms: f64,
@@ -164,6 +175,14 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let spec = ModelSpec::resolve(&a.model)?;
     check_supported(&spec.cfg)?;
+    let tp = if a.tp != 1 || a.devices.is_some() {
+        if a.device != 0 {
+            bail!("--device picks one GPU; with --tp give the ranks' GPUs with --devices");
+        }
+        Some(super::tp::prepare(&spec.cfg, a.tp, a.devices.as_deref(), a.backend)?)
+    } else {
+        None
+    };
     let source = weight_source(&spec, &a.model, a.random_weights, a.seed)?;
     // A tokenizer that does not load is an error only where text must be encoded; with token ids
     // the output is shown as ids.
@@ -199,9 +218,45 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         None
     };
     let prompts = collect_prompts(&a, tok.as_ref(), chat.as_ref(), spec.cfg.vocab_size)?;
+    if let Some((kind, devices)) = tp {
+        let job = GenerateJob {
+            a: &a,
+            spec: &spec,
+            source: &source,
+            tok: tok.as_ref(),
+            prompts: &prompts,
+            sampling,
+        };
+        return super::tp::run(kind, &devices, &job);
+    }
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
-    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, tok.as_ref(), &prompts, sampling))
+    crate::with_backend!(&any, b => run_on(b, &a, &spec, &source, tok.as_ref(), &prompts, sampling, None))
+}
+
+/// `generate --tp N`: every rank runs the same generation; rank 0 prints.
+struct GenerateJob<'a> {
+    a: &'a GenerateArgs,
+    spec: &'a ModelSpec,
+    source: &'a WeightSource,
+    tok: Option<&'a Tokenizer>,
+    prompts: &'a [Vec<u32>],
+    sampling: SamplingParams,
+}
+
+impl super::tp::RankJob for GenerateJob<'_> {
+    fn run<B: Backend>(&self, b: &B, comm: Arc<dyn Communicator<B>>) -> anyhow::Result<()> {
+        run_on(
+            b,
+            self.a,
+            self.spec,
+            self.source,
+            self.tok,
+            self.prompts,
+            self.sampling,
+            Some(comm),
+        )
+    }
 }
 
 /// Prompts from --prompt, --prompt-file, --token-ids and --random-prompt, in that order; a
@@ -299,21 +354,37 @@ fn join_ids(ids: &[u32]) -> String {
     ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
 }
 
+/// One generation on `b`; with `comm`, as one rank of a tensor-parallel group (its share of
+/// the model, its profile by the per-rank shapes; only rank 0 prints).
+#[allow(clippy::too_many_arguments)]
 fn run_on<B: Backend>(
     b: &B,
     a: &GenerateArgs,
-    spec: &ModelSpec,
+    whole: &ModelSpec,
     source: &WeightSource,
     tok: Option<&Tokenizer>,
     prompts: &[Vec<u32>],
     sampling: SamplingParams,
+    comm: Option<Arc<dyn Communicator<B>>>,
 ) -> anyhow::Result<()> {
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+    let lead = rank == 0;
+    // Rank 0 speaks for the group: the ranks' notes are the same but for their device.
+    macro_rules! say {
+        ($($t:tt)*) => {
+            if lead {
+                eprintln!($($t)*);
+            }
+        };
+    }
+    let rank_spec = crate::tp::rank_spec(whole, world)?;
+    let spec = &rank_spec;
     let (found, profile_note) = find_profile(b, a.profile.as_deref(), spec, &a.model, a.dtype)?;
-    eprintln!("{profile_note}");
+    say!("{profile_note}");
     let profile_path = found.as_ref().map(|f| f.path.display().to_string());
     let profile = found.map(|f| f.profile);
     let (scheme, layer_schemes, softmax_note) = softmax_setup(a.softmax, profile.as_ref(), spec.cfg.num_layers)?;
-    eprintln!("{softmax_note}");
+    say!("{softmax_note}");
     let softmax = softmax_label(scheme, &layer_schemes);
     let opts = EngineOptions {
         dtype: a.dtype,
@@ -331,17 +402,35 @@ fn run_on<B: Backend>(
     let prompt_tokens = prompts.iter().map(|p| p.len()).sum();
     let plan = memory_plan(b, spec, &opts, &seq_tokens, prompt_tokens)?;
     for line in plan.summary() {
-        eprintln!("{line}");
+        say!("{line}");
     }
     let t_load = Instant::now();
-    let mut engine = build(b, spec, source, profile, &opts, plan)?;
+    let mut engine = match comm {
+        Some(c) => Engine::new(build_rank_model(b, whole, source, profile, &opts, c)?, plan)?,
+        None => build(b, spec, source, profile, &opts, plan)?,
+    };
     b.synchronize()?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    eprintln!("weights: {} in {load_ms:.0} ms", source.describe());
+    say!("weights: {} in {load_ms:.0} ms", source.describe());
+    if world > 1 {
+        say!(
+            "tensor parallel: rank 0 of {world} holds {} of {} heads, {} KV heads, intermediate {} of {}{}",
+            spec.cfg.num_heads,
+            whole.cfg.num_heads,
+            spec.cfg.num_kv_heads,
+            spec.cfg.intermediate_size,
+            whole.cfg.intermediate_size,
+            if spec.cfg.num_kv_heads * world > whole.cfg.num_kv_heads {
+                " (KV heads replicated over ranks)"
+            } else {
+                ""
+            }
+        );
+    }
     let steps = [("prefill", prompt_tokens.min(opts.chunk)), ("decode", prompts.len())];
     let mut gemm_plans = Vec::new();
     for (what, m) in steps {
-        eprintln!("gemm at {what} M={m}: {}", engine.model.linears.summary(m));
+        say!("gemm at {what} M={m}: {}", engine.model.linears.summary(m));
         gemm_plans.extend(
             engine
                 .model
@@ -361,7 +450,7 @@ fn run_on<B: Backend>(
         context_len: context,
         pipeline: true,
     };
-    let stream = !a.json && prompts.len() == 1;
+    let stream = lead && !a.json && prompts.len() == 1;
     let mut stdout = std::io::stdout();
     let mut on_token = |_: usize, id: u32, piece: &str| {
         if !stream {
@@ -376,6 +465,9 @@ fn run_on<B: Backend>(
         let _ = stdout.flush();
     };
     let out = generate(&mut engine, prompts, &gen, tok, &mut on_token)?;
+    if !lead {
+        return Ok(());
+    }
     for (op, ms, calls) in engine.model.op_times.report() {
         eprintln!("op time (FDPP_OP_TIMES, with a wait after every op): {op:<24} {ms:10.2} ms in {calls} calls");
     }
@@ -385,6 +477,7 @@ fn run_on<B: Backend>(
             backend: b.info().backend.to_string(),
             device: b.info().name.clone(),
             dtype: a.dtype,
+            tp: world,
             profile: profile_path,
             softmax,
             load_ms,

@@ -14,6 +14,7 @@ pub mod perplexity;
 pub mod profile;
 pub mod profile_list;
 pub mod shapes;
+pub mod tp;
 pub mod tune;
 
 use clap::{Parser, Subcommand};

@@ -48,6 +48,11 @@ pub struct TuneArgs {
     /// Format of the table printed on stdout.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     pub format: Format,
+    /// Tune the per-rank GEMM shapes of tensor parallelism over N ranks (QKV and FFN1 with
+    /// N/tp columns, O and FFN2 with K/tp; issue #22 item 3), into
+    /// profiles/<device-slug>/<model>-tp<N>.json, which `generate|bench e2e --tp N` look up.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Softmax calibration (`--calibrate` and its options).
     #[command(flatten)]
     pub calibrate: super::calibrate::CalibrateArgs,
@@ -101,9 +106,27 @@ pub fn run(a: TuneArgs) -> anyhow::Result<()> {
         anyhow::bail!("--reps must be at least 1");
     }
     if a.calibrate.calibrate {
+        if a.tp != 1 {
+            anyhow::bail!(
+                "--calibrate with --tp {}: the softmax windows do not depend on the split; calibrate without --tp \
+                 (the tp profile's GEMM choices are tuned with --tp alone)",
+                a.tp
+            );
+        }
         return super::calibrate::run(&a);
     }
-    let cfg = load_model(&a.model)?;
+    let whole = load_model(&a.model)?;
+    // The shapes one rank runs: the engine looks its profile up by them.
+    let cfg = crate::tp::rank_config(&whole, a.tp)?;
+    if a.tp > 1 {
+        let shapes: Vec<String> = ModelShapes::of(&cfg).linears.iter().map(|s| s.label()).collect();
+        eprintln!(
+            "tensor parallel --tp {}: tuning one rank's shapes as model '{}': {}",
+            a.tp,
+            cfg.name,
+            shapes.join(", ")
+        );
+    }
     let (any, note) = backend::open(a.backend, a.device)?;
     eprintln!("{note}");
     let out = crate::with_backend!(&any, b => run_with_backend(b, &a, &cfg))?;

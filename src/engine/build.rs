@@ -2,6 +2,7 @@
 //! before any weight is read), then the weights, the KV pools and the activation buffers.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::backend::{Backend, BackendKind};
 use crate::dtype::DType;
@@ -17,6 +18,7 @@ use crate::model::weights::WeightStore;
 use crate::ops::attention::SoftmaxScheme;
 use crate::profile::{Profile, SoftmaxSection};
 use crate::run_config::{Key, RunConfig};
+use crate::tp;
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -138,20 +140,79 @@ pub fn build_model<'b, B: Backend>(
     profile: Option<Profile>,
     opts: &EngineOptions,
 ) -> Result<Model<'b, B>> {
+    let weights = load_weights(b, spec, source, opts.dtype, None)?;
+    assemble(b, spec, weights, profile, opts)
+}
+
+/// The model of one rank of `comm`'s tensor-parallel group (issue #22): the rank's config
+/// ([`tp::rank_config`]: its heads, KV heads and intermediate slice, so its GEMM shapes, KV
+/// cache and profile lookup are the per-rank ones), its slices of the checkpoint
+/// ([`tp::source`]), and the all-reduces between its layers. `spec` is the whole model's; plan
+/// the rank's memory with [`tp::rank_spec`]. Random weights are each rank's own draw (a model
+/// of the same shape and scales as the whole random model, not its slices): for benchmarks.
+pub fn build_rank_model<'b, B: Backend>(
+    b: &'b B,
+    spec: &ModelSpec,
+    source: &WeightSource,
+    profile: Option<Profile>,
+    opts: &EngineOptions,
+    comm: Arc<dyn tp::Communicator<B> + 'b>,
+) -> Result<Model<'b, B>> {
+    let (rank, world) = (comm.rank(), comm.world());
+    let split = tp::Split::new(&spec.cfg, rank, world)?;
+    let rank_spec = tp::rank_spec(spec, world)?;
+    let weights = load_weights(b, &rank_spec, source, opts.dtype, Some((spec, split)))?;
+    let mut model = assemble(b, &rank_spec, weights, profile, opts)?;
+    model.set_comm(comm);
+    Ok(model)
+}
+
+/// The weights of `spec`; with `whole`, `spec` is one rank's model, cut from the whole
+/// model's checkpoint by the split.
+fn load_weights<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    source: &WeightSource,
+    dtype: DType,
+    whole: Option<(&ModelSpec, tp::Split)>,
+) -> Result<crate::model::tensors::ModelWeights<B::Buffer>> {
     let arch = spec.arch()?;
-    let weights = match source {
-        WeightSource::Random { seed } => family::random(b, &arch, opts.dtype, *seed)?,
-        WeightSource::Dir(dir) => {
-            let store = WeightStore::open(dir)?;
-            family::load(b, &store, &arch, opts.dtype)?
-        }
-        WeightSource::Gguf(path) => {
-            let file = crate::model::gguf::GgufFile::open(path)?;
-            let permute = spec.cfg.arch == crate::model::ModelArch::Llama;
-            let store = crate::model::gguf::GgufStore::new(file, permute, spec.cfg.num_heads, spec.cfg.num_kv_heads)?;
-            family::load(b, &store, &arch, opts.dtype)?
+    let read = |src: &dyn crate::model::weights::TensorSource| match &whole {
+        None => family::load(b, src, &arch, dtype),
+        Some((full, split)) => {
+            let cut = tp::source::ShardSource::new(src, &full.arch()?, &arch, split.clone())?;
+            family::load(b, &cut, &arch, dtype)
         }
     };
+    match source {
+        WeightSource::Random { seed } => {
+            let seed = match &whole {
+                Some((_, split)) if split.world > 1 => seed ^ (split.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                _ => *seed,
+            };
+            family::random(b, &arch, dtype, seed)
+        }
+        WeightSource::Dir(dir) => read(&WeightStore::open(dir)?),
+        WeightSource::Gguf(path) => {
+            // GGUF's Llama q/k rows are permuted back per head of the whole model.
+            let cfg = whole.as_ref().map_or(&spec.cfg, |(full, _)| &full.cfg);
+            let file = crate::model::gguf::GgufFile::open(path)?;
+            let permute = cfg.arch == crate::model::ModelArch::Llama;
+            let store = crate::model::gguf::GgufStore::new(file, permute, cfg.num_heads, cfg.num_kv_heads)?;
+            read(&store)
+        }
+    }
+}
+
+/// The model over loaded weights: the linear planner (profile and the backend's fallback)
+/// and the softmax windows.
+fn assemble<'b, B: Backend>(
+    b: &'b B,
+    spec: &ModelSpec,
+    weights: crate::model::tensors::ModelWeights<B::Buffer>,
+    profile: Option<Profile>,
+    opts: &EngineOptions,
+) -> Result<Model<'b, B>> {
     // What the profile does not cover (all of it without one) follows the backend's rule.
     let fallback = crate::select::Fallback::configured(b.info().backend)?;
     let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile).with_fallback(fallback);

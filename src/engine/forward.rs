@@ -24,8 +24,15 @@
 //! residual in their epilogue (`gemm_residual_out`), and FFN1 writes silu(gate)·up itself
 //! (`gemm_rms_glu`, no GLU launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused
 //! launches; `FDPP_FUSED_GLU=0` keeps the GLU apart.
+//!
+//! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
+//! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
+//! collectives per layer) before the residual add, and rank 0's logits are broadcast before
+//! sampling. The fused layer and the decode graphs stay off with tp unless `tp_fused` /
+//! `tp_graphs` turn them on ([`Model::set_comm`]).
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use super::op_times::OpTimes;
 use super::score_stats::ScoreStats;
@@ -49,6 +56,7 @@ use crate::ops::layer::{
 };
 use crate::ops::scores::ScoreStatsParams;
 use crate::run_config::Key;
+use crate::tp::Communicator;
 
 use super::step::{Attn, StepInputs};
 pub use super::step::{StepKind, StepOut, StepSeq, StepWant};
@@ -78,6 +86,8 @@ pub struct Model<'b, B: Backend> {
     folded: bool,
     /// A fused step runs FFN1 and the GLU as one launch (`gemm_rms_glu`).
     fused_glu: bool,
+    /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
+    comm: Option<Arc<dyn Communicator<B> + 'b>>,
 }
 
 /// The name the model had when the engine ran the Llama family only (other modules' imports).
@@ -118,7 +128,39 @@ impl<'b, B: Backend> Model<'b, B> {
             score_stats: RefCell::new(None),
             folded,
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
+            comm: None,
         })
+    }
+
+    /// Run as one rank of a tensor-parallel group (its weights already its shard,
+    /// [`crate::tp::source`]). The biases after O and FFN2 are added by rank 0 only: the
+    /// all-reduce that follows them sums every rank's partial output, so they count once.
+    /// A group of one changes nothing.
+    pub fn set_comm(&mut self, comm: Arc<dyn Communicator<B> + 'b>) {
+        if comm.world() <= 1 {
+            return;
+        }
+        if comm.rank() != 0 {
+            for l in &mut self.weights.layers {
+                l.o_bias = None;
+                l.ffn2_bias = None;
+            }
+        }
+        self.comm = Some(comm);
+    }
+
+    /// (rank, world) of a tensor-parallel model; (0, 1) on one device.
+    pub fn tp_rank(&self) -> (usize, usize) {
+        self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()))
+    }
+
+    /// Sum a row-parallel GEMM's partial output over the ranks (nothing on one device).
+    fn all_reduce(&self, elems: usize, acts: &mut Activations<B::Buffer>, slot: usize) -> Result<()> {
+        if let Some(c) = &self.comm {
+            c.all_reduce_sum(self.b, acts.get_mut(slot), elems)?;
+            self.op_times.lap(self.b, "all_reduce")?;
+        }
+        Ok(())
     }
 
     pub fn backend(&self) -> &'b B {
@@ -186,7 +228,11 @@ impl<'b, B: Backend> Model<'b, B> {
         let graphs = self.graphs_on(kind);
         let tables = self.block_tables(kv, seqs, graphs)?;
         let gemms = self.linears.step(t, inp.wanted_rows.len().max(1));
-        let fused = self.folded && self.fusable(&gemms, t);
+        // The fused layer adds O and FFN2 into the residual inside the GEMV. With tp that needs
+        // the residual itself all-reduced (`residual_out`), which `tp_fused` turns on; else
+        // the layers run unfused and the O/FFN2 outputs are reduced before the norm's add.
+        let tp_fused = self.comm.is_none() || crate::run_config::get().set_on(Key::TpFused);
+        let fused = self.folded && tp_fused && self.fusable(&gemms, t);
         self.op_times.start(self.b, kind.tag())?;
         self.embed(&inp, want, acts)?;
         let attn = Attn::new(kind, self.geom, self.dtype, self.scheme, tables, inp.new_lens.clone());
@@ -219,6 +265,9 @@ impl<'b, B: Backend> Model<'b, B> {
             && self.score_stats.borrow().is_none()
             && !self.op_times.on()
             && self.b.graph_counts().is_some()
+            // With tp the collectives run eagerly between layers unless `tp_graphs` captures
+            // them too (NCCL ops are capturable; the capture is thread-local per rank).
+            && (self.comm.is_none() || crate::run_config::get().set_on(Key::TpGraphs))
     }
 
     /// The step's block tables; in a graph-replayed step the stride is rounded up (it is a
@@ -386,6 +435,12 @@ impl<'b, B: Backend> Model<'b, B> {
             run_gemm(b, &la.gemms.lm_head, dims, x, self.weights.lm_head(), y)?;
         }
         self.op_times.lap(b, "gemm lm_head")?;
+        if let Some(c) = &self.comm {
+            // The LM head is replicated; rank 0's logits go to every rank so that all of them
+            // choose the same tokens whatever the devices' rounding.
+            c.broadcast(b, acts.get_mut(g.logits), rows * a.vocab, 0)?;
+            self.op_times.lap(b, "broadcast logits")?;
+        }
         self.read_out(rows, want, acts.get(g.logits))
     }
 
@@ -523,10 +578,11 @@ impl<'b, B: Backend> Model<'b, B> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, qd) = (self.arch.hidden, self.arch.q_width());
         if a.fused {
-            self.gemm_residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
+            self.residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
         } else {
             self.gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
             self.bias_act(t, h, Activation::None, acts, s.o, w.o_bias.as_ref())?;
+            self.all_reduce(t * h, acts, s.o)?;
         }
         self.op_times.lap(self.b, "gemm o")
     }
@@ -583,10 +639,11 @@ impl<'b, B: Backend> Model<'b, B> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, inter) = (self.arch.hidden, self.arch.inter);
         if a.fused {
-            self.gemm_residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
+            self.residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
             self.gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
             self.bias_act(t, h, Activation::None, acts, s.ffn2, w.ffn2_bias.as_ref())?;
+            self.all_reduce(t * h, acts, s.ffn2)?;
         }
         self.op_times.lap(self.b, "gemm ffn2")
     }
@@ -650,6 +707,35 @@ impl<'b, B: Backend> Model<'b, B> {
         let dims = GemmDims::new(m, n, k)?;
         let [r, y] = acts.many([residual, y])?;
         self.b.gemm_rms_in(spec, dims, self.arch.eps as f32, r, w, y)
+    }
+
+    /// residual += x · Wᵀ over the whole group (a fused step). With tp, rank 0 adds its partial
+    /// product into the residual and the other ranks overwrite theirs with their partials, so
+    /// the sum over ranks of that buffer is residual + Σ partials: one all-reduce of the
+    /// residual, and the next fused GEMV reads it as it is.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_out(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+        residual: usize,
+    ) -> Result<()> {
+        match &self.comm {
+            None => self.gemm_residual_out(spec, m, n, k, acts, x, w, residual),
+            Some(c) => {
+                if c.rank() == 0 {
+                    self.gemm_residual_out(spec, m, n, k, acts, x, w, residual)?;
+                } else {
+                    self.gemm(spec, m, n, k, acts, x, w, residual)?;
+                }
+                self.all_reduce(m * n, acts, residual)
+            }
+        }
     }
 
     /// residual += x · Wᵀ (a fused step).

@@ -11,6 +11,8 @@ pub mod graph;
 pub mod jit;
 pub mod launch;
 pub mod layer;
+pub mod nccl;
+pub mod peer;
 pub mod prefill_hopper;
 pub mod probe;
 pub mod sample;

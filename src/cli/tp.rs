@@ -1,0 +1,165 @@
+//! `--tp N [--devices 0,1,…]` of `generate` and `bench e2e` (issue #22 item 5): the checks
+//! that need no device, then one thread per rank, each with its own backend (a CPU backend
+//! over the shared core pool with the in-process communicator, or a CUDA device with NCCL).
+
+use std::sync::Arc;
+
+use anyhow::bail;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::nccl::{Group, Nccl, NcclRank};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, BackendChoice};
+use crate::error::FdppError;
+use crate::model::ModelConfig;
+use crate::tp::ranks::run_ranks;
+use crate::tp::{Communicator, HostComm};
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpKind {
+    Cpu,
+    Cuda,
+}
+
+/// The ranks' backend for `--backend`: ROCm waits for RCCL.
+pub fn tp_kind(choice: BackendChoice) -> anyhow::Result<TpKind> {
+    let rocm = || bail!("--tp on ROCm needs RCCL, which fdpp does not load yet; run --tp on CUDA or --backend cpu");
+    match choice {
+        BackendChoice::Cpu => Ok(TpKind::Cpu),
+        BackendChoice::Cuda => Ok(TpKind::Cuda),
+        BackendChoice::Rocm => rocm(),
+        BackendChoice::Auto if crate::backend::cuda::probe().available => Ok(TpKind::Cuda),
+        BackendChoice::Auto if crate::backend::rocm::probe().available => rocm(),
+        BackendChoice::Auto => Ok(TpKind::Cpu),
+    }
+}
+
+/// `--devices` as ordinals, one per rank, checked against `visible` GPUs.
+pub fn check_devices(arg: Option<&str>, world: usize, visible: usize) -> anyhow::Result<Vec<usize>> {
+    let ids: Vec<usize> = match arg {
+        None => (0..world).collect(),
+        Some(s) => s
+            .split(',')
+            .map(|t| {
+                let t = t.trim();
+                t.parse::<usize>()
+                    .map_err(|_| anyhow::anyhow!("--devices '{s}': '{t}' is not a device ordinal (0, 1, …)"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+    if ids.len() != world {
+        bail!(
+            "--devices lists {} GPU(s) for --tp {world}: give one device per rank",
+            ids.len()
+        );
+    }
+    for (i, d) in ids.iter().enumerate() {
+        if ids[..i].contains(d) {
+            bail!("--devices lists GPU {d} twice: each rank needs a GPU of its own");
+        }
+    }
+    if let Some(d) = ids.iter().find(|&&d| d >= visible) {
+        bail!(
+            "--tp {world} on GPU(s) {}: GPU {d} is not visible, this machine shows {visible} CUDA device(s) \
+             (CUDA_VISIBLE_DEVICES may hide others); lower --tp or pick visible --devices",
+            ids.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+        );
+    }
+    Ok(ids)
+}
+
+/// The work of one rank: the same for every rank, on its backend with its communicator.
+pub trait RankJob: Sync {
+    fn run<B: Backend>(&self, b: &B, comm: Arc<dyn Communicator<B>>) -> anyhow::Result<()>;
+}
+
+/// The device-free checks of `--tp`/`--devices`: the split (heads, KV heads, intermediate
+/// size) and the devices. Returns where the ranks run and their devices.
+pub fn prepare(
+    cfg: &ModelConfig,
+    world: usize,
+    devices: Option<&str>,
+    choice: BackendChoice,
+) -> anyhow::Result<(TpKind, Vec<usize>)> {
+    crate::tp::check(cfg, world)?;
+    let kind = tp_kind(choice)?;
+    let devices = match kind {
+        TpKind::Cpu if devices.is_some() => {
+            bail!("--devices picks GPUs; on the CPU every rank runs on the shared cores (drop --devices)")
+        }
+        TpKind::Cpu => vec![0; world],
+        TpKind::Cuda => {
+            let visible = crate::backend::cuda::probe::device_count()?;
+            check_devices(devices, world, visible)?
+        }
+    };
+    Ok((kind, devices))
+}
+
+/// The rank's failure as the library error the driver ranks by (another rank's echo or not).
+fn to_fdpp(rank: usize, e: anyhow::Error) -> FdppError {
+    e.downcast::<FdppError>().unwrap_or_else(|e| FdppError::Collective {
+        rank,
+        msg: format!("{e:#}"),
+    })
+}
+
+/// Run `job` on `world` ranks: threads of this process, stopped together by the first failure.
+pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Result<()> {
+    let world = devices.len();
+    match kind {
+        TpKind::Cpu => {
+            let comms = HostComm::group(world, crate::tp::host::timeout_from_env()?);
+            let abort = |r: usize, why: &str| comms[r].fail(why);
+            eprintln!("tensor parallel: {world} ranks as threads on the CPU (in-process all-reduce)");
+            run_ranks(world, &abort, |rank| {
+                let b = CpuBackend::new();
+                job.run(&b, Arc::new(comms[rank].clone())).map_err(|e| to_fdpp(rank, e))
+            })?;
+        }
+        TpKind::Cuda => {
+            let nccl = Nccl::load()?;
+            eprintln!(
+                "tensor parallel: {world} ranks on CUDA devices {devices:?}, NCCL {} (NCCL_NVLS_ENABLE=0)",
+                nccl.describe()
+            );
+            let id = nccl.unique_id()?;
+            let group = Group::new();
+            // ncclCommInitRank waits for every rank and has no timeout: the ranks first meet at a
+            // host barrier once their device is open, so a rank that cannot open its GPU stops
+            // the others there instead of leaving them in NCCL's init.
+            let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
+            let abort = |r: usize, why: &str| {
+                gate[r].fail(why);
+                group.abort(&nccl, r, why);
+            };
+            run_ranks(world, &abort, |rank| {
+                let b = CudaBackend::open(devices[rank])?;
+                gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
+                let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, rank, world)?;
+                job.run(&b, Arc::new(comm)).map_err(|e| to_fdpp(rank, e))
+            })?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_one_per_rank_distinct_and_visible() {
+        assert_eq!(check_devices(None, 2, 4).unwrap(), vec![0, 1]);
+        assert_eq!(check_devices(Some("3, 1"), 2, 4).unwrap(), vec![3, 1]);
+        let e = check_devices(Some("0,1,2"), 2, 4).unwrap_err().to_string();
+        assert!(e.contains("3 GPU(s) for --tp 2"), "{e}");
+        let e = check_devices(Some("1,1"), 2, 4).unwrap_err().to_string();
+        assert!(e.contains("GPU 1 twice"), "{e}");
+        let e = check_devices(None, 4, 2).unwrap_err().to_string();
+        assert!(e.contains("shows 2 CUDA device(s)") && e.contains("--tp 4"), "{e}");
+        let e = check_devices(Some("0,x"), 2, 4).unwrap_err().to_string();
+        assert!(e.contains("'x' is not a device ordinal"), "{e}");
+    }
+}

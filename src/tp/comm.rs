@@ -1,0 +1,21 @@
+//! What a rank needs from its peers: the two collectives of a Megatron layer (an all-reduce
+//! after O and after FFN2) and one broadcast (rank 0's logits, so every rank samples the same
+//! token from the same numbers), over the backend's own buffers.
+
+use crate::backend::Backend;
+use crate::error::Result;
+
+/// One rank's handle on its group. Every rank calls the same collectives in the same order;
+/// a rank that fails calls [`abort`](Communicator::abort) so that the others stop with its
+/// error instead of waiting for it.
+pub trait Communicator<B: Backend>: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// buf[..elems] = Σ over ranks of buf[..elems] (16-bit data summed in f32, rounded once).
+    fn all_reduce_sum(&self, b: &B, buf: &mut B::Buffer, elems: usize) -> Result<()>;
+    /// buf[..elems] = rank `root`'s buf[..elems] on every rank.
+    fn broadcast(&self, b: &B, buf: &mut B::Buffer, elems: usize, root: usize) -> Result<()>;
+    /// Stop the group: every rank waiting in a collective, and every later call, returns an
+    /// error naming this rank and `why`.
+    fn abort(&self, why: &str);
+}

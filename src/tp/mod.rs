@@ -1,0 +1,35 @@
+//! Tensor parallelism (issue #22): one model over several devices, Megatron-LM style.
+//!
+//! - [`split`]: what each rank keeps (heads, KV heads, intermediate slice) and the per-rank
+//!   config the engine runs; every `--tp` the model cannot take is refused there.
+//! - [`source`]: a rank's slices of a checkpoint under the checkpoint's own names.
+//! - [`comm`]: the collectives a rank needs; [`host`]: ranks as threads of one process (the
+//!   CPU backend, CI); NCCL on CUDA lives in `backend/cuda/nccl.rs`.
+//! - [`ranks`]: one thread per rank, each with its own backend, every rank stopped by the
+//!   first failure.
+//!
+//! The engine ([`crate::engine::forward`]) all-reduces the O and FFN2 outputs (their biases on
+//! rank 0 only) before the residual add, and broadcasts rank 0's logits before sampling, so
+//! every rank feeds the same tokens to the next step. The embedding and the LM head are
+//! replicated (simplest; the LM head's vocabulary split is future work).
+
+pub mod comm;
+pub mod host;
+pub mod ranks;
+pub mod source;
+pub mod split;
+
+pub use comm::Communicator;
+pub use host::HostComm;
+pub use split::{check, rank_config, Split};
+
+use crate::error::Result;
+use crate::model::spec::ModelSpec;
+
+/// The model one rank of `world` runs ([`rank_config`]); `spec` itself when world is 1.
+pub fn rank_spec(spec: &ModelSpec, world: usize) -> Result<ModelSpec> {
+    Ok(ModelSpec {
+        cfg: rank_config(&spec.cfg, world)?,
+        ..spec.clone()
+    })
+}
