@@ -43,7 +43,8 @@ for fx in llama-gqa mistral qwen2-gqa6 qwen2-bias-tied chatglm2 opt; do
     python3 - "$OUT/gen-$fx-tp1.json" "$OUT/gen-$fx-tp2.json" "$fx" <<'PY' || fail=1
 import json, sys
 try:
-    a, b = (json.load(open(p))["seqs"][0]["tokens"] for p in sys.argv[1:3])
+    # raw_decode: NCCL_DEBUG=WARN makes NCCL print its version line on stdout after the JSON.
+    a, b = (json.JSONDecoder().raw_decode(open(p).read())[0]["seqs"][0]["tokens"] for p in sys.argv[1:3])
 except Exception as e:
     print(f"{sys.argv[3]}: no result ({e})"); sys.exit(1)
 same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -68,7 +69,7 @@ for sets in "tp_graphs=1" "tp_fused=1" "tp_graphs=1 tp_fused=1"; do
     args=(); for kv in $sets; do args+=(--set "$kv"); done
     if timeout "${GEN_TIMEOUT:-180}" "$FDPP" generate --model tests/fixtures/hf/llama-gqa --backend cuda --token-ids "$IDS" \
         --max-tokens 24 --ignore-eos --json --tp 2 "${args[@]}" >"$OUT/gen-$tag.json" 2>"$OUT/gen-$tag.err"; then
-        python3 -c 'import json,sys; a,b=(json.load(open(p))["seqs"][0]["tokens"] for p in sys.argv[1:3]); g=json.load(open(sys.argv[2])).get("decode_graphs"); print(sys.argv[3]+":", "tokens identical" if a==b else f"DIFFER tp1 {a} vs {b}", "| decode graphs", g)' \
+        python3 -c 'import json,sys; ld=lambda p: json.JSONDecoder().raw_decode(open(p).read())[0]; a,b=(ld(p)["seqs"][0]["tokens"] for p in sys.argv[1:3]); g=ld(sys.argv[2]).get("decode_graphs"); print(sys.argv[3]+":", "tokens identical" if a==b else f"DIFFER tp1 {a} vs {b}", "| decode graphs", g)' \
             "$OUT/gen-llama-gqa-tp1.json" "$OUT/gen-$tag.json" "$sets" || fail=1
     else
         echo "$sets: FAILED"; tail -n 5 "$OUT/gen-$tag.err"; fail=1
