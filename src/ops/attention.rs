@@ -228,6 +228,7 @@ pub const GROUP_MAX_WAVES: usize = 4;
 /// batch 32, 2 blocks per SM, and measured 11-14 % slower. Smaller batches (fewer blocks per
 /// split than half the SMs, counting each kv head's `chunks` of heads) keep [`num_splits`],
 /// capped at one wave of resident blocks.
+#[allow(clippy::too_many_arguments)]
 pub fn num_splits_resident(
     batch: usize,
     kv_heads: usize,
