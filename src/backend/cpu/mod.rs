@@ -431,7 +431,7 @@ const FLAT_GEMM_NARROW_BLOCK_N: u32 = 8;
 /// Rows of W per task: the spec's block_n where it names one, else the implementation's default.
 fn block_rows(spec: &GemmSpec, dims: GemmDims) -> Result<usize> {
     let default = match spec.imp {
-        GemmImpl::Gemv => gemv::DEFAULT_ROWS_PER_TASK,
+        GemmImpl::Gemv => gemv::default_rows_per_task(dims.n, dims.k),
         GemmImpl::FlatGemm => flat_gemm::DEFAULT_BLOCK_N,
         GemmImpl::Gemm => gemm::DEFAULT_BLOCK_ROWS,
     };
