@@ -269,7 +269,7 @@ mod tests {
             (7, 100_000),
         ] {
             let r = default_rows_per_task(n, k);
-            assert!(r % C == 0 && r >= C && r <= DEFAULT_ROWS_PER_TASK, "N {n} K {k}: {r}");
+            assert!(r.is_multiple_of(C) && (C..=DEFAULT_ROWS_PER_TASK).contains(&r), "N {n} K {k}: {r}");
         }
     }
 }
