@@ -269,7 +269,10 @@ mod tests {
             (7, 100_000),
         ] {
             let r = default_rows_per_task(n, k);
-            assert!(r.is_multiple_of(C) && (C..=DEFAULT_ROWS_PER_TASK).contains(&r), "N {n} K {k}: {r}");
+            assert!(
+                r.is_multiple_of(C) && (C..=DEFAULT_ROWS_PER_TASK).contains(&r),
+                "N {n} K {k}: {r}"
+            );
         }
     }
 }
