@@ -52,12 +52,13 @@ pub enum Fallback {
 }
 
 /// The largest M at which the CPU's built-in rule runs the GEMV. Measured with `fdpp bench gemm
-/// --backend cpu --m 1,2,4,8,12,16,24` on SmolLM2-135M's four shapes (release, 2 shared cores,
-/// f16; reports/NOTES.md, session 10 hardening): the GEMV reads each weight row once for every
-/// row of x and beat the cache-blocked GEMM by 2.8-4.7x at M = 1 and by 1.1-1.6x at M = 8 in
-/// every shape; at M = 16 the two were even. flat_gemm won a few points from M = 4 by a few
-/// percent, not enough to rule on without `fdpp tune`.
-pub const CPU_GEMV_MAX_M: usize = 8;
+/// --backend cpu --m 8,16,24,32,64,128` on SmolLM2-135M's four shapes (release, 2 shared cores,
+/// f16; reports/NOTES.md, "CPU engine (issue #21 items 5-6)"): the GEMV that widens W in
+/// registers reads W once for every row of x and beat flat_gemm and the cache-blocked GEMM in
+/// every shape up to M = 32 (by 1.1-2.4x at M = 8, 1.05-1.2x at M = 32); from M = 64 the
+/// cache-blocked GEMM wins (1.4-1.9x at M = 128), where the op is bound by arithmetic, not by W.
+/// (With the earlier widen-then-dot GEMV the crossover was M = 8-16.)
+pub const CPU_GEMV_MAX_M: usize = 32;
 
 /// The largest M at which CUDA's built-in rule runs the GEMV: at M ≤ 2 the GEMV beat cuBLAS in
 /// all 12 shapes of the three shipped H100 profiles (by 5-50 %); at M = 3 cuBLAS won one of them.
@@ -76,7 +77,7 @@ impl Fallback {
         }
     }
 
-    /// The rule in words, for the output ("built-in rule for the CPU (gemv for M ≤ 8, else the
+    /// The rule in words, for the output ("built-in rule for the CPU (gemv for M ≤ 32, else the
     /// cache-blocked gemm)").
     pub fn describe(self) -> String {
         match self {

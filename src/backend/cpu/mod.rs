@@ -104,17 +104,15 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer {
-            dtype,
-            data: vec![dtype.poison(); len],
-        })
+        let mut data = huge_page_vec(len);
+        data.resize(len, dtype.poison());
+        Ok(CpuBuffer { dtype, data })
     }
 
     fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
-        Ok(CpuBuffer {
-            dtype,
-            data: bits.to_vec(),
-        })
+        let mut data = huge_page_vec(bits.len());
+        data.extend_from_slice(bits);
+        Ok(CpuBuffer { dtype, data })
     }
 
     fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
@@ -400,6 +398,32 @@ impl Backend for CpuBackend {
     }
 }
 
+/// An empty vector with room for `len` values whose pages, where the buffer is large, the kernel
+/// is asked to back with 2 MiB pages (`madvise(MADV_HUGEPAGE)`, which the default
+/// `transparent_hugepage=madvise` honours) before anything touches them. Weights are streamed
+/// once per token (the GEMV at decode reads all of them): with 4 KiB pages that is a TLB miss
+/// every 64 cache lines, a page walk the hardware prefetcher cannot run ahead of, since it
+/// stops at page boundaries. Best effort: where the advice is refused, the buffer is the same,
+/// on small pages.
+fn huge_page_vec(len: usize) -> Vec<u16> {
+    let v: Vec<u16> = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let (start, bytes) = (v.as_ptr() as usize, len * std::mem::size_of::<u16>());
+        let (lo, hi) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+        if bytes >= 2 * HUGE && hi > lo {
+            // SAFETY: [lo, hi) lies inside the allocation just made for `v` (rounded inwards
+            // to whole huge pages), and MADV_HUGEPAGE changes how its pages are backed, never
+            // what they hold; its result is ignored (advice only).
+            unsafe {
+                libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v
+}
+
 /// Every buffer of an attention call must hold the params' dtype.
 fn check_dtypes(op: &str, dtype: DType, bufs: &[&CpuBuffer]) -> Result<()> {
     match bufs.iter().find(|b| b.dtype != dtype) {
@@ -431,7 +455,7 @@ const FLAT_GEMM_NARROW_BLOCK_N: u32 = 8;
 /// Rows of W per task: the spec's block_n where it names one, else the implementation's default.
 fn block_rows(spec: &GemmSpec, dims: GemmDims) -> Result<usize> {
     let default = match spec.imp {
-        GemmImpl::Gemv => gemv::DEFAULT_ROWS_PER_TASK,
+        GemmImpl::Gemv => gemv::default_rows_per_task(dims.n, dims.k),
         GemmImpl::FlatGemm => flat_gemm::DEFAULT_BLOCK_N,
         GemmImpl::Gemm => gemm::DEFAULT_BLOCK_ROWS,
     };

@@ -28,6 +28,14 @@ pub(super) trait Vf32: Copy {
     fn madd1(a: f32, b: f32, acc: f32) -> f32;
     /// Widen 16-bit values to f32 (`dst.len() == src.len()`).
     fn widen(dt: DType, src: &[u16], dst: &mut [f32]);
+    /// Eight f16 values widened in registers (exact), for kernels that read a 16-bit operand
+    /// once and must not pay a store and reload of its f32 form.
+    fn load_f16(src: &[u16; LANES]) -> Self;
+    /// Eight bf16 values widened in registers (exact: bf16 is the top half of an f32).
+    fn load_bf16(src: &[u16; LANES]) -> Self;
+    /// A hint to bring the cache line holding `addr` into L1 (no effect on the results; any
+    /// address is allowed, a prefetch never faults).
+    fn prefetch(addr: *const u16);
 }
 
 /// `FDPP_CPU_ISA=portable` forces the portable build on any CPU, so that it can be checked (and
@@ -81,6 +89,18 @@ impl Vf32 for Portable {
     fn widen(dt: DType, src: &[u16], dst: &mut [f32]) {
         dt.widen(src, dst)
     }
+    #[inline(always)]
+    fn load_f16(src: &[u16; LANES]) -> Self {
+        let mut v = [0f32; LANES];
+        DType::F16.widen(src, &mut v);
+        Portable(v)
+    }
+    #[inline(always)]
+    fn load_bf16(src: &[u16; LANES]) -> Self {
+        Portable(src.map(|b| f32::from_bits((b as u32) << 16)))
+    }
+    #[inline(always)]
+    fn prefetch(_addr: *const u16) {}
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -173,6 +193,24 @@ mod x86 {
             }
             dt.widen(s_tail, d_tail);
         }
+        #[inline(always)]
+        fn load_f16(src: &[u16; LANES]) -> Self {
+            // SAFETY: reads the 16 bytes of `src`; F16C, see the type.
+            Avx2(unsafe { _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())) })
+        }
+        #[inline(always)]
+        fn load_bf16(src: &[u16; LANES]) -> Self {
+            // SAFETY: reads the 16 bytes of `src`; AVX2, see the type.
+            Avx2(unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            })
+        }
+        #[inline(always)]
+        fn prefetch(addr: *const u16) {
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(addr.cast()) }
+        }
     }
 }
 
@@ -228,7 +266,9 @@ fn widen_generic<V: Vf32>(dt: DType, src: &[u16], dst: &mut [f32]) {
 }
 
 /// Dot product of two equal-length slices: four vector accumulators (to overlap the FMA
-/// latency), reduced at the end; the ragged tail one element at a time.
+/// latency), reduced at the end; the ragged tail one element at a time. Kept as the tested
+/// pattern for f32 dot products (the GEMV now widens W in registers, see gemv.rs).
+#[cfg(test)]
 #[inline(always)]
 pub(super) fn dot<V: Vf32>(a: &[f32], b: &[f32]) -> f32 {
     let (ca, ta) = a.as_chunks::<{ 4 * LANES }>();
