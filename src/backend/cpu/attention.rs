@@ -17,8 +17,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::simd::{has_avx2_fma_f16c, Avx2};
-use super::simd::{Portable, Vf32};
+use super::simd::{multiversion, Vf32};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv::paged::{write_tokens, PagedKvLayout};
@@ -93,46 +92,23 @@ fn ca_tail(a: &[f32], b: &[f32]) -> f32 {
     a[n..].iter().zip(&b[n..]).map(|(x, y)| x * y).sum()
 }
 
-/// Accumulates keys `range` into `p` with the given scheme. `qs` is q · 1/√d in f32.
-#[allow(clippy::too_many_arguments)]
-fn accumulate<'a>(
-    dt: DType,
-    scheme: SoftmaxScheme,
-    qs: &[f32],
-    range: Range<usize>,
-    key: &dyn Fn(usize) -> &'a [u16],
-    val: &dyn Fn(usize) -> &'a [u16],
-    p: &mut Partial,
-    scratch: &mut Vec<f32>,
-) {
-    // The AVX2+FMA+F16C build where the CPU has it (F16C widening, 256-bit vectors for the
-    // dot products and the V accumulation; the same operations in the same order, so the same
-    // results), the portable one otherwise. Attention was ~9 % of a SmolLM2-135M decode step
-    // on 2 cores (FDPP_OP_TIMES), in the baseline build with a per-row feature check to widen.
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx2<'a>(
-            dt: DType,
-            scheme: SoftmaxScheme,
-            qs: &[f32],
-            range: Range<usize>,
-            key: &dyn Fn(usize) -> &'a [u16],
-            val: &dyn Fn(usize) -> &'a [u16],
-            p: &mut Partial,
-            scratch: &mut Vec<f32>,
-        ) {
-            accumulate_generic::<Avx2>(dt, scheme, qs, range, key, val, p, scratch)
-        }
-        if has_avx2_fma_f16c() {
-            // SAFETY: the CPU was just found to support AVX2, FMA and F16C, the only
-            // requirement of calling a `#[target_feature]` function.
-            unsafe { avx2(dt, scheme, qs, range, key, val, p, scratch) };
-            return;
-        }
-    }
-    accumulate_generic::<Portable>(dt, scheme, qs, range, key, val, p, scratch)
+multiversion! {
+    /// Accumulates keys `range` into `p` with the given scheme. `qs` is q · 1/√d in f32. The
+    /// AVX2+FMA+F16C build where the CPU has it (F16C widening, 256-bit vectors for the dot
+    /// products and the V accumulation; the same operations in the same order, so the same
+    /// results), the portable one otherwise. Attention was ~9 % of a SmolLM2-135M decode step on
+    /// 2 cores (FDPP_OP_TIMES), in the baseline build with a per-row feature check to widen.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate<'a>(
+        dt: DType,
+        scheme: SoftmaxScheme,
+        qs: &[f32],
+        range: Range<usize>,
+        key: &dyn Fn(usize) -> &'a [u16],
+        val: &dyn Fn(usize) -> &'a [u16],
+        p: &mut Partial,
+        scratch: &mut Vec<f32>,
+    ) => accumulate_generic
 }
 
 #[inline(always)]

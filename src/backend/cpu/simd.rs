@@ -233,13 +233,14 @@ pub(super) fn kernel_isa() -> &'static str {
 /// the CPU has them, and `$generic::<Portable>(args)` otherwise. `$generic` must be
 /// `#[inline(always)]` so that its whole body is compiled inside the AVX2 function.
 macro_rules! multiversion {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $generic:ident) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident $(<$lt:lifetime>)? ($($arg:ident: $ty:ty),* $(,)?) => $generic:ident) => {
         $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) {
+        $vis fn $name $(<$lt>)? ($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma,f16c")]
-                fn avx2_fma_f16c($($arg: $ty),*) {
+                #[allow(clippy::too_many_arguments)]
+                fn avx2_fma_f16c $(<$lt>)? ($($arg: $ty),*) {
                     $generic::<$crate::backend::cpu::simd::Avx2>($($arg),*)
                 }
                 if $crate::backend::cpu::simd::has_avx2_fma_f16c() {
