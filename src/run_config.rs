@@ -41,6 +41,8 @@ pub enum Key {
     GemmFallback,
     TpGraphs,
     TpFused,
+    TpVocab,
+    TpFailAt,
 }
 
 /// What a switch is.
@@ -101,6 +103,24 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Behaviour,
         what: "with --tp, run the fused decode layer: rank 0 adds O/FFN2 into the residual, the others write their partial there, and the residual is all-reduced (off: unfused with --tp)",
+    },
+    KeyInfo {
+        key: Key::TpVocab,
+        name: "tp_vocab",
+        env: "FDPP_TP_VOCAB",
+        values: "1|0",
+        default: "1 (where --tp divides the vocabulary)",
+        kind: Kind::Behaviour,
+        what: "with --tp, each rank's LM head is its slice of the vocabulary and the logits are all-gathered (0: the head is replicated and rank 0's logits broadcast)",
+    },
+    KeyInfo {
+        key: Key::TpFailAt,
+        name: "tp_fail_at",
+        env: "FDPP_TP_FAIL_AT",
+        values: "RANK:N",
+        default: "none",
+        kind: Kind::Diagnostic,
+        what: "with --tp, rank RANK fails at its N-th collective, to check that every rank stops with its error (no hang)",
     },
     KeyInfo {
         key: Key::Graphs,
@@ -464,7 +484,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 26);
+        assert_eq!(KEYS.len(), 28);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

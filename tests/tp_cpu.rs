@@ -20,6 +20,7 @@ use fdpp::engine::runner::Engine;
 use fdpp::engine::sampler::{argmax, SamplingParams};
 use fdpp::kv::BlockTable;
 use fdpp::model::llama::ModelSpec;
+use fdpp::tp::fault::{FailAt, Failing};
 use fdpp::tp::ranks::run_ranks;
 use fdpp::tp::{rank_spec, Communicator, HostComm};
 use serde::Deserialize;
@@ -143,7 +144,7 @@ fn run_tp(dir: &Path, world: usize, prompts: &[Vec<u32>], feed: &[Vec<u32>], dt:
         let mut e = Engine::new(model, plan)?;
         Ok(drive(&mut e, &spec, prompts, Some(feed)))
     })?;
-    // Every rank saw the same logits (rank 0's are broadcast) and chose the same tokens.
+    // Every rank saw the same logits (the vocabulary slices all-gathered) and chose the same tokens.
     for r in &runs[1..] {
         assert_eq!(r.batched, runs[0].batched);
     }
@@ -243,54 +244,6 @@ fn a_degree_the_model_cannot_take_is_an_error_naming_the_sizes() {
     assert!(e.contains("4 attention heads"), "{e}");
 }
 
-/// Rank 1 fails at its `after`-th collective, as a device error would.
-struct FailingComm {
-    inner: HostComm,
-    calls: std::sync::atomic::AtomicUsize,
-    after: usize,
-}
-
-impl FailingComm {
-    fn tick(&self) -> fdpp::Result<()> {
-        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self.inner.rank() == 1 && n == self.after {
-            return Err(fdpp::FdppError::device("cpu", "injected failure in rank 1"));
-        }
-        Ok(())
-    }
-}
-
-impl Communicator<CpuBackend> for FailingComm {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world(&self) -> usize {
-        self.inner.world()
-    }
-    fn all_reduce_sum(
-        &self,
-        b: &CpuBackend,
-        buf: &mut fdpp::backend::cpu::CpuBuffer,
-        elems: usize,
-    ) -> fdpp::Result<()> {
-        self.tick()?;
-        self.inner.all_reduce_sum(b, buf, elems)
-    }
-    fn broadcast(
-        &self,
-        b: &CpuBackend,
-        buf: &mut fdpp::backend::cpu::CpuBuffer,
-        elems: usize,
-        root: usize,
-    ) -> fdpp::Result<()> {
-        self.tick()?;
-        self.inner.broadcast(b, buf, elems, root)
-    }
-    fn abort(&self, why: &str) {
-        self.inner.fail(why);
-    }
-}
-
 #[test]
 fn a_rank_failing_mid_generation_stops_every_rank_with_its_error() {
     let dir = fixture("llama-gqa");
@@ -307,18 +260,15 @@ fn a_rank_failing_mid_generation_stops_every_rank_with_its_error() {
         let rspec = rank_spec(&spec, world)?;
         let (seq, total) = sizes(&prompts);
         let plan = memory_plan(&b, &rspec, &opts(), &seq, total)?;
-        let comm = Arc::new(FailingComm {
-            inner: comms[rank].clone(),
-            calls: Default::default(),
-            // Mid-way through the first decode step's layers.
-            after: 13,
-        });
+        let inner: Arc<dyn Communicator<CpuBackend>> = Arc::new(comms[rank].clone());
+        // Mid-way through the first decode step's layers.
+        let comm = Arc::new(Failing::new(inner, FailAt { rank: 1, call: 13 }));
         let model = build_rank_model(&b, &spec, &source, None, &opts(), comm)?;
         let mut e = Engine::new(model, plan)?;
         Ok(drive(&mut e, &spec, &prompts, None).batched)
     });
     let e = res.expect_err("rank 1 failed").to_string();
-    assert!(e.contains("injected failure in rank 1"), "{e}");
+    assert!(e.contains("rank 1") && e.contains("injected failure"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(60));
 }
 
@@ -339,8 +289,8 @@ fn fdpp_cli(args: &[&str]) -> (bool, String, String) {
 fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
     let m = fixture("llama-gqa");
     let m = m.to_str().expect("utf-8");
-    let run = |tp: &str| {
-        let (ok, out, err) = fdpp_cli(&[
+    let gen = |tp: &str, extra: &[&str]| {
+        let mut args = vec![
             "generate",
             "--model",
             m,
@@ -353,13 +303,33 @@ fn cli_generate_tp2_gives_the_tp1_tokens_and_bad_flags_are_clear_errors() {
             "--json",
             "--tp",
             tp,
-        ]);
-        assert!(ok, "--tp {tp}: {err}");
+        ];
+        args.extend_from_slice(extra);
+        fdpp_cli(&args)
+    };
+    let run = |tp: &str, extra: &[&str]| {
+        let (ok, out, err) = gen(tp, extra);
+        assert!(ok, "--tp {tp} {extra:?}: {err}");
         let v: serde_json::Value = serde_json::from_str(&out).expect("json");
         assert_eq!(v["tp"].as_u64(), Some(tp.parse().expect("tp")));
         v["seqs"][0]["tokens"].clone()
     };
-    assert_eq!(run("2"), run("1"));
+    let tp1 = run("1", &[]);
+    // The LM head split by vocabulary (the default) and replicated give tp 1's tokens.
+    assert_eq!(run("2", &[]), tp1);
+    assert_eq!(run("2", &["--set", "tp_vocab=0"]), tp1);
+    // A rank made to fail mid-run stops every rank with its error, well before the wait's end.
+    let t0 = std::time::Instant::now();
+    let (ok, _, err) = gen("2", &["--set", "tp_fail_at=1:7"]);
+    assert!(
+        !ok && err.contains("injected failure") && err.contains("rank 1"),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    let (ok, _, err) = gen("2", &["--set", "tp_fail_at=2:1"]);
+    assert!(!ok && err.contains("only 2 ranks"), "{err}");
+    let (ok, _, err) = gen("2", &["--set", "tp_fail_at=one"]);
+    assert!(!ok && err.contains("expected RANK:N"), "{err}");
     let bad = |extra: &[&str], want: &[&str]| {
         let mut args = vec!["generate", "--model", m, "--token-ids", "1,2", "--max-tokens", "2"];
         args.extend_from_slice(extra);

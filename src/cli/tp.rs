@@ -12,6 +12,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, BackendChoice};
 use crate::error::FdppError;
 use crate::model::ModelConfig;
+use crate::tp::fault::{FailAt, Failing};
 use crate::tp::ranks::run_ranks;
 use crate::tp::{Communicator, HostComm};
 
@@ -105,9 +106,24 @@ fn to_fdpp(rank: usize, e: anyhow::Error) -> FdppError {
     })
 }
 
+/// `comm`, made to fail where `--set tp_fail_at=RANK:N` says (a diagnostic).
+fn with_fault<B: Backend + 'static>(comm: Arc<dyn Communicator<B>>, at: Option<FailAt>) -> Arc<dyn Communicator<B>> {
+    match at {
+        Some(at) => Arc::new(Failing::new(comm, at)),
+        None => comm,
+    }
+}
+
 /// Run `job` on `world` ranks: threads of this process, stopped together by the first failure.
 pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Result<()> {
     let world = devices.len();
+    let fail_at = crate::run_config::get()
+        .get(crate::run_config::Key::TpFailAt)
+        .map(FailAt::parse)
+        .transpose()?;
+    if let Some(at) = fail_at.filter(|at| at.rank >= world) {
+        bail!("--set tp_fail_at={}:{}: there are only {world} ranks", at.rank, at.call);
+    }
     match kind {
         TpKind::Cpu => {
             let comms = HostComm::group(world, crate::tp::host::timeout_from_env()?);
@@ -115,7 +131,8 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
             eprintln!("tensor parallel: {world} ranks as threads on the CPU (in-process all-reduce)");
             run_ranks(world, &abort, |rank| {
                 let b = CpuBackend::new();
-                job.run(&b, Arc::new(comms[rank].clone())).map_err(|e| to_fdpp(rank, e))
+                let comm = with_fault(Arc::new(comms[rank].clone()), fail_at);
+                job.run(&b, comm).map_err(|e| to_fdpp(rank, e))
             })?;
         }
         TpKind::Cuda => {
@@ -138,7 +155,8 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
                 let b = CudaBackend::open(devices[rank])?;
                 gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
                 let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, rank, world)?;
-                job.run(&b, Arc::new(comm)).map_err(|e| to_fdpp(rank, e))
+                job.run(&b, with_fault(Arc::new(comm), fail_at))
+                    .map_err(|e| to_fdpp(rank, e))
             })?;
         }
     }

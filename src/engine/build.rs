@@ -163,7 +163,7 @@ pub fn build_rank_model<'b, B: Backend>(
     let rank_spec = tp::rank_spec(spec, world)?;
     let weights = load_weights(b, &rank_spec, source, opts.dtype, Some((spec, split)))?;
     let mut model = assemble(b, &rank_spec, weights, profile, opts)?;
-    model.set_comm(comm);
+    model.set_comm(comm)?;
     Ok(model)
 }
 

@@ -27,8 +27,10 @@
 //!
 //! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
 //! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
-//! collectives per layer) before the residual add, and rank 0's logits are broadcast before
-//! sampling. The fused layer and the decode graphs stay off with tp unless `tp_fused` /
+//! collectives per layer) before the residual add. Each rank's LM head is its slice of the
+//! vocabulary (Megatron's vocabulary-parallel output layer) and the slices' logits are
+//! all-gathered, so every rank samples from the same full row (`tp_vocab=0`, or a vocabulary
+//! the ranks do not divide: the head is replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off with tp unless `tp_fused` /
 //! `tp_graphs` turn them on ([`Model::set_comm`]).
 
 use std::cell::RefCell;
@@ -36,7 +38,7 @@ use std::sync::Arc;
 
 use super::op_times::OpTimes;
 use super::score_stats::ScoreStats;
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceBuffer};
 use crate::dtype::DType;
 use crate::engine::activations::Activations;
 use crate::engine::kv::KvCache;
@@ -88,6 +90,13 @@ pub struct Model<'b, B: Backend> {
     fused_glu: bool,
     /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
     comm: Option<Arc<dyn Communicator<B> + 'b>>,
+    /// With tp: the vocabulary rows of this rank's LM head when it holds a slice (vocab / world),
+    /// None when the head is replicated.
+    vocab_slice: Option<usize>,
+    /// Where the ranks' slices of the logits are all-gathered ([world][rows][slice]); grown
+    /// to the largest step's logits on first use (outside the decode graphs: the LM head is not
+    /// captured).
+    gathered_logits: RefCell<Option<B::Buffer>>,
 }
 
 /// The name the model had when the engine ran the Llama family only (other modules' imports).
@@ -129,24 +138,54 @@ impl<'b, B: Backend> Model<'b, B> {
             folded,
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
             comm: None,
+            vocab_slice: None,
+            gathered_logits: RefCell::new(None),
         })
     }
 
     /// Run as one rank of a tensor-parallel group (its weights already its shard,
     /// [`crate::tp::source`]). The biases after O and FFN2 are added by rank 0 only: the
     /// all-reduce that follows them sums every rank's partial output, so they count once.
+    /// The LM head is cut to the rank's rows of the vocabulary ([`Self::vocab_slice`]).
     /// A group of one changes nothing.
-    pub fn set_comm(&mut self, comm: Arc<dyn Communicator<B> + 'b>) {
-        if comm.world() <= 1 {
-            return;
+    pub fn set_comm(&mut self, comm: Arc<dyn Communicator<B> + 'b>) -> Result<()> {
+        let (rank, world) = (comm.rank(), comm.world());
+        if world <= 1 {
+            return Ok(());
         }
-        if comm.rank() != 0 {
+        if rank != 0 {
             for l in &mut self.weights.layers {
                 l.o_bias = None;
                 l.ffn2_bias = None;
             }
         }
+        let vocab = self.arch.vocab;
+        if crate::run_config::get().on(Key::TpVocab) && vocab.is_multiple_of(world) {
+            // Megatron's vocabulary-parallel head (Shoeybi et al. 2019 §3): the rank keeps rows
+            // rank·V/T .. (rank+1)·V/T of the whole head (a tied head: of the embedding, which
+            // stays whole for the lookup). Its GEMM then reads 1/T of the head's bytes, which
+            // at batch 1 is the step's largest single read after the layers.
+            let slice = vocab / world;
+            let first = rank * slice;
+            let rows = (first..first + slice)
+                .map(i32::try_from)
+                .collect::<std::result::Result<Vec<i32>, _>>()
+                .map_err(|_| FdppError::InvalidArgument(format!("vocabulary of {vocab} rows exceeds i32")))?;
+            let width = self.arch.embed_dim;
+            let mut part = self.b.alloc(self.dtype, slice * width)?;
+            let p = GatherParams {
+                rows,
+                width,
+                dtype: self.dtype,
+            };
+            self.b.gather_rows(&p, self.weights.lm_head(), &mut part)?;
+            // Untied: the whole head is freed here; tied: the embedding stays for the lookup.
+            self.weights.lm_head = Some(part);
+            self.vocab_slice = Some(slice);
+            self.linears.set_lm_head_cols(slice);
+        }
         self.comm = Some(comm);
+        Ok(())
     }
 
     /// (rank, world) of a tensor-parallel model; (0, 1) on one device.
@@ -429,18 +468,66 @@ impl<'b, B: Backend> Model<'b, B> {
             src = dst;
             self.op_times.lap(b, "gemm project_out")?;
         }
-        let dims = GemmDims::new(rows, a.vocab, a.embed_dim)?;
+        let cols = self.vocab_slice.unwrap_or(a.vocab);
+        let dims = GemmDims::new(rows, cols, a.embed_dim)?;
         {
             let [x, y] = acts.many([src, g.logits])?;
             run_gemm(b, &la.gemms.lm_head, dims, x, self.weights.lm_head(), y)?;
         }
         self.op_times.lap(b, "gemm lm_head")?;
-        if let Some(c) = &self.comm {
-            // The LM head is replicated; rank 0's logits go to every rank so that all of them
-            // choose the same tokens whatever the devices' rounding.
-            c.broadcast(b, acts.get_mut(g.logits), rows * a.vocab, 0)?;
-            self.op_times.lap(b, "broadcast logits")?;
+        match (&self.comm, self.vocab_slice) {
+            (Some(c), Some(slice)) => return self.gather_logits(c.as_ref(), rows, slice, want, acts),
+            (Some(c), None) => {
+                // The LM head is replicated; rank 0's logits go to every rank so that all of
+                // them choose the same tokens whatever the devices' rounding.
+                c.broadcast(b, acts.get_mut(g.logits), rows * a.vocab, 0)?;
+                self.op_times.lap(b, "broadcast logits")?;
+            }
+            (None, _) => {}
         }
+        self.read_out(rows, want, acts.get(g.logits))
+    }
+
+    /// Each rank's [rows, slice] logits (in the logits slot) all-gathered into
+    /// [world][rows][slice], then, for more than one row, put back in [rows][world·slice] order
+    /// in the logits slot; every rank then holds the same full rows and samples the same tokens.
+    fn gather_logits(
+        &self,
+        c: &dyn Communicator<B>,
+        rows: usize,
+        slice: usize,
+        want: StepWant,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<StepOut> {
+        let (b, g, world) = (self.b, acts.plan.globals, c.world());
+        let need = rows * slice * world;
+        let mut cell = self.gathered_logits.borrow_mut();
+        if cell.as_ref().is_none_or(|buf| buf.len() < need) {
+            let elems = need.max(acts.get(g.logits).len());
+            *cell = Some(b.alloc(self.dtype, elems)?);
+        }
+        let gathered = cell
+            .as_mut()
+            .ok_or_else(|| FdppError::InvalidArgument("internal: gathered logits not allocated".into()))?;
+        c.all_gather(b, acts.get(g.logits), gathered, rows * slice)?;
+        self.op_times.lap(b, "all_gather logits")?;
+        if rows == 1 {
+            return self.read_out(rows, want, gathered);
+        }
+        // Row i of the whole logits is slice i of every rank in rank order: gathered rows
+        // r·rows + i (each `slice` wide) go to rows i·world + r.
+        let order = (0..rows)
+            .flat_map(|i| (0..world).map(move |r| r * rows + i))
+            .map(|r| i32::try_from(r).map_err(|_| FdppError::InvalidArgument(format!("{rows} logit rows"))))
+            .collect::<Result<Vec<i32>>>()?;
+        let p = GatherParams {
+            rows: order,
+            width: slice,
+            dtype: self.dtype,
+        };
+        b.gather_rows(&p, gathered, acts.get_mut(g.logits))?;
+        self.op_times.lap(b, "gather_rows logits")?;
+        drop(cell);
         self.read_out(rows, want, acts.get(g.logits))
     }
 

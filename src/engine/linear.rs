@@ -63,6 +63,12 @@ impl LinearPlanner {
         self
     }
 
+    /// The LM head's N when a rank holds a slice of the vocabulary (tensor parallelism), so
+    /// that a per-rank profile's entry for that shape is the one looked up.
+    pub fn set_lm_head_cols(&mut self, n: usize) {
+        self.lm_head.1 = n;
+    }
+
     pub fn fallback(&self) -> Fallback {
         self.fallback
     }

@@ -1,6 +1,7 @@
 //! What a rank needs from its peers: the two collectives of a Megatron layer (an all-reduce
-//! after O and after FFN2) and one broadcast (rank 0's logits, so every rank samples the same
-//! token from the same numbers), over the backend's own buffers.
+//! after O and after FFN2), an all-gather (each rank's slice of the vocabulary's logits, so
+//! every rank samples from the same numbers) and a broadcast (rank 0's logits, where the LM
+//! head is replicated), over the backend's own buffers.
 
 use crate::backend::Backend;
 use crate::error::Result;
@@ -15,6 +16,8 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn all_reduce_sum(&self, b: &B, buf: &mut B::Buffer, elems: usize) -> Result<()>;
     /// buf[..elems] = rank `root`'s buf[..elems] on every rank.
     fn broadcast(&self, b: &B, buf: &mut B::Buffer, elems: usize, root: usize) -> Result<()>;
+    /// dst[r·elems..(r+1)·elems] = rank r's src[..elems], for every rank r, on every rank.
+    fn all_gather(&self, b: &B, src: &B::Buffer, dst: &mut B::Buffer, elems: usize) -> Result<()>;
     /// Stop the group: every rank waiting in a collective, and every later call, returns an
     /// error naming this rank and `why`.
     fn abort(&self, why: &str);

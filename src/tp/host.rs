@@ -36,6 +36,8 @@ pub fn timeout_from_env() -> Result<Duration> {
 enum Op {
     Sum,
     Broadcast(usize),
+    /// Every rank's contribution, one after the other in rank order.
+    Gather,
 }
 
 struct State {
@@ -129,8 +131,9 @@ impl HostComm {
         self.shared.arrived.notify_all();
     }
 
-    /// Sum `bits` (Σ in rank order, in f32, rounded once) or take rank `root`'s, on every rank.
-    fn collective(&self, op: Op, dtype: DType, bits: &mut [u16]) -> Result<()> {
+    /// Sum `bits` (Σ in rank order, in f32, rounded once), take rank `root`'s, or gather every
+    /// rank's, into `out` on every rank (`out` is `bits` itself except for a gather).
+    fn collective(&self, op: Op, dtype: DType, bits: &[u16], out: &mut [u16]) -> Result<()> {
         let world = self.shared.world;
         if world == 1 {
             return Ok(());
@@ -161,7 +164,7 @@ impl HostComm {
             st.result = Arc::new(combine(op, dtype, &slots));
             st.op = None;
             st.generation += 1;
-            bits.copy_from_slice(&st.result);
+            out.copy_from_slice(&st.result);
             drop(st);
             self.shared.arrived.notify_all();
             return Ok(());
@@ -174,7 +177,7 @@ impl HostComm {
             if st.generation != gen {
                 // The next collective cannot complete without this rank, so the result is
                 // still this one's.
-                bits.copy_from_slice(&st.result);
+                out.copy_from_slice(&st.result);
                 return Ok(());
             }
             let now = Instant::now();
@@ -204,7 +207,25 @@ impl HostComm {
 
     /// In-place sum over the group of 16-bit data of `dtype`.
     pub fn all_reduce_bits(&self, dtype: DType, bits: &mut [u16]) -> Result<()> {
-        self.collective(Op::Sum, dtype, bits)
+        let mine = bits.to_vec();
+        self.collective(Op::Sum, dtype, &mine, bits)
+    }
+
+    /// `out` = every rank's `bits`, in rank order (`out` holds world × bits.len()).
+    pub fn all_gather_bits(&self, dtype: DType, bits: &[u16], out: &mut [u16]) -> Result<()> {
+        if out.len() != bits.len() * self.shared.world {
+            return Err(self.err(format!(
+                "an all-gather of {} elements per rank over {} ranks into {} elements",
+                bits.len(),
+                self.shared.world,
+                out.len()
+            )));
+        }
+        if self.shared.world == 1 {
+            out.copy_from_slice(bits);
+            return Ok(());
+        }
+        self.collective(Op::Gather, dtype, bits, out)
     }
 
     /// Rank `root`'s `bits` on every rank.
@@ -212,7 +233,8 @@ impl HostComm {
         if root >= self.shared.world {
             return Err(self.err(format!("broadcast from rank {root} of {}", self.shared.world)));
         }
-        self.collective(Op::Broadcast(root), dtype, bits)
+        let mine = bits.to_vec();
+        self.collective(Op::Broadcast(root), dtype, &mine, bits)
     }
 }
 
@@ -220,6 +242,7 @@ impl HostComm {
 fn combine(op: Op, dtype: DType, slots: &[Vec<u16>]) -> Vec<u16> {
     match op {
         Op::Broadcast(root) => slots[root].clone(),
+        Op::Gather => slots.concat(),
         Op::Sum => {
             let n = slots.first().map_or(0, Vec::len);
             (0..n)
@@ -253,6 +276,21 @@ impl Communicator<CpuBackend> for HostComm {
     fn broadcast(&self, _b: &CpuBackend, buf: &mut CpuBuffer, elems: usize, root: usize) -> Result<()> {
         let dtype = buf.dtype;
         self.broadcast_bits(dtype, prefix(self, buf, elems)?, root)
+    }
+
+    fn all_gather(&self, _b: &CpuBackend, src: &CpuBuffer, dst: &mut CpuBuffer, elems: usize) -> Result<()> {
+        if src.dtype != dst.dtype {
+            return Err(self.err(format!("an all-gather from {:?} into {:?}", src.dtype, dst.dtype)));
+        }
+        let mine = src.data.get(..elems).ok_or_else(|| {
+            self.err(format!(
+                "a collective over {elems} elements of a buffer of {}",
+                src.data.len()
+            ))
+        })?;
+        let dtype = dst.dtype;
+        let world = self.shared.world;
+        self.all_gather_bits(dtype, mine, prefix(self, dst, elems * world)?)
     }
 
     fn abort(&self, why: &str) {
@@ -304,6 +342,23 @@ mod tests {
             bits
         });
         assert!(outs.iter().all(|o| o.iter().all(|&b| dt.to_f32(b) == 2.5)));
+    }
+
+    #[test]
+    fn an_all_gather_lays_the_ranks_out_in_order_on_every_rank() {
+        let dt = DType::F16;
+        let outs = run(3, Duration::from_secs(10), |c| {
+            let r = c.rank() as f32;
+            let mine = [dt.from_f32(r), dt.from_f32(10.0 + r)];
+            let mut out = vec![0u16; 6];
+            c.all_gather_bits(dt, &mine, &mut out).expect("gather");
+            // A wrong output size is refused, not truncated.
+            assert!(c.all_gather_bits(dt, &mine, &mut [0u16; 5]).is_err());
+            out.iter().map(|&b| dt.to_f32(b)).collect::<Vec<f32>>()
+        });
+        for o in &outs {
+            assert_eq!(o, &[0.0, 10.0, 1.0, 11.0, 2.0, 12.0]);
+        }
     }
 
     #[test]

@@ -6,14 +6,17 @@
 //! - [`comm`]: the collectives a rank needs; [`host`]: ranks as threads of one process (the
 //!   CPU backend, CI); NCCL on CUDA lives in `backend/cuda/nccl.rs`.
 //! - [`ranks`]: one thread per rank, each with its own backend, every rank stopped by the
-//!   first failure.
+//!   first failure; [`fault`]: a rank made to fail, to check that.
 //!
 //! The engine ([`crate::engine::forward`]) all-reduces the O and FFN2 outputs (their biases on
-//! rank 0 only) before the residual add, and broadcasts rank 0's logits before sampling, so
-//! every rank feeds the same tokens to the next step. The embedding and the LM head are
-//! replicated (simplest; the LM head's vocabulary split is future work).
+//! rank 0 only) before the residual add. The LM head is split by vocabulary and its logits
+//! all-gathered (or, where the ranks do not divide the vocabulary, replicated with rank 0's
+//! logits broadcast), so every rank feeds the same tokens to the next step. The embedding
+//! stays whole on every rank: a lookup reads one row per token, so splitting it would save
+//! memory (1/T of vocab × hidden) at the cost of one more all-reduce per step.
 
 pub mod comm;
+pub mod fault;
 pub mod host;
 pub mod ranks;
 pub mod source;

@@ -54,6 +54,7 @@ type AllReduce =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult;
 type Broadcast =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult;
+type AllGather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, *mut c_void) -> NcclResult;
 type CommDestroy = unsafe extern "C" fn(NcclComm) -> NcclResult;
 type CommAbort = unsafe extern "C" fn(NcclComm) -> NcclResult;
 type ErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
@@ -66,6 +67,7 @@ pub struct Nccl {
     comm_init_rank: CommInitRank,
     all_reduce: AllReduce,
     broadcast: Broadcast,
+    all_gather: AllGather,
     comm_destroy: CommDestroy,
     comm_abort: CommAbort,
     error_string: ErrorString,
@@ -176,13 +178,24 @@ impl Nccl {
 
     fn from_lib(lib: Library, path: String) -> Result<Nccl> {
         // SAFETY: each type below is the signature nccl.h declares for the symbol.
-        let (get_version, get_unique_id, comm_init_rank, all_reduce, broadcast, comm_destroy, comm_abort, error_string) = unsafe {
+        let (
+            get_version,
+            get_unique_id,
+            comm_init_rank,
+            all_reduce,
+            broadcast,
+            all_gather,
+            comm_destroy,
+            comm_abort,
+            error_string,
+        ) = unsafe {
             (
                 sym::<GetVersion>(&lib, &path, "ncclGetVersion")?,
                 sym::<GetUniqueId>(&lib, &path, "ncclGetUniqueId")?,
                 sym::<CommInitRank>(&lib, &path, "ncclCommInitRank")?,
                 sym::<AllReduce>(&lib, &path, "ncclAllReduce")?,
                 sym::<Broadcast>(&lib, &path, "ncclBroadcast")?,
+                sym::<AllGather>(&lib, &path, "ncclAllGather")?,
                 sym::<CommDestroy>(&lib, &path, "ncclCommDestroy")?,
                 sym::<CommAbort>(&lib, &path, "ncclCommAbort")?,
                 sym::<ErrorString>(&lib, &path, "ncclGetErrorString")?,
@@ -207,6 +220,7 @@ impl Nccl {
             comm_init_rank,
             all_reduce,
             broadcast,
+            all_gather,
             comm_destroy,
             comm_abort,
             error_string,
@@ -405,6 +419,33 @@ impl Communicator<CudaBackend> for NcclRank {
             )
         };
         self.nccl.check("ncclBroadcast", r)
+    }
+
+    fn all_gather(&self, b: &CudaBackend, src: &CudaBuffer, dst: &mut CudaBuffer, elems: usize) -> Result<()> {
+        self.ready()?;
+        self.bounds(src, elems)?;
+        self.bounds(dst, elems * self.world)?;
+        if src.dtype() != dst.dtype() {
+            return Err(FdppError::Collective {
+                rank: self.rank,
+                msg: format!("an all-gather from {:?} into {:?}", src.dtype(), dst.dtype()),
+            });
+        }
+        let (s, d) = (b.ptr(src) as *const c_void, b.ptr(dst) as *mut c_void);
+        // SAFETY: `elems` elements read from a live buffer, world × elems written to another
+        // (bounds checked above), on the rank's stream, which orders it after the LM head's GEMM
+        // and before the reads of the gathered logits.
+        let r = unsafe {
+            (self.nccl.all_gather)(
+                s,
+                d,
+                elems,
+                Self::dtype_of(src),
+                self.comm,
+                b.stream.cu_stream() as *mut c_void,
+            )
+        };
+        self.nccl.check("ncclAllGather", r)
     }
 
     fn abort(&self, why: &str) {
