@@ -11,7 +11,8 @@
 // KREC and MREC are the newest CUpti_ActivityKernelN and CUpti_ActivityMemcpyN of the installed
 // header (the library writes records in those layouts); kernel_trace.sh finds them. Copies are
 // recorded too (named memcpy_<kind>_<bytes>: 1 host to device, 2 device to host, 8 device to
-// device), as a copy between two kernels breaks their overlap.
+// device), as a copy between two kernels breaks their overlap. Each record names its device, so
+// a multi-GPU run (tensor parallelism) can be cut per GPU.
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,17 +39,17 @@ static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t* buffer
         if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
             const MREC* m = (const MREC*)r;
             if (out)
-                fprintf(out, "%llu,%llu,%u,%llu,0,0,0,memcpy_%u_%llu\n", (unsigned long long)m->start,
+                fprintf(out, "%llu,%llu,%u,%llu,0,0,0,%u,memcpy_%u_%llu\n", (unsigned long long)m->start,
                         (unsigned long long)m->end, m->graphId, (unsigned long long)m->graphNodeId,
-                        (unsigned)m->copyKind, (unsigned long long)m->bytes);
+                        m->deviceId, (unsigned)m->copyKind, (unsigned long long)m->bytes);
             continue;
         }
         if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
         const KREC* k = (const KREC*)r;
         if (out)
-            fprintf(out, "%llu,%llu,%u,%llu,%u,%u,%u,%s\n", (unsigned long long)k->start,
+            fprintf(out, "%llu,%llu,%u,%llu,%u,%u,%u,%u,%s\n", (unsigned long long)k->start,
                     (unsigned long long)k->end, k->graphId, (unsigned long long)k->graphNodeId, k->gridX,
-                    k->blockX, k->registersPerThread, k->name);
+                    k->blockX, k->registersPerThread, k->deviceId, k->name);
     }
     size_t n = 0;
     if (cuptiActivityGetNumDroppedRecords(NULL, 0, &n) == CUPTI_SUCCESS) dropped += n;
@@ -68,7 +69,7 @@ int InitializeInjection(void) {
     const char* path = getenv("FDPP_TRACE_OUT");
     out = fopen(path ? path : "kernel_trace.csv", "w");
     if (!out) return 0;
-    fprintf(out, "start_ns,end_ns,graph,node,grid_x,block_x,regs,name\n");
+    fprintf(out, "start_ns,end_ns,graph,node,grid_x,block_x,regs,device,name\n");
     if (cuptiActivityRegisterCallbacks(give_buffer, take_buffer) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS) return 0;

@@ -7,7 +7,8 @@ programmatic dependent launch a kernel starts before its predecessor ends, so du
 and do not add up; these shares do (plus the idle gaps, where nothing runs).
 
 Steps are cut at the kernel named by --step-end (default: the greedy argmax), and the summary
-covers the last --steps of them (the decode steps; the prefill comes first).
+covers the last --steps of them (the decode steps; the prefill comes first). A multi-GPU trace
+(tensor parallelism) is summarised for one device (--device, default the lowest id).
 """
 import argparse
 import csv
@@ -20,9 +21,16 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--step-end", default="argmax", help="substring of the kernel that ends a step")
     ap.add_argument("--steps", type=int, default=16, help="summarise the last N steps")
+    ap.add_argument("--device", type=int, help="the GPU to summarise (default: the lowest id in the trace)")
     a = ap.parse_args()
     with open(a.csv) as f:
-        ks = [(int(r["start_ns"]), int(r["end_ns"]), r["name"][:48]) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    # Traces written before the device column have none: one GPU.
+    devs = sorted({int(r.get("device") or 0) for r in rows})
+    dev = a.device if a.device is not None else (devs[0] if devs else 0)
+    if len(devs) > 1:
+        print(f"devices in the trace: {devs}; summarising device {dev}")
+    ks = [(int(r["start_ns"]), int(r["end_ns"]), r["name"][:48]) for r in rows if int(r.get("device") or 0) == dev]
     ks.sort()
     if not ks:
         sys.exit(f"{a.csv}: no kernels recorded")
