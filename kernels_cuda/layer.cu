@@ -265,19 +265,21 @@ template <> struct Vec<4> { typedef uint2 T; };
 template <> struct Vec<2> { typedef u32 T; };
 template <> struct Vec<1> { typedef u16 T; };
 
-// grid (rows, column blocks): dst[i] = src[rows[i]], `width` elements per row; a row index
-// outside [0, limit) gives a zero row. The host checks the indices it uploads; the bound is for
+// grid (rows, column blocks): dst[i] = src[rows[i] - offset], `width` elements per row; a row
+// index outside [offset, offset + limit) gives a zero row (offset: the first id of a
+// tensor-parallel rank's slice of the embedding, 0 otherwise). The host checks the indices it uploads; the bound is for
 // indices the device chose (a pipelined decode step embeds the previous step's argmax, which marks
 // a NaN row with 0xffffffff: the host reports that row when it reads the choice).
 template <int V>
 __device__ __forceinline__ void gather(const u16* __restrict__ src, u16* __restrict__ dst,
-                                       const int* __restrict__ rows, int width, int limit) {
+                                       const int* __restrict__ rows, int width, int limit, int offset) {
     pdl_wait();
     pdl_trigger();
     typedef typename Vec<V>::T T;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c >= width) return;
-    const int r = rows[blockIdx.x];
+    // Unsigned: the NaN mark (-1) and ids below the slice wrap to large values, out of range.
+    const int r = (int)((unsigned)rows[blockIdx.x] - (unsigned)offset);
     const size_t to = (size_t)blockIdx.x * width + c;
     T v{};
     if ((unsigned)r < (unsigned)limit) v = *reinterpret_cast<const T*>(src + (size_t)r * width + c);
@@ -304,8 +306,8 @@ __device__ __forceinline__ void scatter_kv(const u16* __restrict__ k, const u16*
 #define FDPP_ROW_COPIES(V)                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                               \
         gather_rows_v##V(const u16* __restrict__ src, u16* __restrict__ dst, const int* __restrict__ rows, \
-                         int width, int limit) {                                                    \
-        gather<V>(src, dst, rows, width, limit);                                                    \
+                         int width, int limit, int offset) {                                        \
+        gather<V>(src, dst, rows, width, limit, offset);                                            \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(128)                                               \
         scatter_kv_v##V(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kpool, \

@@ -106,6 +106,7 @@ fn embedding_and_gather_rows_copy_exactly_at_every_width() {
                     vocab,
                     hidden: width,
                     dtype: dt,
+                    held: None,
                 };
                 let mut oc = cpu.alloc(dt, n * width).unwrap();
                 let mut og = gpu.alloc(dt, n * width).unwrap();
@@ -320,6 +321,7 @@ fn bad_layer_op_inputs_are_refused_before_any_launch() {
         vocab: 10,
         hidden: 8,
         dtype: DType::F16,
+        held: None,
     };
     match gpu.embedding(&p, &table, &mut out) {
         Err(FdppError::InvalidArgument(m)) => assert!(m.contains("out is bf16"), "{m}"),

@@ -103,6 +103,7 @@ fn data_movement_ops_are_exact() {
         vocab: 67,
         hidden: 1001,
         dtype: dt,
+        held: None,
     };
     let mut out = b.alloc(dt, 4 * 1001).expect("alloc");
     b.embedding(&e, &up(&b, dt, &table), &mut out).expect("embedding");
@@ -189,6 +190,7 @@ fn bad_inputs_are_refused_and_leave_buffers_untouched() {
             vocab: 10,
             hidden: 8,
             dtype: dt,
+            held: None,
         };
         let m = msg(b.embedding(&p, &table, &mut out).expect_err("bad id"));
         assert!(m.contains("outside the vocabulary"), "{m}");

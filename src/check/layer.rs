@@ -924,6 +924,7 @@ fn embedding_case<B: Backend>(
         vocab,
         hidden,
         dtype: dt,
+        held: None,
     };
     let table = random_bits(dt, vocab * hidden, 1.0, seed ^ 1);
     let tb = b.upload(dt, &table)?;
@@ -937,6 +938,27 @@ fn embedding_case<B: Backend>(
         &b.download(&out)?,
         &with_guard(dt, &embedding_ref(&p, &table)),
     );
+    // The middle rank's slice of three (tensor parallelism): its rows looked up, every other id
+    // a zero row.
+    if vocab >= 3 {
+        let (first, rows) = (vocab / 3, vocab / 3);
+        let s = EmbeddingParams {
+            held: Some((first, rows)),
+            ..p
+        };
+        let part = &table[first * hidden..(first + rows) * hidden];
+        let pb = b.upload(dt, part)?;
+        let mut out = poisoned(b, dt, tokens * hidden)?;
+        if let Err(e) = b.embedding(&s, &pb, &mut out).and_then(|()| b.synchronize()) {
+            return Ok(Err(e));
+        }
+        j.exact(
+            dt,
+            "out (vocabulary slice)",
+            &b.download(&out)?,
+            &with_guard(dt, &embedding_ref(&s, part)),
+        );
+    }
     Ok(Ok(()))
 }
 

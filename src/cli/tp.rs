@@ -154,7 +154,7 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
             run_ranks(world, &abort, |rank| {
                 let b = CudaBackend::open(devices[rank])?;
                 gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
-                let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, rank, world)?;
+                let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, (rank, world), gate[rank].clone())?;
                 job.run(&b, with_fault(Arc::new(comm), fail_at))
                     .map_err(|e| to_fdpp(rank, e))
             })?;

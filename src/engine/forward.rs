@@ -27,10 +27,11 @@
 //!
 //! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
 //! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
-//! collectives per layer) before the residual add. Each rank's LM head is its slice of the
-//! vocabulary (Megatron's vocabulary-parallel output layer) and the slices' logits are
-//! all-gathered, so every rank samples from the same full row (`tp_vocab=0`, or a vocabulary
-//! the ranks do not divide: the head is replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off with tp unless `tp_fused` /
+//! collectives per layer) before the residual add. Each rank's embedding and LM head are its
+//! slice of the vocabulary (Megatron's vocabulary-parallel layers): the lookup is all-reduced
+//! (zeros from the ranks without the id) and the slices' logits all-gathered, so every rank
+//! samples from the same full row (`tp_vocab=0`, or a vocabulary the ranks do not divide: both
+//! are replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off with tp unless `tp_fused` /
 //! `tp_graphs` turn them on ([`Model::set_comm`]).
 
 use std::cell::RefCell;
@@ -161,31 +162,39 @@ impl<'b, B: Backend> Model<'b, B> {
         }
         let vocab = self.arch.vocab;
         if crate::run_config::get().on(Key::TpVocab) && vocab.is_multiple_of(world) {
-            // Megatron's vocabulary-parallel head (Shoeybi et al. 2019 §3): the rank keeps rows
-            // rank·V/T .. (rank+1)·V/T of the whole head (a tied head: of the embedding, which
-            // stays whole for the lookup). Its GEMM then reads 1/T of the head's bytes, which
-            // at batch 1 is the step's largest single read after the layers.
+            // Megatron's vocabulary-parallel embedding and output layer (Shoeybi et al. 2019 §3):
+            // the rank keeps rows rank·V/T .. (rank+1)·V/T of each (of the one table when
+            // tied). Its LM head GEMM then reads 1/T of the head's bytes (at batch 1 the step's
+            // largest single read after the layers), and the embedding holds 1/T of the table.
             let slice = vocab / world;
             let first = rank * slice;
-            let rows = (first..first + slice)
-                .map(i32::try_from)
-                .collect::<std::result::Result<Vec<i32>, _>>()
-                .map_err(|_| FdppError::InvalidArgument(format!("vocabulary of {vocab} rows exceeds i32")))?;
-            let width = self.arch.embed_dim;
-            let mut part = self.b.alloc(self.dtype, slice * width)?;
-            let p = GatherParams {
-                rows,
-                width,
-                dtype: self.dtype,
-            };
-            self.b.gather_rows(&p, self.weights.lm_head(), &mut part)?;
-            // Untied: the whole head is freed here; tied: the embedding stays for the lookup.
-            self.weights.lm_head = Some(part);
+            if let Some(head) = self.weights.lm_head.take() {
+                self.weights.lm_head = Some(self.vocab_rows(&head, first, slice)?);
+            }
+            self.weights.embed = self.vocab_rows(&self.weights.embed, first, slice)?;
             self.vocab_slice = Some(slice);
             self.linears.set_lm_head_cols(slice);
         }
         self.comm = Some(comm);
         Ok(())
+    }
+
+    /// Rows first..first + n of a [vocab, embed_dim] table, as a new buffer (the old one is
+    /// freed when the caller drops it).
+    fn vocab_rows(&self, table: &B::Buffer, first: usize, n: usize) -> Result<B::Buffer> {
+        let rows = (first..first + n)
+            .map(i32::try_from)
+            .collect::<std::result::Result<Vec<i32>, _>>()
+            .map_err(|_| FdppError::InvalidArgument(format!("a vocabulary of {} rows exceeds i32", first + n)))?;
+        let width = self.arch.embed_dim;
+        let mut part = self.b.alloc(self.dtype, n * width)?;
+        let p = GatherParams {
+            rows,
+            width,
+            dtype: self.dtype,
+        };
+        self.b.gather_rows(&p, table, &mut part)?;
+        Ok(part)
     }
 
     /// (rank, world) of a tensor-parallel model; (0, 1) on one device.
@@ -345,11 +354,13 @@ impl<'b, B: Backend> Model<'b, B> {
     fn embed(&self, inp: &StepInputs, want: StepWant, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (b, a, w, dt) = (self.b, &self.arch, &self.weights, self.dtype);
         let g = acts.plan.globals;
+        let rank = self.tp_rank().0;
         let ep = EmbeddingParams {
             ids: inp.ids.clone(),
             vocab: a.vocab,
             hidden: a.embed_dim,
             dtype: dt,
+            held: self.vocab_slice.map(|s| (rank * s, s)),
         };
         let dst = g.embedded.unwrap_or(g.residual);
         if want == (StepWant::Queued { fed: true }) {
@@ -358,6 +369,10 @@ impl<'b, B: Backend> Model<'b, B> {
             b.embedding(&ep, &w.embed, acts.get_mut(dst))?;
         }
         self.op_times.lap(b, "embedding")?;
+        if self.vocab_slice.is_some() {
+            // Each id's row came from the one rank that holds it; every other rank wrote zeros.
+            self.all_reduce(inp.tokens() * a.embed_dim, acts, dst)?;
+        }
         if let (Some(e), Some(proj)) = (g.embedded, &w.project_in) {
             let vendor = GemmSpec::new(GemmImpl::Gemm, dt);
             self.gemm(&vendor, inp.tokens(), a.hidden, a.embed_dim, acts, e, proj, g.residual)?;

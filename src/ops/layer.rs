@@ -344,9 +344,37 @@ pub struct EmbeddingParams {
     pub vocab: usize,
     pub hidden: usize,
     pub dtype: DType,
+    /// (first id, rows) when the table holds only those rows of the vocabulary (a tensor-parallel
+    /// rank's slice): ids outside them give zero rows, which the all-reduce after the lookup
+    /// fills from the rank that holds them. None: the table holds all `vocab` rows.
+    pub held: Option<(usize, usize)>,
 }
 
 impl EmbeddingParams {
+    /// The table's rows (all of the vocabulary, or the slice held).
+    pub fn table_rows(&self) -> usize {
+        self.held.map_or(self.vocab, |(_, rows)| rows)
+    }
+
+    /// Each id as a row of the table, or -1 (a zero row) for an id of another rank's slice.
+    pub fn local_rows(&self) -> Vec<i32> {
+        match self.held {
+            None => self.ids.clone(),
+            Some((first, rows)) => self
+                .ids
+                .iter()
+                .map(|&id| {
+                    let r = id as i64 - first as i64;
+                    if (0..rows as i64).contains(&r) {
+                        r as i32
+                    } else {
+                        -1
+                    }
+                })
+                .collect(),
+        }
+    }
+
     /// Lengths of (table, out); every id inside the vocabulary.
     pub fn validate(&self, table: usize, out: usize) -> Result<()> {
         positive(
@@ -363,7 +391,15 @@ impl EmbeddingParams {
                 self.vocab
             )));
         }
-        check_len("embedding table", self.vocab * self.hidden, table)?;
+        if let Some((first, rows)) = self.held {
+            if first.checked_add(rows).is_none_or(|end| end > self.vocab) {
+                return Err(FdppError::InvalidArgument(format!(
+                    "embedding slice of {rows} rows from id {first} outside the vocabulary (0..{})",
+                    self.vocab
+                )));
+            }
+        }
+        check_len("embedding table", self.table_rows() * self.hidden, table)?;
         check_len("embedding out", self.ids.len() * self.hidden, out)
     }
 }
@@ -511,6 +547,7 @@ mod tests {
             vocab: 32000,
             hidden: 8,
             dtype: DType::F16,
+            held: None,
         }
         .validate(32000 * 8, 16)
         .expect_err("id out of range");

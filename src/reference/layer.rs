@@ -29,11 +29,15 @@ pub fn round_f64(dt: DType, v: f64) -> u16 {
 
 /// out = table[ids], as bits.
 pub fn embedding_ref(p: &EmbeddingParams, table: &[u16]) -> Vec<u16> {
+    let (first, rows) = p.held.unwrap_or((0, p.vocab));
     let mut out = Vec::with_capacity(p.ids.len() * p.hidden);
     for &id in &p.ids {
-        let row = id as usize;
-        for i in 0..p.hidden {
-            out.push(table[row * p.hidden + i]);
+        let id = id as usize;
+        if (first..first + rows).contains(&id) {
+            out.extend_from_slice(&table[(id - first) * p.hidden..(id - first + 1) * p.hidden]);
+        } else {
+            // Another rank's row: zeros (+0.0 in both 16-bit types).
+            out.extend(std::iter::repeat_n(0u16, p.hidden));
         }
     }
     out
@@ -558,8 +562,15 @@ mod tests {
             vocab: 4,
             hidden: 3,
             dtype: dt,
+            held: None,
         };
         assert_eq!(embedding_ref(&e, &table), vec![6, 7, 8, 0, 1, 2, 6, 7, 8]);
+        // A slice of ids 2..4 (rows 0..2 of its table): id 0 is another rank's, a zero row.
+        let s = EmbeddingParams {
+            held: Some((2, 2)),
+            ..e
+        };
+        assert_eq!(embedding_ref(&s, &table[..6]), vec![0, 1, 2, 0, 0, 0, 0, 1, 2]);
         let g = GatherParams {
             rows: vec![3, 1],
             width: 3,

@@ -9,11 +9,10 @@
 //!   first failure; [`fault`]: a rank made to fail, to check that.
 //!
 //! The engine ([`crate::engine::forward`]) all-reduces the O and FFN2 outputs (their biases on
-//! rank 0 only) before the residual add. The LM head is split by vocabulary and its logits
-//! all-gathered (or, where the ranks do not divide the vocabulary, replicated with rank 0's
-//! logits broadcast), so every rank feeds the same tokens to the next step. The embedding
-//! stays whole on every rank: a lookup reads one row per token, so splitting it would save
-//! memory (1/T of vocab × hidden) at the cost of one more all-reduce per step.
+//! rank 0 only) before the residual add. The embedding and the LM head are split by
+//! vocabulary: the lookup is all-reduced and the logits all-gathered (or, where the ranks do
+//! not divide the vocabulary or `tp_vocab=0`, both are replicated and rank 0's logits
+//! broadcast), so every rank feeds the same tokens to the next step.
 
 pub mod comm;
 pub mod fault;

@@ -32,13 +32,16 @@ pub fn embedding(p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) ->
     p.validate(table.data.len(), out.data.len())?;
     check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
     let h = p.hidden;
+    let rows = p.local_rows();
     out.data[..p.ids.len() * h]
         .par_chunks_mut(h)
-        .zip(p.ids.par_iter())
-        .for_each(|(o, &id)| {
-            // Validated: 0 <= id < vocab.
-            let at = id as usize * h;
-            o.copy_from_slice(&table.data[at..at + h]);
+        .zip(rows.par_iter())
+        .for_each(|(o, &r)| {
+            // Validated: 0 <= id < vocab; a row of the table, or -1 for another rank's slice.
+            match usize::try_from(r) {
+                Ok(r) => o.copy_from_slice(&table.data[r * h..(r + 1) * h]),
+                Err(_) => o.fill(0),
+            }
         });
     Ok(())
 }

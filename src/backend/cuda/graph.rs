@@ -29,6 +29,9 @@ use crate::error::{FdppError, Result};
 /// Graphs kept at once; a new signature beyond this clears the cache (a decode run uses a few).
 const MAX_GRAPHS: usize = 16;
 
+/// A host barrier across the ranks of a tensor-parallel group (NCCL's [`super::nccl`]).
+pub type Fence = Box<dyn Fn() -> Result<()>>;
+
 /// FNV-1a over the bytes that decide a launch.
 #[derive(Clone, Copy)]
 pub struct Signature(u64);
@@ -60,6 +63,9 @@ pub struct Graphs {
     /// Signatures whose capture failed: they run eagerly from then on.
     refused: HashSet<u64>,
     pub counts: GraphCounts,
+    /// With tensor parallelism: every rank meets here, its device idle, before a capture and
+    /// again before launching what it captured (see [`capture`]).
+    pub fence: Option<Fence>,
 }
 
 /// Whether graphs are wanted: on unless `FDPP_GRAPHS` is 0, off or false.
@@ -77,6 +83,7 @@ impl Graphs {
             seen: HashSet::new(),
             refused: HashSet::new(),
             counts: GraphCounts::default(),
+            fence: None,
         }
     }
 
@@ -147,7 +154,25 @@ pub fn run(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> R
     }
 }
 
+/// With tensor parallelism, wait for this device's queued work, then for every rank (a no-op on
+/// one GPU). Why: capturing NCCL collectives allocates (NCCL's persistent plans, the graph's
+/// own memory), and an allocation in a process that holds peer mappings may wait for the peer
+/// GPUs to go idle, while a peer's collective kernel spins until this rank launches its part:
+/// a deadlock that depends on timing (seen at 4 ranks, not at 2). Fenced, no rank allocates for
+/// a capture while any collective is in flight. Captures are rare (once per signature).
+fn fenced(b: &CudaBackend) -> Result<()> {
+    if b.graphs.borrow().fence.is_none() {
+        return Ok(());
+    }
+    b.stream()
+        .synchronize()
+        .map_err(drv("synchronizing before a tensor-parallel capture"))?;
+    let g = b.graphs.borrow();
+    g.fence.as_ref().map_or(Ok(()), |f| f())
+}
+
 fn capture(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    fenced(b)?;
     let stream = b.stream();
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -157,6 +182,8 @@ fn capture(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> R
     b.graphs.borrow_mut().capturing = false;
     // The capture must be ended whatever happened inside it, or the stream stays in capture mode.
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    // Every rank has instantiated (or abandoned) its graph before any launches one.
+    fenced(b)?;
     let mut g = b.graphs.borrow_mut();
     match (ran, ended) {
         (Ok(()), Ok(Some(graph))) => {

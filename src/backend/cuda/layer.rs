@@ -367,11 +367,14 @@ enum RowIds<'a> {
     Device(u64, usize),
 }
 
-/// dst[i] = src[rows[i]] over rows of `width`, for the embedding lookup and gather_rows.
+/// dst[i] = src[rows[i] - offset] over rows of `width` (a zero row outside src), for the
+/// embedding lookup and gather_rows.
+#[allow(clippy::too_many_arguments)]
 fn gather(
     b: &CudaBackend,
     dt: DType,
     rows: RowIds,
+    offset: usize,
     width: usize,
     src: &CudaBuffer,
     dst: &mut CudaBuffer,
@@ -384,6 +387,7 @@ fn gather(
     let l = plan::gather(n, width)?;
     let w = i32_dim(width, "row width", op)?;
     let limit = i32_dim(src.len() / width.max(1), "source rows", op)?;
+    let offset = i32_dim(offset, "first row id", op)?;
     let mut st = b.layer.borrow_mut();
     let f = kernel(b, &mut st, dt, l.kernel)?;
     let rp = match rows {
@@ -396,9 +400,9 @@ fn gather(
     };
     let (sp, dp) = (b.ptr(src), b.ptr(dst));
     let mut a = Launch::chained(b, &f);
-    a.arg(&sp).arg(&dp).arg(&rp).arg(&w).arg(&limit);
+    a.arg(&sp).arg(&dp).arg(&rp).arg(&w).arg(&limit).arg(&offset);
     // SAFETY: the caller validated dst against rows × width; the kernel bounds every row index
-    // by `limit`, the rows src holds.
+    // (less `offset`) by `limit`, the rows src holds.
     unsafe { a.launch(config(&l)) }.map_err(drv(op))?;
     b.check_launch(op)
 }
@@ -409,7 +413,8 @@ pub fn embedding(b: &CudaBackend, p: &EmbeddingParams, table: &CudaBuffer, out: 
     gather(
         b,
         p.dtype,
-        RowIds::Host(&p.ids),
+        RowIds::Host(&p.local_rows()),
+        0,
         p.hidden,
         table,
         out,
@@ -433,6 +438,7 @@ pub fn embedding_fed(
         b,
         p.dtype,
         RowIds::Device(ids, n),
+        p.held.map_or(0, |(first, _)| first),
         p.hidden,
         table,
         out,
@@ -447,6 +453,7 @@ pub fn gather_rows(b: &CudaBackend, p: &GatherParams, src: &CudaBuffer, dst: &mu
         b,
         p.dtype,
         RowIds::Host(&p.rows),
+        0,
         p.width,
         src,
         dst,

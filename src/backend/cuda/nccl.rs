@@ -312,14 +312,16 @@ unsafe impl Sync for NcclRank {}
 
 impl NcclRank {
     /// Join the group of `id` as `rank` of `world` on `b`'s device. Every rank must call this
-    /// at the same time (it returns when all have joined).
+    /// at the same time (it returns when all have joined). `gate` is this rank's end of a host
+    /// group of the same ranks: `b`'s decode-graph captures are fenced by it
+    /// ([`super::graph`]'s `fenced`).
     pub fn init(
         nccl: Arc<Nccl>,
         group: Arc<Group>,
         b: &CudaBackend,
         id: UniqueId,
-        rank: usize,
-        world: usize,
+        (rank, world): (usize, usize),
+        gate: crate::tp::HostComm,
     ) -> Result<Self> {
         // NCCL takes the device from the calling thread's current context.
         b.ctx.bind_to_thread().map_err(super::drv("cuCtxSetCurrent"))?;
@@ -332,6 +334,10 @@ impl NcclRank {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((rank, comm as usize));
+        b.graphs.borrow_mut().fence = Some(Box::new(move || {
+            gate.all_reduce_bits(DType::F16, &mut [0])
+                .map_err(|e| FdppError::device("cuda", format!("fence of a tensor-parallel graph capture: {e}")))
+        }));
         Ok(NcclRank {
             nccl,
             group,
