@@ -16,6 +16,7 @@
 #   5. Speed: `bench e2e` on $BENCH_MODEL (default llama2-13b) with random fp16 weights, batch 1
 #      and 32, at --tp 1 (unless BENCH_TP1=0: a model one GPU cannot hold) and --tp $TP, then
 #      --tp $TP with tp_graphs=1 tp_fused=1. Each bench's exit status and seconds are printed.
+#      BENCH=0 skips the benches.
 #
 # Usage: TP=2 scripts/tp_gpu_check.sh [OUT_DIR]   (FDPP=path/to/fdpp, default
 # target/release/fdpp; FDPP_NCCL_LIB=/path/libnccl.so.2 when NCCL is not on the loader's path or
@@ -113,9 +114,11 @@ bench() { # bench TAG TP [--set k=v ...]
     cat "$OUT/bench-$tag.md"
     if [ "$rc" -ne 0 ]; then tail -n 8 "$OUT/bench-$tag.err"; fail=1; fi
 }
-echo "== bench e2e $BENCH_MODEL random fp16, batch 1 and 32"
-[ "${BENCH_TP1:-1}" = 1 ] && bench tp1 1
-bench "tp$TP" "$TP"
-bench "tp$TP-fast" "$TP" --set tp_graphs=1 --set tp_fused=1
+if [ "${BENCH:-1}" = 1 ]; then
+    echo "== bench e2e $BENCH_MODEL random fp16, batch 1 and 32"
+    [ "${BENCH_TP1:-1}" = 1 ] && bench tp1 1
+    bench "tp$TP" "$TP"
+    bench "tp$TP-fast" "$TP" --set tp_graphs=1 --set tp_fused=1
+fi
 echo "results in $OUT"
 exit "$fail"
