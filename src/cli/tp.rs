@@ -155,8 +155,12 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
                 let b = CudaBackend::open(devices[rank])?;
                 gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
                 let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, (rank, world), gate[rank].clone())?;
-                job.run(&b, with_fault(Arc::new(comm), fail_at))
-                    .map_err(|e| to_fdpp(rank, e))
+                let comm = with_fault(Arc::new(comm), fail_at);
+                let ran = job.run(&b, comm.clone()).map_err(|e| to_fdpp(rank, e));
+                // The decode graphs go before the communicator (backend/cuda/graph.rs `release`).
+                let released = crate::backend::cuda::graph::release(&b);
+                drop(comm);
+                ran.and_then(|v| released.map(|()| v))
             })?;
         }
     }

@@ -155,11 +155,11 @@ pub fn run(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> R
 }
 
 /// With tensor parallelism, wait for this device's queued work, then for every rank (a no-op on
-/// one GPU). Why: capturing NCCL collectives allocates (NCCL's persistent plans, the graph's
-/// own memory), and an allocation in a process that holds peer mappings may wait for the peer
-/// GPUs to go idle, while a peer's collective kernel spins until this rank launches its part:
-/// a deadlock that depends on timing (seen at 4 ranks, not at 2). Fenced, no rank allocates for
-/// a capture while any collective is in flight. Captures are rare (once per signature).
+/// one GPU). A precaution: capturing NCCL collectives allocates (NCCL's persistent plans, the
+/// graph's own memory), and NCCL's documentation warns that an allocation in a process whose
+/// other GPUs run collectives can wait on them while their kernels wait on this rank. Fenced, no
+/// rank allocates for a capture while any collective is in flight. Captures are rare (once per
+/// signature), so the waits cost nothing measurable.
 fn fenced(b: &CudaBackend) -> Result<()> {
     if b.graphs.borrow().fence.is_none() {
         return Ok(());
@@ -169,6 +169,18 @@ fn fenced(b: &CudaBackend) -> Result<()> {
         .map_err(drv("synchronizing before a tensor-parallel capture"))?;
     let g = b.graphs.borrow();
     g.fence.as_ref().map_or(Ok(()), |f| f())
+}
+
+/// Wait for the device, then destroy every cached graph. With tensor parallelism this must come
+/// before the NCCL communicator is destroyed: a graph that captured collectives holds NCCL's
+/// persistent resources, which `ncclCommDestroy` waits for: runs with `tp_graphs` at 2 and 4
+/// ranks printed their results and then hung while the communicators were destroyed first.
+pub fn release(b: &CudaBackend) -> Result<()> {
+    b.stream()
+        .synchronize()
+        .map_err(drv("synchronizing before releasing the decode graphs"))?;
+    b.graphs.borrow_mut().cache.clear();
+    Ok(())
 }
 
 fn capture(b: &CudaBackend, sig: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
