@@ -16,7 +16,8 @@
 #   5. Speed: `bench e2e` on $BENCH_MODEL (default llama2-13b) with random fp16 weights, batch 1
 #      and 32, at --tp 1 (unless BENCH_TP1=0: a model one GPU cannot hold) and --tp $TP, then
 #      --tp $TP with tp_graphs=1 tp_fused=1. Each bench's exit status and seconds are printed.
-#      BENCH=0 skips the benches.
+#      BENCH=0 skips the benches. TUNE=1 first runs `fdpp tune --model $BENCH_MODEL --tp $TP`
+#      (the per-rank shapes, one GPU) and adds a bench at --tp $TP with that profile.
 #
 # Usage: TP=2 scripts/tp_gpu_check.sh [OUT_DIR]   (FDPP=path/to/fdpp, default
 # target/release/fdpp; FDPP_NCCL_LIB=/path/libnccl.so.2 when NCCL is not on the loader's path or
@@ -119,6 +120,18 @@ if [ "${BENCH:-1}" = 1 ]; then
     [ "${BENCH_TP1:-1}" = 1 ] && bench tp1 1
     bench "tp$TP" "$TP"
     bench "tp$TP-fast" "$TP" --set tp_graphs=1 --set tp_fused=1
+    if [ "${TUNE:-0}" = 1 ]; then
+        t0=$(date +%s)
+        timeout "${TUNE_TIMEOUT:-400}" "$FDPP" tune --model "$BENCH_MODEL" --tp "$TP" --backend cuda \
+            --out "$OUT/$BENCH_MODEL-tp$TP.json" >"$OUT/tune.log" 2>&1
+        rc=$?
+        echo "-- tune --tp $TP: exit $rc after $(( $(date +%s) - t0 )) s"; tail -n 6 "$OUT/tune.log"
+        if [ "$rc" -eq 0 ]; then
+            bench "tp$TP-profile" "$TP" --profile "$OUT/$BENCH_MODEL-tp$TP.json"
+        else
+            fail=1
+        fi
+    fi
 fi
 echo "results in $OUT"
 exit "$fail"
