@@ -177,30 +177,8 @@ impl Nccl {
     }
 
     fn from_lib(lib: Library, path: String) -> Result<Nccl> {
-        // SAFETY: each type below is the signature nccl.h declares for the symbol.
-        let (
-            get_version,
-            get_unique_id,
-            comm_init_rank,
-            all_reduce,
-            broadcast,
-            all_gather,
-            comm_destroy,
-            comm_abort,
-            error_string,
-        ) = unsafe {
-            (
-                sym::<GetVersion>(&lib, &path, "ncclGetVersion")?,
-                sym::<GetUniqueId>(&lib, &path, "ncclGetUniqueId")?,
-                sym::<CommInitRank>(&lib, &path, "ncclCommInitRank")?,
-                sym::<AllReduce>(&lib, &path, "ncclAllReduce")?,
-                sym::<Broadcast>(&lib, &path, "ncclBroadcast")?,
-                sym::<AllGather>(&lib, &path, "ncclAllGather")?,
-                sym::<CommDestroy>(&lib, &path, "ncclCommDestroy")?,
-                sym::<CommAbort>(&lib, &path, "ncclCommAbort")?,
-                sym::<ErrorString>(&lib, &path, "ncclGetErrorString")?,
-            )
-        };
+        // SAFETY: the signature nccl.h declares for the symbol.
+        let get_version = unsafe { sym::<GetVersion>(&lib, &path, "ncclGetVersion")? };
         let mut version: c_int = 0;
         // SAFETY: writes one int.
         let r = unsafe { get_version(&mut version) };
@@ -213,19 +191,22 @@ impl Nccl {
                 version_text(version)
             )));
         }
-        Ok(Nccl {
-            path,
-            version,
-            get_unique_id,
-            comm_init_rank,
-            all_reduce,
-            broadcast,
-            all_gather,
-            comm_destroy,
-            comm_abort,
-            error_string,
-            _lib: lib,
-        })
+        // SAFETY: each type below is the signature nccl.h declares for the symbol.
+        unsafe {
+            Ok(Nccl {
+                get_unique_id: sym::<GetUniqueId>(&lib, &path, "ncclGetUniqueId")?,
+                comm_init_rank: sym::<CommInitRank>(&lib, &path, "ncclCommInitRank")?,
+                all_reduce: sym::<AllReduce>(&lib, &path, "ncclAllReduce")?,
+                broadcast: sym::<Broadcast>(&lib, &path, "ncclBroadcast")?,
+                all_gather: sym::<AllGather>(&lib, &path, "ncclAllGather")?,
+                comm_destroy: sym::<CommDestroy>(&lib, &path, "ncclCommDestroy")?,
+                comm_abort: sym::<CommAbort>(&lib, &path, "ncclCommAbort")?,
+                error_string: sym::<ErrorString>(&lib, &path, "ncclGetErrorString")?,
+                path,
+                version,
+                _lib: lib,
+            })
+        }
     }
 
     /// `2.21.5 (/path/libnccl.so.2)`.
