@@ -31,8 +31,8 @@
 //! slice of the vocabulary (Megatron's vocabulary-parallel layers): the lookup is all-reduced
 //! (zeros from the ranks without the id) and the slices' logits all-gathered, so every rank
 //! samples from the same full row (`tp_vocab=0`, or a vocabulary the ranks do not divide: both
-//! are replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off with tp unless `tp_fused` /
-//! `tp_graphs` turn them on ([`Model::set_comm`]).
+//! are replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off
+//! with tp unless `tp_fused` / `tp_graphs` turn them on ([`Model::set_comm`]).
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -91,8 +91,8 @@ pub struct Model<'b, B: Backend> {
     fused_glu: bool,
     /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
     comm: Option<Arc<dyn Communicator<B> + 'b>>,
-    /// With tp: the vocabulary rows of this rank's LM head when it holds a slice (vocab / world),
-    /// None when the head is replicated.
+    /// With tp: the vocabulary rows of this rank's embedding and LM head when it holds a slice
+    /// (vocab / world), None when both are replicated.
     vocab_slice: Option<usize>,
     /// Where the ranks' slices of the logits are all-gathered ([world][rows][slice]); grown
     /// to the largest step's logits on first use (outside the decode graphs: the LM head is not
@@ -147,7 +147,7 @@ impl<'b, B: Backend> Model<'b, B> {
     /// Run as one rank of a tensor-parallel group (its weights already its shard,
     /// [`crate::tp::source`]). The biases after O and FFN2 are added by rank 0 only: the
     /// all-reduce that follows them sums every rank's partial output, so they count once.
-    /// The LM head is cut to the rank's rows of the vocabulary ([`Self::vocab_slice`]).
+    /// The embedding and the LM head are cut to the rank's rows of the vocabulary.
     /// A group of one changes nothing.
     pub fn set_comm(&mut self, comm: Arc<dyn Communicator<B> + 'b>) -> Result<()> {
         let (rank, world) = (comm.rank(), comm.world());

@@ -171,10 +171,11 @@ fn fenced(b: &CudaBackend) -> Result<()> {
     g.fence.as_ref().map_or(Ok(()), |f| f())
 }
 
-/// Wait for the device, then destroy every cached graph. With tensor parallelism this must come
-/// before the NCCL communicator is destroyed: a graph that captured collectives holds NCCL's
-/// persistent resources, which `ncclCommDestroy` waits for: runs with `tp_graphs` at 2 and 4
-/// ranks printed their results and then hung while the communicators were destroyed first.
+/// Wait for the device, then destroy every cached graph. With tensor parallelism, called before
+/// the NCCL communicator is destroyed: a graph that captured collectives holds NCCL resources of
+/// that communicator. Runs with `tp_graphs` at 2 and 4 ranks printed their results and then hung
+/// at exit, where each rank destroyed its communicator before its graphs; this order is the fix,
+/// not yet run on GPUs (reports/NOTES.md, session 13).
 pub fn release(b: &CudaBackend) -> Result<()> {
     b.stream()
         .synchronize()
