@@ -40,8 +40,8 @@
 // Two main passes, chosen per launch (src/backend/cuda/decode_tc.rs, run-configuration switch
 // decode_tc): the CUDA-core pass below (token groups of D/8 lanes, FMAs and shuffles; HG ≤ 4),
 // and the tensor-core pass of attn_decode_tc.cuh (mma.sync with the block's heads on the n8 side;
-// HG ≤ 8, head_dim ≤ 128), which grouped decode takes by default because the CUDA-core pass is
-// issue-bound above two heads per block. Both leave the same per-warp state to the same merge,
+// HG ≤ 8, head_dim 64-256, at 256 two warps per key step), which grouped decode takes by default
+// because the CUDA-core pass is issue-bound above two heads per block. Both leave the same per-warp state to the same merge,
 // epilogues and workspaces.
 #include "common.cuh"
 #include "attn_common.cuh"
@@ -63,10 +63,10 @@ constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
 // Up to 4 heads per block on the CUDA-core pass (HG · 8 q and HG · 8 accumulator floats per lane);
-// up to 8 where the tensor-core pass runs (attn_decode_tc.cuh: the heads fill the n8 side of the
-// mma, so a block costs the same at 2 heads as at 8). The launcher chunks larger groups.
+// up to 8 on the tensor-core pass (attn_decode_tc.cuh: the heads fill the n8 side of the mma, so
+// a block costs the same at 2 heads as at 8), at every head_dim. The launcher chunks larger
+// groups; modules of HG 5-8 hold only the tensor-core entries.
 static_assert(HG >= 1 && HG <= 8, "at most 8 query heads per block (the launcher chunks larger groups)");
-static_assert(HG <= 4 || D <= 128, "more than 4 heads per block only on the tensor-core pass (head_dim <= 128)");
 
 // Derived sizes of one block shape.
 template <int NT, int U>
@@ -781,14 +781,12 @@ FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, false, 0, 0)
 FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 #endif
 
-// The tensor-core pass (attn_decode_tc.cuh), head_dim ≤ 128, any HG up to 8: attn_decode_*_tc
+// The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc
 // (the bandwidth path: page ids per step) and attn_decode_*_tc_t128u4 (the latency path: page ids
 // a step ahead). NVRTC 13.0, sm_90a, d128 HG 8: ptxas would take 128 registers for the bandwidth
 // sync kernel and 150 for its async one (3 blocks per SM); held to 128 (4 blocks, as the
 // CUDA-core kernels measured best in session 9) the async kernel spills 36 bytes, none of it in
 // the main loop (305-309 instructions per 16 keys in both). The latency path's kernels (148-156)
 // would spill inside the loop at 128 and keep ptxas's choice: they serve launches of few blocks.
-#if FDPP_D <= 128
 FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, true, 0, 0)
 FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 4)
-#endif

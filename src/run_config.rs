@@ -154,7 +154,7 @@ pub const KEYS: &[KeyInfo] = &[
         values: "auto|0|1",
         default: "auto",
         kind: Kind::Behaviour,
-        what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block at head_dim <= 128, up to 8 per block; 0: CUDA cores, at most 4; 1: also MHA)",
+        what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block, up to 8 per block; 0: CUDA cores, at most 4; 1: also MHA)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,

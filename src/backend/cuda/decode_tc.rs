@@ -3,9 +3,11 @@
 //!
 //! The tensor-core pass costs the same at 2 heads as at 8 (the heads fill the n8 side of its mma),
 //! and the CUDA-core pass is issue-bound above two heads per block (reports/NOTES.md, sessions 9
-//! and 10). So by default (`decode_tc=auto`) grouped decode at head_dim ≤ 128 takes the
-//! tensor-core pass with up to 8 heads per block, and MHA (one head per block, where the
-//! CUDA-core kernel streams at ~3 TB/s) and head_dim 256 keep the CUDA-core pass. `decode_tc=0`
+//! and 10). So by default (`decode_tc=auto`) grouped decode takes the tensor-core pass with up
+//! to 8 heads per block at every head_dim (at 256 since session 13: two warps per key step, one
+//! per half of the dims; the CUDA-core pass there ran at 165 registers and 0.74-0.86x SDPA), and
+//! MHA (one head per block, where the CUDA-core kernel streams at ~3 TB/s) keeps the CUDA-core
+//! pass. `decode_tc=0`
 //! is the CUDA-core pass with at most 4 heads per block (the kernels of session 10), `decode_tc=1`
 //! the tensor-core pass wherever it exists (also at one head per block), so that one binary can
 //! time both.
@@ -18,7 +20,7 @@ use crate::run_config::{self, Key};
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
-    /// The tensor-core pass for two or more heads per block at head_dim ≤ 128.
+    /// The tensor-core pass for two or more heads per block.
     Auto,
     /// Never (at most 4 heads per block).
     Off,
@@ -115,9 +117,13 @@ mod tests {
                 "group {group}"
             );
         }
-        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && !auto.uses_tc(256, 4));
-        assert!(TcMode::On.uses_tc(128, 1) && !TcMode::Off.uses_tc(128, 8));
+        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && auto.uses_tc(256, 4) && !auto.uses_tc(256, 1));
+        assert!(TcMode::On.uses_tc(128, 1) && TcMode::On.uses_tc(256, 1) && !TcMode::Off.uses_tc(128, 8));
+        assert!(!TcMode::Off.uses_tc(256, 4));
         assert_eq!(TcMode::Off.max_heads_per_block(128), 4);
-        assert_eq!(auto.max_heads_per_block(256), 4);
+        assert_eq!(TcMode::Off.max_heads_per_block(256), 4);
+        // head_dim 256 (session 13): ratios 5-8 in one block, as at 64 and 128.
+        assert_eq!(auto.max_heads_per_block(256), 8);
+        assert_eq!(attn_heads_per_block_max(8, auto.max_heads_per_block(256)), 8);
     }
 }
