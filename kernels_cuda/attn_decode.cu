@@ -417,16 +417,21 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
 
 // One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
 // on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
-// block_merge describes. TC picks the tensor-core pass (attn_decode_tc.cuh) over the CUDA-core
-// one; BW the bandwidth path's loop over the latency path's (the tensor-core pass: page ids
-// looked up per step, or a step ahead).
-template <bool ASYNC, int NT, int U, bool BW, bool TC>
+// block_merge describes. TC picks the main pass: 0 the CUDA-core one, 1 the tensor-core pass
+// (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
+// path only); BW the bandwidth path's loop over the latency path's (the tensor-core pass: page
+// ids looked up per step, or a step ahead).
+template <bool ASYNC, int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
                                            const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
                                            int t1, float phi2, float b2) {
-    if constexpr (TC) {
+    if constexpr (TC >= 2) {
+        static_assert(BW, "the staged pass has the bandwidth path's loop only");
+        tcs_block_pass<ASYNC, NT, U, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
+                                         b2);
+    } else if constexpr (TC) {
         tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
                                          b2);
     } else {
@@ -513,7 +518,7 @@ __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT],
 // Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
 // caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
 // loaded again: the rare path then costs the common one no registers.
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
@@ -530,7 +535,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -636,7 +641,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
 }
 
 // The async kernel of both paths (workspace: async_ws(); `recomputed` is a running total).
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -777,8 +782,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
 // registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 #if FDPP_HG <= 4
-FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, false, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 #endif
 
 // The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc
@@ -788,5 +793,11 @@ FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 // CUDA-core kernels measured best in session 9) the async kernel spills 36 bytes, none of it in
 // the main loop (305-309 instructions per 16 keys in both). The latency path's kernels (148-156)
 // would spill inside the loop at 128 and keep ptxas's choice: they serve launches of few blocks.
-FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, true, 0, 0)
-FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 4)
+FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, 1, 0, 0)
+FDPP_DECODE_ENTRIES(_tc, 128, 4, true, 1, 4, 4)
+
+// The staged form of the tensor-core pass (attn_decode_tc.cuh, "The staged form"), bandwidth path,
+// 2 or 3 cp.async stages per warp in dynamic shared memory (FDPP_DECODE_TC_STAGES; off by default
+// until measured). No launch bounds: its K/V in flight are not in registers.
+FDPP_DECODE_ENTRIES(_tcs2, 128, 4, true, 2, 0, 0)
+FDPP_DECODE_ENTRIES(_tcs3, 128, 4, true, 3, 0, 0)

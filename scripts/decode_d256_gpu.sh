@@ -10,9 +10,13 @@
 #      the bandwidth path at 4 and 8 heads per block, ratio 5 (a partial chunk of the team), both
 #      paths forced for sync; memcheck also on `check --quick --case d256`.
 #   c. Speed: `bench attention --phase decode` 32/8 at d256 and d128, batch 1,4,16 x kv_len
-#      4096,32768, sync and async, against torch SDPA (default and cuDNN backends, the faster is
-#      the bar) in the same call; the CUDA-core pass (`decode_tc=0`, session 12's d256 kernels)
-#      timed in the same call for the A/B; 16/4 d256 (session 12's shape) and bf16.
+#      4096,32768 (d128 also 131072: issue #19's 2.9 TB/s at batch 1), sync and async, against
+#      torch SDPA (default and cuDNN backends, the faster is the bar) in the same call; in the same
+#      call, for the A/B: the CUDA-core pass (`decode_tc=0`, session 12's d256 kernels) and the
+#      tensor-core pass's staged form (FDPP_DECODE_TC_STAGES=2 and 3: K/V through shared memory by
+#      cp.async); 16/4 d256 (session 12's shape) and bf16.
+#   The staged form is also checked: `check --op attention` and the sanitizers with
+#   FDPP_DECODE_TC_STAGES=3 (and check with 2).
 #
 # Usage: FDPP=path/to/fdpp scripts/decode_d256_gpu.sh [OUT_DIR]
 #   OUT_DIR defaults to $OUT (the device tool's output folder), else /tmp/decode_d256.
@@ -56,6 +60,14 @@ if has check; then
         echo "check --case d256 --seed $SEED2: FAILED"; fail=1
     fi
     tail -n 3 "$OUT/check-d256-seed.err"
+    for st in 3 2; do
+        stamp "== (a) check --op attention with FDPP_DECODE_TC_STAGES=$st (the staged form)"
+        if ! FDPP_DECODE_TC_STAGES=$st timeout 900 "$FDPP" check --backend cuda --op attention --format csv \
+            >"$OUT/check-attention-stages$st.csv" 2>"$OUT/check-attention-stages$st.err"; then
+            echo "check --op attention FDPP_DECODE_TC_STAGES=$st: FAILED"; fail=1
+        fi
+        tail -n 3 "$OUT/check-attention-stages$st.err"
+    done
 fi
 
 if has san; then
@@ -63,14 +75,17 @@ if has san; then
     if [[ ! -x "$SAN" ]]; then
         echo "compute-sanitizer not found: section (b) not run"; fail=1
     else
-        # name | env | bench arguments. --reps 1 --warmup 0: the variants are checked against the
-        # reference (nmse column) before the single timed run.
+        # name | env | bench arguments. --reps 1 --warmup 0: the
+        # variants are checked against the reference (nmse column) before the single timed run.
         runs=(
-            "lat16x2|FDPP_DECODE_PATH=|--heads 16 --kv-heads 2 --batch 1,3 --kv-len 97,1001"
-            "bw32x8|FDPP_DECODE_PATH=|--heads 32 --kv-heads 8 --batch 4 --kv-len 3001"
-            "r5|FDPP_DECODE_PATH=|--heads 40 --kv-heads 8 --batch 16 --kv-len 257"
-            "lat32x4|FDPP_DECODE_PATH=latency|--heads 32 --kv-heads 4 --batch 2 --kv-len 333"
-            "bw16x2|FDPP_DECODE_PATH=bandwidth|--heads 16 --kv-heads 2 --batch 1 --kv-len 97"
+            "lat16x2|FDPP_DECODE_PATH=|--heads 16 --kv-heads 2 --batch 1,3 --kv-len 97,1001 --head-dim 256"
+            "bw32x8|FDPP_DECODE_PATH=|--heads 32 --kv-heads 8 --batch 4 --kv-len 3001 --head-dim 256"
+            "r5|FDPP_DECODE_PATH=|--heads 40 --kv-heads 8 --batch 16 --kv-len 257 --head-dim 256"
+            "lat32x4|FDPP_DECODE_PATH=latency|--heads 32 --kv-heads 4 --batch 2 --kv-len 333 --head-dim 256"
+            "bw16x2|FDPP_DECODE_PATH=bandwidth|--heads 16 --kv-heads 2 --batch 1 --kv-len 97 --head-dim 256"
+            "st3d256|FDPP_DECODE_TC_STAGES=3|--heads 32 --kv-heads 4 --batch 3 --kv-len 1001 --head-dim 256"
+            "st3d128|FDPP_DECODE_TC_STAGES=3|--heads 32 --kv-heads 8 --batch 4 --kv-len 2049 --head-dim 128"
+            "st2d64|FDPP_DECODE_TC_STAGES=2|--heads 40 --kv-heads 8 --batch 2 --kv-len 777 --head-dim 64"
         )
         for tool in memcheck racecheck synccheck; do
             for r in "${runs[@]}"; do
@@ -78,7 +93,7 @@ if has san; then
                 stamp "== (b) $tool $name ($envs $args)"
                 # shellcheck disable=SC2086
                 if ! env $envs timeout 600 "$SAN" --tool "$tool" --error-exitcode 9 "$FDPP" bench attention \
-                    --backend cuda --phase decode --head-dim 256 $args --variant sync,async --reps 1 --warmup 0 \
+                    --backend cuda --phase decode $args --variant sync,async --reps 1 --warmup 0 \
                     --format csv --out "$OUT/san-$tool-$name" >"$OUT/san-$tool-$name.csv" 2>"$OUT/san-$tool-$name.err"; then
                     echo "$tool $name: FAILED"; fail=1
                 fi
@@ -99,7 +114,8 @@ if has san; then
 fi
 
 # One shape: the SDPA peer (default and cuDNN backends, one --peer file), then fdpp with the
-# pass chosen by default and with decode_tc=0 (the CUDA-core pass), all in this call.
+# pass chosen by default (tcauto), with decode_tc=0 (tc0: the CUDA-core pass) and with the staged
+# form of the tensor-core pass (st2, st3), all in this call.
 bench_shape() { # tag heads kv_heads head_dim dtype batches lens
     local tag=$1 h=$2 g=$3 d=$4 dt=$5 bs=$6 ls=$7
     stamp "== (c) $tag: $h/$g d$d $dt batch $bs kv_len $ls"
@@ -115,23 +131,27 @@ bench_shape() { # tag heads kv_heads head_dim dtype batches lens
         fi
     done
     local peer=(); [[ -s "$OUT/peer-$tag.csv" ]] && peer=(--peer "$OUT/peer-$tag.csv")
-    for tc in auto 0; do
-        timeout 600 "$FDPP" bench attention --backend cuda --phase decode --heads "$h" --kv-heads "$g" --head-dim "$d" \
-            --dtype "$dt" --batch "$bs" --kv-len "$ls" --variant sync,async --set "decode_tc=$tc" "${peer[@]}" \
-            --format csv --out "$OUT/bench-$tag-tc$tc" >"$OUT/bench-$tag-tc$tc.csv" 2>"$OUT/bench-$tag-tc$tc.err" \
-            || { echo "bench $tag decode_tc=$tc: FAILED"; tail -n 3 "$OUT/bench-$tag-tc$tc.err"; }
-        if grep -q "not timed" "$OUT/bench-$tag-tc$tc.err"; then
-            echo "bench $tag decode_tc=$tc: a variant failed its reference check"; grep -A6 "not timed" "$OUT/bench-$tag-tc$tc.err"; fail=1
+    local cfg tc st
+    for cfg in tcauto tc0 st2 st3; do
+        tc=auto; st=0
+        case $cfg in tc0) tc=0 ;; st2) st=2 ;; st3) st=3 ;; esac
+        FDPP_DECODE_TC_STAGES=$st timeout 600 "$FDPP" bench attention --backend cuda --phase decode --heads "$h" \
+            --kv-heads "$g" --head-dim "$d" --dtype "$dt" --batch "$bs" --kv-len "$ls" --variant sync,async \
+            --set "decode_tc=$tc" "${peer[@]}" --format csv --out "$OUT/bench-$tag-$cfg" \
+            >"$OUT/bench-$tag-$cfg.csv" 2>"$OUT/bench-$tag-$cfg.err" \
+            || { echo "bench $tag $cfg: FAILED"; tail -n 3 "$OUT/bench-$tag-$cfg.err"; }
+        if grep -q "not timed" "$OUT/bench-$tag-$cfg.err"; then
+            echo "bench $tag $cfg: a variant failed its reference check"; grep -A6 "not timed" "$OUT/bench-$tag-$cfg.err"; fail=1
         fi
     done
 }
 
 if has bench; then
     bench_shape d256 32 8 256 f16 1,4,16 4096,32768
-    bench_shape d128 32 8 128 f16 1,4,16 4096,32768
+    bench_shape d128 32 8 128 f16 1,4,16 4096,32768,131072
     bench_shape d256r4 16 4 256 f16 1,16 32768
     bench_shape d256bf16 32 8 256 bf16 1,16 32768
-    stamp "== (c) summary: TB/s fdpp sync / async (tensor-core pass where auto takes it), decode_tc=0 best, SDPA best; best fdpp / SDPA"
+    stamp "== (c) summary: TB/s fdpp sync / async (decode_tc=auto), best of decode_tc=0, of 2 and 3 stages, SDPA best"
     "$PY" - "$OUT" d256 d128 d256r4 d256bf16 <<'PY' | tee "$OUT/summary.md"
 import csv, os, sys
 out = sys.argv[1]
@@ -141,22 +161,24 @@ def rows(p):
     except OSError:
         return []
 for tag in sys.argv[2:]:
-    auto, tc0 = rows(f"{out}/bench-{tag}-tcauto.csv"), rows(f"{out}/bench-{tag}-tc0.csv")
+    runs = {c: rows(f"{out}/bench-{tag}-{c}.csv") for c in ("tcauto", "tc0", "st2", "st3")}
+    auto = runs["tcauto"]
     if not auto:
         print(f"{tag}: no bench rows"); continue
     r0 = auto[0]
     print(f"\n{tag}: {r0['heads']}/{r0['kv_heads']} d{r0['head_dim']} {r0['dtype']} ({r0['device']})\n")
-    print("| batch · kv | sync | async | tc0 best | SDPA | best / SDPA | tc0 / SDPA |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch · kv | sync | async | tc0 | st2 | st3 | SDPA | auto / SDPA | tc0 / SDPA | st2 / SDPA | st3 / SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     keys = sorted({(int(r["batch"]), int(r["kv_len"])) for r in auto})
     for b, l in keys:
-        def tb(rs, v):
-            x = [float(r["tbps"]) for r in rs if (int(r["batch"]), int(r["kv_len"])) == (b, l) and r["variant"] == v]
+        def tb(rs, *vs):
+            x = [float(r["tbps"]) for r in rs if (int(r["batch"]), int(r["kv_len"])) == (b, l) and r["variant"] in vs]
             return max(x) if x else float("nan")
         s, a, sd = tb(auto, "sync"), tb(auto, "async"), tb(auto, "sdpa")
-        z = max(tb(tc0, "sync"), tb(tc0, "async"))
+        z, s2, s3 = (tb(runs[c], "sync", "async") for c in ("tc0", "st2", "st3"))
         best = max(s, a)
-        print(f"| {b} · {l} | {s:.2f} | {a:.2f} | {z:.2f} | {sd:.2f} | {best / sd:.2f}x | {z / sd:.2f}x |")
+        print(f"| {b} · {l} | {s:.2f} | {a:.2f} | {z:.2f} | {s2:.2f} | {s3:.2f} | {sd:.2f} | {best / sd:.2f}x"
+              f" | {z / sd:.2f}x | {s2 / sd:.2f}x | {s3 / sd:.2f}x |")
 PY
 fi
 stamp "results in $OUT"

@@ -195,6 +195,17 @@ impl DecodePath {
             (DecodePath::Bandwidth, true) => ("attn_decode_sync_tc", "attn_decode_async_tc"),
         }
     }
+
+    /// (sync entry, async entry) of the tensor-core pass's staged form with `stages` cp.async
+    /// stages per warp (kernels_cuda/attn_decode_tc.cuh; CUDA only, bandwidth path only), or None
+    /// for a stage count that is not built.
+    pub fn staged_entries(stages: usize) -> Option<(&'static str, &'static str)> {
+        match stages {
+            2 => Some(("attn_decode_sync_tcs2", "attn_decode_async_tcs2")),
+            3 => Some(("attn_decode_sync_tcs3", "attn_decode_async_tcs3")),
+            _ => None,
+        }
+    }
 }
 
 /// The block tables and sequence lengths of a decode launch as one i32 upload: the table

@@ -17,6 +17,31 @@ use crate::backend::attn_plan::MAX_HEADS_PER_BLOCK;
 use crate::error::{FdppError, Result};
 use crate::run_config::{self, Key};
 
+/// Stages per warp of the tensor-core pass's staged form (kernels_cuda/attn_decode_tc.cuh, "The
+/// staged form": K/V copied into shared memory by cp.async, fragments by ldmatrix) that the
+/// bandwidth path takes, from `FDPP_DECODE_TC_STAGES` (read once per process): unset, empty or
+/// `0` = the register pass (the default until the GPU has measured the staged one), `2` or `3`.
+/// An experiment switch, so that one binary can time both forms in one device call.
+pub fn staged_stages() -> Result<Option<usize>> {
+    static STAGES: std::sync::OnceLock<std::result::Result<Option<usize>, String>> = std::sync::OnceLock::new();
+    STAGES
+        .get_or_init(|| parse_stages(std::env::var("FDPP_DECODE_TC_STAGES").ok().as_deref()))
+        .clone()
+        .map_err(FdppError::InvalidArgument)
+}
+
+/// The value of `FDPP_DECODE_TC_STAGES`, or the message refusing it.
+fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => Ok(None),
+        Some("2") => Ok(Some(2)),
+        Some("3") => Ok(Some(3)),
+        Some(other) => Err(format!(
+            "FDPP_DECODE_TC_STAGES = '{other}': expected 0 (the register pass), 2 or 3 (cp.async stages per warp)"
+        )),
+    }
+}
+
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
@@ -72,6 +97,18 @@ mod tests {
     use super::*;
     use crate::backend::attn_plan::attn_heads_per_block_max;
     use crate::backend::cuda::sources::decode_heads_per_block;
+
+    #[test]
+    fn the_stage_switch_parses_and_refuses_other_values() {
+        assert_eq!(parse_stages(None), Ok(None));
+        assert_eq!(parse_stages(Some("0")), Ok(None));
+        assert_eq!(parse_stages(Some(" 3 ")), Ok(Some(3)));
+        assert_eq!(parse_stages(Some("2")), Ok(Some(2)));
+        for bad in ["1", "4", "yes"] {
+            let e = parse_stages(Some(bad)).unwrap_err();
+            assert!(e.contains("FDPP_DECODE_TC_STAGES") && e.contains(bad), "{e}");
+        }
+    }
 
     #[test]
     fn the_switch_parses_and_refuses_other_values() {

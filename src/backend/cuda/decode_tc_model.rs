@@ -36,6 +36,8 @@ enum Fault {
     PAgainstPhi,
     /// head_dim 256: each warp of a team keeps its own partial S^T (no exchange).
     NoExchange,
+    /// The staged form: ldmatrix reads the tiles without the swizzle the copies wrote them with.
+    NoSwizzleRead,
 }
 
 fn round16(dt: DType, x: f32) -> f32 {
@@ -117,6 +119,9 @@ struct Case {
     keys: usize,
     /// log2(e)/√d.
     scale2: f32,
+    /// The staged form (K/V through shared memory, fragments by ldmatrix) instead of the register
+    /// pass.
+    staged: bool,
 }
 
 impl Case {
@@ -135,7 +140,13 @@ impl Case {
             v,
             keys,
             scale2: std::f32::consts::LOG2_E / (d as f32).sqrt(),
+            staged: false,
         }
+    }
+
+    fn staged(mut self) -> Self {
+        self.staged = true;
+        self
     }
 
     /// Scores in log2 units, f64.
@@ -236,6 +247,92 @@ fn partial_s(c: &Case, qf: &[[[Reg; 4]; LANES]], base: usize, d0: usize) -> [[f3
     s
 }
 
+/// The staged form's tile of one 16-key step (K or V of the warp's dims from `d0`), as tcs_issue
+/// writes it: lane (g, t) copies chunks t, t + 4, … of keys g and g + 8 to chunk position
+/// c ^ (key & 7) of the key's row (tcs_off). Each position is written exactly once (asserted).
+fn stage_tile(c: &Case, rows: &[f32], base: usize, d0: usize) -> Vec<[f32; 8]> {
+    let cpr = c.d.min(128) / 8;
+    let mut tile = vec![[f32::NAN; 8]; 16 * cpr];
+    let mut written = vec![0u8; 16 * cpr];
+    for lane in 0..LANES {
+        let (g, t) = (lane / 4, lane % 4);
+        for i in 0..cpr / 4 {
+            let ch = t + 4 * i;
+            for key in [g, g + 8] {
+                let row = (base + key).min(c.keys - 1);
+                let at = key * cpr + (ch ^ (key & 7));
+                tile[at] = std::array::from_fn(|e| rows[row * c.d + d0 + 8 * ch + e]);
+                written[at] += 1;
+            }
+        }
+    }
+    assert!(written.iter().all(|&w| w == 1), "the copies cover the tile once");
+    tile
+}
+
+/// ldmatrix.x4 (`trans`: .trans) on a tile: lane l addresses row l % 8 of matrix l / 8 at
+/// (key, chunk) = `at(l)`; register m of lane (g, t) gets matrix m's row g, columns 2t, 2t + 1
+/// (transposed: column g, rows 2t, 2t + 1).
+fn ldmatrix_x4(
+    tile: &[[f32; 8]],
+    cpr: usize,
+    at: impl Fn(usize) -> (usize, usize),
+    trans: bool,
+    fault: Fault,
+) -> [[Reg; 4]; LANES] {
+    let rows: [[[f32; 8]; 8]; 4] = std::array::from_fn(|m| {
+        std::array::from_fn(|r| {
+            let (key, ch) = at(8 * m + r);
+            let phys = if fault == Fault::NoSwizzleRead {
+                ch
+            } else {
+                ch ^ (key & 7)
+            };
+            tile[key * cpr + phys]
+        })
+    });
+    std::array::from_fn(|lane| {
+        let (g, t) = (lane / 4, lane % 4);
+        std::array::from_fn(|m| {
+            if trans {
+                [rows[m][2 * t][g], rows[m][2 * t + 1][g]]
+            } else {
+                [rows[m][g][2 * t], rows[m][g][2 * t + 1]]
+            }
+        })
+    })
+}
+
+/// The staged form's partial S^T over the dims from `d0`: K fragments by ldmatrix from the tile,
+/// q's B fragments in natural dim order (tcs_load_q).
+fn partial_s_staged(c: &Case, base: usize, d0: usize, fault: Fault) -> [[f32; 4]; LANES] {
+    let dw = c.d.min(128);
+    let cpr = dw / 8;
+    let tile = stage_tile(c, &c.k, base, d0);
+    let mut s = [[0f32; 4]; LANES];
+    for ks in 0..dw / 16 {
+        let a = ldmatrix_x4(
+            &tile,
+            cpr,
+            |l| {
+                let (m, r) = (l >> 3, l & 7);
+                (r + 8 * (m & 1), 2 * ks + (m >> 1))
+            },
+            false,
+            fault,
+        );
+        let b: [[Reg; 2]; LANES] = std::array::from_fn(|lane| {
+            let (g, t) = (lane / 4, lane % 4);
+            let q = |dim: usize| -> Reg {
+                std::array::from_fn(|e| if g < c.nh { c.q[g * c.d + d0 + dim + e] } else { 0.0 })
+            };
+            [q(16 * ks + 2 * t), q(16 * ks + 8 + 2 * t)]
+        });
+        mma(&mut s, &a, &b);
+    }
+    s
+}
+
 /// One warp's pass over all of `c`'s keys (16 per step), then tc_store. `half`: the warp's half
 /// of the dims at head_dim 256 (0 otherwise).
 fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault, half: usize) -> WarpOut {
@@ -265,10 +362,18 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault, half: usize) -> War
             .collect();
         // S^T = K·Q^T over the warp's dims, plus the partner's partial (tc_exchange: mine + the
         // other's, an f32 add as the kernel does it).
-        let mut s = partial_s(c, &qf, base, d0);
+        let mut s = if c.staged {
+            partial_s_staged(c, base, d0, fault)
+        } else {
+            partial_s(c, &qf, base, d0)
+        };
         if let Some(pq) = &partner_qf {
             if fault != Fault::NoExchange {
-                let o = partial_s(c, pq, base, dw * (1 - half));
+                let o = if c.staged {
+                    partial_s_staged(c, base, dw * (1 - half), fault)
+                } else {
+                    partial_s(c, pq, base, dw * (1 - half))
+                };
                 for (sl, ol) in s.iter_mut().zip(o) {
                     for (x, y) in sl.iter_mut().zip(ol) {
                         *x += y;
@@ -340,8 +445,23 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault, half: usize) -> War
             (trans(&p0), trans(&p1))
         };
         let b: [[Reg; 2]; LANES] = std::array::from_fn(|lane| [pb0[lane], pb1[lane]]);
-        // O^T += V^T·P^T.
+        // O^T += V^T·P^T; the staged form takes V^T by ldmatrix.trans from its tile.
+        let vtile = c.staged.then(|| stage_tile(c, &c.v, base, d0));
         for (j, oj) in o.iter_mut().enumerate() {
+            if let Some(tile) = &vtile {
+                let a = ldmatrix_x4(
+                    tile,
+                    dw / 8,
+                    |l| {
+                        let (m, r) = (l >> 3, l & 7);
+                        (r + 8 * (m >> 1), 2 * j + (m & 1))
+                    },
+                    fault != Fault::NoVTranspose,
+                    fault,
+                );
+                mma(oj, &a, &b);
+                continue;
+            }
             let (ch, r) = (j >> 1, 2 * (j & 1));
             let reg = |which: usize, r: usize| -> [Reg; LANES] {
                 let x: [Reg; LANES] = std::array::from_fn(|lane| vv[ch][lane][which][r]);
@@ -388,8 +508,15 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault, half: usize) -> War
                 None => 1.0,
             };
             for (j, oj) in o.iter().enumerate() {
-                out.acc[h * d + d0 + tc_dim(j, 0, g, fault)] = oj[lane][k] * f;
-                out.acc[h * d + d0 + tc_dim(j, 1, g, fault)] = oj[lane][2 + k] * f;
+                // The staged form's O^T rows are in dim order (tc_store<…, NATURAL>).
+                let (r0, r1) = if c.staged {
+                    let (lo, hi) = if fault == Fault::DimPermutation { (8, 0) } else { (0, 8) };
+                    (16 * j + lo + g, 16 * j + hi + g)
+                } else {
+                    (tc_dim(j, 0, g, fault), tc_dim(j, 1, g, fault))
+                };
+                out.acc[h * d + d0 + r0] = oj[lane][k] * f;
+                out.acc[h * d + d0 + r1] = oj[lane][2 + k] * f;
             }
             if g == 0 {
                 out.m[h] = async_phi2.unwrap_or(m[lane][k]);
@@ -568,4 +695,35 @@ fn the_d256_team_fails_without_the_exchange() {
             );
         }
     }
+}
+
+/// The staged form (kernels_cuda/attn_decode_tc.cuh, "The staged form"): the copies' swizzled
+/// tiles, ldmatrix and ldmatrix.trans fragments, q in natural dim order and O^T's rows in dim
+/// order match direct attention at every head_dim, sync and async; it fails with the swizzle
+/// left out of the reads, with V read without .trans, with the halves of O^T's rows swapped.
+#[test]
+fn the_staged_form_matches_and_its_faults_fail() {
+    for (i, (d, nh, keys)) in shapes().into_iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        let dt = if i % 3 == 2 { DType::Bf16 } else { DType::F16 };
+        let tol = if dt == DType::Bf16 { 8.0 * TOL } else { TOL };
+        let c = Case::random(dt, d, nh, keys, 1.0, 0x57a6 + i as u64).staged();
+        let (e, _) = errors(&c, None, Fault::None);
+        assert!(e <= tol, "staged sync {dt} d{d} nh{nh} keys {keys}: error {e:.2e}");
+        let (e, le) = errors(&c, Some(-2.3), Fault::None);
+        assert!(
+            e <= tol && le <= 1e-5,
+            "staged async {dt} d{d} nh{nh} keys {keys}: {e:.2e}, l {le:.2e}"
+        );
+    }
+    for fault in [Fault::NoSwizzleRead, Fault::NoVTranspose, Fault::DimPermutation] {
+        for (d, nh, keys) in [(64, 2, 17), (128, 8, 50), (256, 5, 33)] {
+            let c = Case::random(DType::F16, d, nh, keys, 1.0, 11 + nh as u64).staged();
+            let (e, _) = errors(&c, None, fault);
+            assert!(e.is_nan() || e > TOL, "staged {fault:?} passed at d{d} nh{nh}: {e:.2e}");
+        }
+    }
+    // The exchange is the same at d256.
+    let c = Case::random(DType::F16, 256, 8, 50, 1.0, 3).staged();
+    let (e, _) = errors(&c, None, Fault::NoExchange);
+    assert!(e.is_nan() || e > TOL, "staged without the exchange passed: {e:.2e}");
 }

@@ -236,6 +236,12 @@ pub const TC_MAX_HEADS_PER_BLOCK: usize = 8;
 /// (attn_decode_tc.cuh).
 pub const TC_MAX_HEAD_DIM: usize = 256;
 
+/// Dynamic shared memory of a block of the tensor-core pass's staged form (attn_decode_tc.cuh):
+/// 4 warps × `stages` × (K and V of 16 keys over the warp's min(head_dim, 128) dims, 16-bit).
+pub fn tc_staged_smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    (4 * stages * 2 * 16 * head_dim.min(128) * 2) as u32
+}
+
 /// The decode modules compiled for one head_dim: HG 1..=4 (both passes), and 5..=8 (the
 /// tensor-core pass only) where that pass exists.
 pub fn decode_heads_per_block(head_dim: usize) -> Vec<usize> {
