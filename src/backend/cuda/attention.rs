@@ -42,9 +42,44 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
-    /// Resident blocks per SM of each decode entry, keyed by (dtype, head_dim, heads per block,
-    /// entry) — the module's parameters, so a lookup on every launch allocates nothing.
-    resident: std::collections::HashMap<(DType, usize, usize, &'static str), usize>,
+    /// What is known of each decode entry, keyed by (dtype, head_dim, heads per block, entry) —
+    /// the module's parameters, so a lookup on every launch allocates nothing.
+    entries: std::collections::HashMap<(DType, usize, usize, &'static str), EntryState>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct EntryState {
+    /// Resident blocks per SM, once asked.
+    resident: Option<usize>,
+    /// A staged tensor-core entry whose dynamic shared-memory limit has been raised.
+    limit_raised: bool,
+}
+
+/// Decode entry `entry` of module `uri` with room for `smem` bytes of dynamic shared memory.
+/// For the staged tensor-core entries (smem > 0) the limit is raised whatever the size, once per
+/// entry: `function_of` raises it only past 48 KiB, but the default limit counts the static merge
+/// area too (d64 at 3 stages: 48 KiB dynamic beside 8.8 KB static).
+fn decode_function(
+    b: &CudaBackend,
+    sc: &mut Scratch,
+    key: (DType, usize, usize),
+    uri: &str,
+    (entry, smem): (&'static str, u32),
+    src: impl FnOnce() -> Result<KernelSource>,
+) -> Result<cudarc::driver::CudaFunction> {
+    let f = b.function_of(uri, entry, smem, src)?;
+    let state = sc.entries.entry((key.0, key.1, key.2, entry)).or_default();
+    if smem > 0 && !state.limit_raised {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(&format!(
+            "{uri} {entry}: raising the dynamic shared memory to {smem} bytes"
+        )))?;
+        state.limit_raised = true;
+    }
+    Ok(f)
 }
 
 /// Resident blocks per SM of decode entry `entry` of module `uri` (the driver's occupancy for
@@ -58,16 +93,16 @@ fn resident_blocks(
     (entry, smem): (&'static str, u32),
     src: impl FnOnce() -> Result<KernelSource>,
 ) -> Result<usize> {
-    let key = (key.0, key.1, key.2, entry);
-    if let Some(&r) = sc.resident.get(&key) {
+    let rkey = (key.0, key.1, key.2, entry);
+    if let Some(r) = sc.entries.get(&rkey).and_then(|s| s.resident) {
         return Ok(r);
     }
-    let f = b.function_of(uri, entry, smem, src)?;
+    let f = decode_function(b, sc, key, uri, (entry, smem), src)?;
     let r = f
         .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
         .map_err(drv(&format!("occupancy of {uri} {entry}")))? as usize;
     let r = r.max(1);
-    sc.resident.insert(key, r);
+    sc.entries.entry(rkey).or_default().resident = Some(r);
     Ok(r)
 }
 
@@ -295,7 +330,7 @@ pub fn decode(
             } else {
                 0
             };
-            let f = b.function_of(&uri, sync_entry, smem, src)?;
+            let f = decode_function(b, &mut sc, (p.dtype, d, hg), &uri, (sync_entry, smem), src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
@@ -327,7 +362,7 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, async_entry, smem, src)?;
+            let f = decode_function(b, &mut sc, (p.dtype, d, hg), &uri, (async_entry, smem), src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
