@@ -41,8 +41,8 @@
 // decode_tc): the CUDA-core pass below (token groups of D/8 lanes, FMAs and shuffles; HG ≤ 4),
 // and the tensor-core pass of attn_decode_tc.cuh (mma.sync with the block's heads on the n8 side;
 // HG ≤ 8, head_dim 64-256, at 256 two warps per key step), which grouped decode takes by default
-// because the CUDA-core pass is issue-bound above two heads per block. Both leave the same per-warp state to the same merge,
-// epilogues and workspaces.
+// because the CUDA-core pass is issue-bound above two heads per block. Both leave the same
+// per-warp state to the same merge, epilogues and workspaces.
 #include "common.cuh"
 #include "attn_common.cuh"
 
@@ -793,6 +793,8 @@ FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 // CUDA-core kernels measured best in session 9) the async kernel spills 36 bytes, none of it in
 // the main loop (305-309 instructions per 16 keys in both). The latency path's kernels (148-156)
 // would spill inside the loop at 128 and keep ptxas's choice: they serve launches of few blocks.
+// d256 (teams of two warps, session 13): 128 registers for both bandwidth kernels (sync no spill,
+// async 16-20 bytes outside the loop), 140-160 for the latency ones.
 FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, 1, 0, 0)
 FDPP_DECODE_ENTRIES(_tc, 128, 4, true, 1, 4, 4)
 
