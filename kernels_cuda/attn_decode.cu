@@ -40,9 +40,9 @@
 // Two main passes, chosen per launch (src/backend/cuda/decode_tc.rs, run-configuration switch
 // decode_tc): the CUDA-core pass below (token groups of D/8 lanes, FMAs and shuffles; HG ≤ 4),
 // and the tensor-core pass of attn_decode_tc.cuh (mma.sync with the block's heads on the n8 side;
-// HG ≤ 8, head_dim ≤ 128), which grouped decode takes by default because the CUDA-core pass is
-// issue-bound above two heads per block. Both leave the same per-warp state to the same merge,
-// epilogues and workspaces.
+// HG ≤ 8, head_dim 64-256, at 256 two warps per key step), which grouped decode takes by default
+// because the CUDA-core pass is issue-bound above two heads per block. Both leave the same
+// per-warp state to the same merge, epilogues and workspaces.
 #include "common.cuh"
 #include "attn_common.cuh"
 
@@ -63,10 +63,10 @@ constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
 // Up to 4 heads per block on the CUDA-core pass (HG · 8 q and HG · 8 accumulator floats per lane);
-// up to 8 where the tensor-core pass runs (attn_decode_tc.cuh: the heads fill the n8 side of the
-// mma, so a block costs the same at 2 heads as at 8). The launcher chunks larger groups.
+// up to 8 on the tensor-core pass (attn_decode_tc.cuh: the heads fill the n8 side of the mma, so
+// a block costs the same at 2 heads as at 8), at every head_dim. The launcher chunks larger
+// groups; modules of HG 5-8 hold only the tensor-core entries.
 static_assert(HG >= 1 && HG <= 8, "at most 8 query heads per block (the launcher chunks larger groups)");
-static_assert(HG <= 4 || D <= 128, "more than 4 heads per block only on the tensor-core pass (head_dim <= 128)");
 
 // Derived sizes of one block shape.
 template <int NT, int U>
@@ -417,16 +417,21 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
 
 // One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
 // on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
-// block_merge describes. TC picks the tensor-core pass (attn_decode_tc.cuh) over the CUDA-core
-// one; BW the bandwidth path's loop over the latency path's (the tensor-core pass: page ids
-// looked up per step, or a step ahead).
-template <bool ASYNC, int NT, int U, bool BW, bool TC>
+// block_merge describes. TC picks the main pass: 0 the CUDA-core one, 1 the tensor-core pass
+// (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
+// path only); BW the bandwidth path's loop over the latency path's (the tensor-core pass: page
+// ids looked up per step, or a step ahead).
+template <bool ASYNC, int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
                                            const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
                                            int t1, float phi2, float b2) {
-    if constexpr (TC) {
+    if constexpr (TC >= 2) {
+        static_assert(BW, "the staged pass has the bandwidth path's loop only");
+        tcs_block_pass<ASYNC, NT, U, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
+                                         b2);
+    } else if constexpr (TC) {
         tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
                                          b2);
     } else {
@@ -513,7 +518,7 @@ __device__ __forceinline__ void write_elems(const float (&a)[Shape<NT, U>::EPT],
 // Whole-sequence sync attention for the block's heads in `mask` (the async recompute path). The
 // caller has passed a barrier since its last read of `sm`'s per-warp slots. Not inlined, and q
 // loaded again: the rare path then costs the common one no registers.
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u16* __restrict__ q, float scale2,
                                             const u16* __restrict__ kp, const u16* __restrict__ vp,
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
@@ -530,7 +535,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -636,7 +641,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
 }
 
 // The async kernel of both paths (workspace: async_ws(); `recomputed` is a running total).
-template <int NT, int U, bool BW, bool TC>
+template <int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -777,18 +782,24 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
 // registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 #if FDPP_HG <= 4
-FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, false, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, false, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 #endif
 
-// The tensor-core pass (attn_decode_tc.cuh), head_dim ≤ 128, any HG up to 8: attn_decode_*_tc
+// The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc
 // (the bandwidth path: page ids per step) and attn_decode_*_tc_t128u4 (the latency path: page ids
 // a step ahead). NVRTC 13.0, sm_90a, d128 HG 8: ptxas would take 128 registers for the bandwidth
 // sync kernel and 150 for its async one (3 blocks per SM); held to 128 (4 blocks, as the
 // CUDA-core kernels measured best in session 9) the async kernel spills 36 bytes, none of it in
 // the main loop (305-309 instructions per 16 keys in both). The latency path's kernels (148-156)
 // would spill inside the loop at 128 and keep ptxas's choice: they serve launches of few blocks.
-#if FDPP_D <= 128
-FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, true, 0, 0)
-FDPP_DECODE_ENTRIES(_tc, 128, 4, true, true, 4, 4)
-#endif
+// d256 (teams of two warps, session 13): 128 registers for both bandwidth kernels (sync no spill,
+// async 16-20 bytes outside the loop), 140-160 for the latency ones.
+FDPP_DECODE_ENTRIES(_tc_t128u4, 128, 4, false, 1, 0, 0)
+FDPP_DECODE_ENTRIES(_tc, 128, 4, true, 1, 4, 4)
+
+// The staged form of the tensor-core pass (attn_decode_tc.cuh, "The staged form"), bandwidth path,
+// 2 or 3 cp.async stages per warp in dynamic shared memory (FDPP_DECODE_TC_STAGES; off by default
+// until measured). No launch bounds: its K/V in flight are not in registers.
+FDPP_DECODE_ENTRIES(_tcs2, 128, 4, true, 2, 0, 0)
+FDPP_DECODE_ENTRIES(_tcs3, 128, 4, true, 3, 0, 0)

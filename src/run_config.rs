@@ -23,6 +23,7 @@ pub enum Key {
     Prefill,
     DecodePath,
     DecodeTc,
+    DecodeTcStages,
     SoftmaxWindows,
     HopperTma,
     HopperStages,
@@ -174,7 +175,16 @@ pub const KEYS: &[KeyInfo] = &[
         values: "auto|0|1",
         default: "auto",
         kind: Kind::Behaviour,
-        what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block at head_dim <= 128, up to 8 per block; 0: CUDA cores, at most 4; 1: also MHA)",
+        what: "CUDA grouped decode on tensor cores (auto: 2+ heads per block, up to 8 per block, head_dim ≤ 128; 0: CUDA cores, at most 4; 1: also MHA and head_dim 256)",
+    },
+    KeyInfo {
+        key: Key::DecodeTcStages,
+        name: "decode_tc_stages",
+        env: "FDPP_DECODE_TC_STAGES",
+        values: "0|2|3",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "the tensor-core decode pass's bandwidth path with K/V staged through shared memory by cp.async, 2 or 3 stages per warp (0: the register pass)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -484,7 +494,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 28);
+        assert_eq!(KEYS.len(), 29);
         assert!(help().contains("FDPP_HOPPER_TMA"));
     }
 }

@@ -186,13 +186,24 @@ impl DecodePath {
     }
 
     /// (sync entry, async entry) of the CUDA-core pass, or (`tc`) of the tensor-core pass
-    /// (kernels_cuda/attn_decode_tc.cuh; CUDA only, head_dim ≤ 128).
+    /// (kernels_cuda/attn_decode_tc.cuh; CUDA only, head_dim 64-256).
     pub fn entries(self, tc: bool) -> (&'static str, &'static str) {
         match (self, tc) {
             (DecodePath::Latency, false) => ("attn_decode_sync_t128u4", "attn_decode_async_t128u4"),
             (DecodePath::Bandwidth, false) => ("attn_decode_sync", "attn_decode_async"),
             (DecodePath::Latency, true) => ("attn_decode_sync_tc_t128u4", "attn_decode_async_tc_t128u4"),
             (DecodePath::Bandwidth, true) => ("attn_decode_sync_tc", "attn_decode_async_tc"),
+        }
+    }
+
+    /// (sync entry, async entry) of the tensor-core pass's staged form with `stages` cp.async
+    /// stages per warp (kernels_cuda/attn_decode_tc.cuh; CUDA only, bandwidth path only), or None
+    /// for a stage count that is not built.
+    pub fn staged_entries(stages: usize) -> Option<(&'static str, &'static str)> {
+        match stages {
+            2 => Some(("attn_decode_sync_tcs2", "attn_decode_async_tcs2")),
+            3 => Some(("attn_decode_sync_tcs3", "attn_decode_async_tcs3")),
+            _ => None,
         }
     }
 }
@@ -458,6 +469,32 @@ mod tests {
         // A given split count wins.
         p.num_splits = Some(5);
         assert_eq!(DecodePlan::new(&p, 132, Some(6)).splits, 5);
+    }
+
+    /// head_dim 256 on CUDA's tensor-core pass (session 13): the same heads per block and chunks
+    /// as at d128 (up to 8), and the split count from the occupancy the launcher measures for
+    /// that entry (4 blocks per SM at 128 registers), not from `num_splits`' fixed count.
+    #[test]
+    fn head_dim_256_plans_like_128_with_the_measured_occupancy() {
+        let l = PagedKvLayout::new(16, 1 << 14, 8, 256, DType::F16).unwrap();
+        for (heads, hg) in [(32usize, 4usize), (64, 8), (40, 5), (128, 8)] {
+            for (batch, len) in [(1usize, 32768usize), (4, 32768), (16, 4096)] {
+                let p = DecodeParams {
+                    geom: AttnGeometry::new(heads, 8, 256).unwrap(),
+                    dtype: DType::F16,
+                    scheme: SoftmaxScheme::Sync,
+                    tables: tables(&l, &vec![len; batch]),
+                    num_splits: None,
+                };
+                let plan = DecodePlan::with_max_heads(&p, 132, Some(4), 8);
+                let group = heads / 8;
+                assert_eq!((plan.hg, plan.chunks), (hg, group.div_ceil(hg)), "{heads}/8");
+                let want = num_splits_resident(batch, 8, len, 132, 4, hg, plan.chunks, false);
+                assert_eq!(plan.splits, want, "{heads}/8 batch {batch} kv_len {len}");
+                // Never past one wave of 4 blocks per SM.
+                assert!(plan.chunks * plan.splits * batch * 8 <= 4 * 132 || plan.splits == 1);
+            }
+        }
     }
 
     #[test]

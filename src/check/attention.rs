@@ -244,8 +244,9 @@ fn odd_ratio_cases(dt: DType, full: bool) -> Vec<AttnCase> {
 /// heads per block): 2-8 in one block, 16 in two of 8.
 pub const TC_RATIOS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
 
-/// Decode at every ratio of [`TC_RATIOS`] and head_dim 64 and 128 (where the tensor-core pass
-/// runs under `decode_tc=auto|1`), two kv heads each: odd and ragged kv_lens (a key count that
+/// Decode at every ratio of [`TC_RATIOS`] and head_dim 64, 128 and 256 (where the tensor-core
+/// pass runs under `decode_tc=auto|1`; at 256 as teams of two warps, one per half of the dims,
+/// that exchange their partial scores every step), two kv heads each: odd and ragged kv_lens (a key count that
 /// is no multiple of a warp's 16 or a block's 64, one split and several, sequences of 1 key
 /// beside long ones, page sizes other than 16), forced recomputes of both kinds, which the
 /// async kernel redoes with the same pass, and two long contexts. Only in the full list (`fdpp check`): their CPU
@@ -264,7 +265,7 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
     ];
     let mut v = Vec::new();
     for (i, &r) in TC_RATIOS.iter().enumerate() {
-        for (j, d) in [64usize, 128].into_iter().enumerate() {
+        for (j, d) in [64usize, 128, 256].into_iter().enumerate() {
             let l = lens[(i + 3 * j) % lens.len()];
             let c = AttnCase::new(Decode, dt, (2 * r, 2, d), l, &[], Force::None);
             v.push(if (i + j) % 4 == 1 { c.paged(8) } else { c });
@@ -277,9 +278,30 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
         (16, 128, Force::Underflow),
         (2, 128, Force::Overflow),
         (7, 64, Force::Underflow),
+        (8, 256, Force::Overflow),
+        (5, 256, Force::Underflow),
+        (4, 256, Force::Overflow),
     ] {
         v.push(AttnCase::new(Decode, dt, (2 * r, 2, d), &[97, 1000], &[], f));
     }
+    // head_dim 256 at ratios 1 (the tensor-core pass under decode_tc=1 only; the CUDA-core one
+    // under auto), 4 and 8 (one block per kv head), Llama-like head counts: odd kv_lens (no
+    // multiple of a team's 16 keys or a block's 32), one split and many, a 1-key sequence beside
+    // long ones, pages of 8 and 16, and a long context split 64 ways.
+    v.push(AttnCase::new(Decode, dt, (8, 8, 256), &[1, 33, 4097], &[], Force::None));
+    v.push(AttnCase::new(Decode, dt, (8, 8, 256), &[1001], &[], Force::None).paged(8));
+    v.push(AttnCase::new(
+        Decode,
+        dt,
+        (32, 8, 256),
+        &[97, 1001, 1],
+        &[],
+        Force::None,
+    ));
+    v.push(AttnCase::new(Decode, dt, (32, 8, 256), &[4099], &[], Force::None).paged(8));
+    v.push(AttnCase::new(Decode, dt, (32, 4, 256), &[63, 4097], &[], Force::None));
+    v.push(AttnCase::new(Decode, dt, (16, 2, 256), &[1, 2049, 17], &[], Force::None).paged(8));
+    v.push(AttnCase::new(Decode, dt, (32, 8, 256), &[32771], &[], Force::None));
     // Long contexts (issue #19): Llama-3's 32/8 at 131072 keys (64 splits of 2048 at batch 1) and
     // 32/4 with a ragged batch of 1, 100000 and 4097 keys (the splits sized by the longest row,
     // the short rows' blocks mostly empty).
@@ -832,26 +854,26 @@ mod tests {
             .all(|c| c.kv_lens.iter().all(|&l| l <= 4097)));
     }
 
-    /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64 and
-    /// 128 in both dtypes, ragged and odd kv_lens, and forced recomputes of both kinds at both
-    /// head_dims.
+    /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64, 128
+    /// and 256 in both dtypes, ragged and odd kv_lens, forced recomputes of both kinds at every
+    /// head_dim, and ratios 1, 4 and 8 at d256 with odd kv_lens.
     #[test]
     fn the_full_list_covers_the_tensor_core_pass() {
         let list = attention_cases();
         for dt in [DType::F16, DType::Bf16] {
             let dec: Vec<_> = list
                 .iter()
-                .filter(|c| c.dtype == dt && c.kind == AttnKind::Decode && c.geom.head_dim <= 128)
+                .filter(|c| c.dtype == dt && c.kind == AttnKind::Decode)
                 .collect();
             for r in TC_RATIOS {
-                for d in [64, 128] {
+                for d in [64, 128, 256] {
                     assert!(
                         dec.iter().any(|c| c.geom.group() == r && c.geom.head_dim == d),
                         "{dt}: no ratio {r} at d{d}"
                     );
                 }
             }
-            for d in [64, 128] {
+            for d in [64, 128, 256] {
                 for f in [Force::Overflow, Force::Underflow] {
                     assert!(
                         dec.iter()
@@ -861,6 +883,14 @@ mod tests {
                 }
             }
             assert!(dec.iter().any(|c| c.kv_lens.iter().any(|&l| l % 16 != 0 && l > 64)));
+            for r in [1, 4, 8] {
+                assert!(
+                    dec.iter().any(|c| c.geom.head_dim == 256
+                        && c.geom.group() == r
+                        && c.kv_lens.iter().any(|&l| l % 2 == 1 && l > 16)),
+                    "{dt}: no odd kv_len at d256 ratio {r}"
+                );
+            }
             assert!(dec.iter().any(|c| c.kv_lens.contains(&1) && c.kv_lens.len() > 1));
         }
         let quick = attention_cases_quick();

@@ -10,7 +10,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::decode_tc::TcMode;
 use super::launch::Launch;
-use super::sources::{attn_decode_source, attn_prefill_source, prefill_smem_bytes, KernelSource, PREFILL_BM};
+use super::sources::{
+    attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, KernelSource, PREFILL_BM,
+};
 use super::tma::PoolMaps;
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
@@ -40,31 +42,67 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
-    /// Resident blocks per SM of each decode entry, keyed by (dtype, head_dim, heads per block,
-    /// entry) — the module's parameters, so a lookup on every launch allocates nothing.
-    resident: std::collections::HashMap<(DType, usize, usize, &'static str), usize>,
+    /// What is known of each decode entry, keyed by (dtype, head_dim, heads per block, entry) —
+    /// the module's parameters, so a lookup on every launch allocates nothing.
+    entries: std::collections::HashMap<(DType, usize, usize, &'static str), EntryState>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct EntryState {
+    /// Resident blocks per SM, once asked.
+    resident: Option<usize>,
+    /// A staged tensor-core entry whose dynamic shared-memory limit has been raised.
+    limit_raised: bool,
+}
+
+/// Decode entry `entry` of module `uri` with room for `smem` bytes of dynamic shared memory.
+/// For the staged tensor-core entries (smem > 0) the limit is raised whatever the size, once per
+/// entry: `function_of` raises it only past 48 KiB, but the default limit counts the static merge
+/// area too (d64 at 3 stages: 48 KiB dynamic beside 8.8 KB static).
+fn decode_function(
+    b: &CudaBackend,
+    sc: &mut Scratch,
+    key: (DType, usize, usize),
+    uri: &str,
+    (entry, smem): (&'static str, u32),
+    src: impl FnOnce() -> Result<KernelSource>,
+) -> Result<cudarc::driver::CudaFunction> {
+    let f = b.function_of(uri, entry, smem, src)?;
+    let state = sc.entries.entry((key.0, key.1, key.2, entry)).or_default();
+    if smem > 0 && !state.limit_raised {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(&format!(
+            "{uri} {entry}: raising the dynamic shared memory to {smem} bytes"
+        )))?;
+        state.limit_raised = true;
+    }
+    Ok(f)
 }
 
 /// Resident blocks per SM of decode entry `entry` of module `uri` (the driver's occupancy for
-/// THREADS threads and no dynamic shared memory), asked once per entry; `key` names the module.
+/// THREADS threads and `smem` bytes of dynamic shared memory: 0 but for the staged tensor-core
+/// entries, whose names carry their stage count), asked once per entry; `key` names the module.
 fn resident_blocks(
     b: &CudaBackend,
     sc: &mut Scratch,
     key: (DType, usize, usize),
     uri: &str,
-    entry: &'static str,
+    (entry, smem): (&'static str, u32),
     src: impl FnOnce() -> Result<KernelSource>,
 ) -> Result<usize> {
-    let key = (key.0, key.1, key.2, entry);
-    if let Some(&r) = sc.resident.get(&key) {
+    let rkey = (key.0, key.1, key.2, entry);
+    if let Some(r) = sc.entries.get(&rkey).and_then(|s| s.resident) {
         return Ok(r);
     }
-    let f = b.function_of(uri, entry, 0, src)?;
+    let f = decode_function(b, sc, key, uri, (entry, smem), src)?;
     let r = f
-        .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
         .map_err(drv(&format!("occupancy of {uri} {entry}")))? as usize;
     let r = r.max(1);
-    sc.resident.insert(key, r);
+    sc.entries.entry(rkey).or_default().resident = Some(r);
     Ok(r)
 }
 
@@ -209,6 +247,35 @@ pub fn decode(
     let first = DecodePlan::with_max_heads(p, cus, None, mode.max_heads_per_block(d));
     let hg = first.hg;
     let tc = mode.uses_tc(d, hg);
+    // The staged form of the tensor-core pass (FDPP_DECODE_TC_STAGES), bandwidth path only.
+    let stages = if tc { super::decode_tc::staged_stages()? } else { None };
+    let smem_staged = match stages {
+        Some(st) => {
+            let need = tc_staged_smem_bytes(d, st);
+            // Beside the block's static merge area: 4 warps × hg heads × d floats, plus at most
+            // 4 KiB (the d256 exchange and the per-head values).
+            let merge = (4 * hg * d * 4 + 4096) as u32;
+            if need + merge > b.max_smem_per_block() {
+                return Err(FdppError::Unsupported {
+                    spec: format!("attn_decode_{}_d{d}_hg{hg}", p.dtype),
+                    what: format!(
+                        "FDPP_DECODE_TC_STAGES={st} on this device: {need} bytes of staged K/V plus about {merge} of merge area per block, more than its {} bytes of shared memory per block",
+                        b.max_smem_per_block()
+                    ),
+                });
+            }
+            need
+        }
+        None => 0,
+    };
+    // (sync entry, async entry, dynamic shared memory) of a path.
+    let entries_of = |path: DecodePath| match (path, stages.and_then(DecodePath::staged_entries)) {
+        (DecodePath::Bandwidth, Some((s, a))) => (s, a, smem_staged),
+        _ => {
+            let (s, a) = path.entries(tc);
+            (s, a, 0)
+        }
+    };
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
@@ -220,15 +287,15 @@ pub fn decode(
     // 128 keys) the occupancy was the other kernel's (2 blocks per SM on the latency path, 3 on
     // the bandwidth path at four heads per block): a less exact count, not a wrong result.
     let plan = if p.num_splits.is_none() {
-        let (sync0, async0) = DecodePath::for_plan(&first, p.scheme, cus).entries(tc);
+        let (sync0, async0, smem0) = entries_of(DecodePath::for_plan(&first, p.scheme, cus));
         let entry = if is_async { async0 } else { sync0 };
-        let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, entry, src)?;
+        let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (entry, smem0), src)?;
         DecodePlan::with_max_heads(p, cus, Some(resident), mode.max_heads_per_block(d))
     } else {
         first
     };
     let path = DecodePath::for_plan(&plan, p.scheme, cus);
-    let (sync_entry, async_entry) = path.entries(tc);
+    let (sync_entry, async_entry, smem) = entries_of(path);
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
@@ -246,10 +313,14 @@ pub fn decode(
     let cfg = LaunchConfig {
         grid_dim: plan.grid()?,
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let pass = if tc { "tensor-core" } else { "CUDA-core" };
+    let pass = match (tc, smem) {
+        (false, _) => "CUDA-core".to_string(),
+        (true, 0) => "tensor-core".to_string(),
+        (true, _) => format!("tensor-core, {} cp.async stages", stages.unwrap_or(0)),
+    };
     let what = format!("{uri} ({path:?} path, {pass} pass) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
@@ -259,7 +330,7 @@ pub fn decode(
             } else {
                 0
             };
-            let f = b.function_of(&uri, sync_entry, 0, src)?;
+            let f = decode_function(b, &mut sc, (p.dtype, d, hg), &uri, (sync_entry, smem), src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)
@@ -291,7 +362,7 @@ pub fn decode(
             grow(b, &mut sc.accum, plan.accum_words(), "accumulators")?;
             let ws = ptr_of(b, &sc.accum)?;
             let counter = counter_ptr(b, &mut sc, counting)?;
-            let f = b.function_of(&uri, async_entry, 0, src)?;
+            let f = decode_function(b, &mut sc, (p.dtype, d, hg), &uri, (async_entry, smem), src)?;
             let mut l = Launch::chained(b, &f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&tables).arg(&lens);
             l.arg(&max_pages)

@@ -5,7 +5,10 @@
 //! and the CUDA-core pass is issue-bound above two heads per block (reports/NOTES.md, sessions 9
 //! and 10). So by default (`decode_tc=auto`) grouped decode at head_dim ≤ 128 takes the
 //! tensor-core pass with up to 8 heads per block, and MHA (one head per block, where the
-//! CUDA-core kernel streams at ~3 TB/s) and head_dim 256 keep the CUDA-core pass. `decode_tc=0`
+//! CUDA-core kernel streams at ~3 TB/s) keeps the CUDA-core pass. At head_dim 256 the pass exists
+//! since session 13 (two warps per key step, one per half of the dims; the CUDA-core pass there
+//! ran at 165 registers and 0.74-0.86x SDPA) but runs only with `decode_tc=1` until it has run on
+//! a GPU ([`TC_AUTO_MAX_HEAD_DIM`]). `decode_tc=0`
 //! is the CUDA-core pass with at most 4 heads per block (the kernels of session 10), `decode_tc=1`
 //! the tensor-core pass wherever it exists (also at one head per block), so that one binary can
 //! time both.
@@ -15,10 +18,36 @@ use crate::backend::attn_plan::MAX_HEADS_PER_BLOCK;
 use crate::error::{FdppError, Result};
 use crate::run_config::{self, Key};
 
+/// Stages per warp of the tensor-core pass's staged form (kernels_cuda/attn_decode_tc.cuh, "The
+/// staged form": K/V copied into shared memory by cp.async, fragments by ldmatrix) that the
+/// bandwidth path takes, from `decode_tc_stages` (`FDPP_DECODE_TC_STAGES`): unset, empty or `0`
+/// = the register pass (the default until the GPU has measured the staged one), `2` or `3`. An
+/// experiment switch, so that one binary can time both forms in one device call.
+pub fn staged_stages() -> Result<Option<usize>> {
+    parse_stages(run_config::get().get(Key::DecodeTcStages)).map_err(FdppError::InvalidArgument)
+}
+
+/// The value of `FDPP_DECODE_TC_STAGES`, or the message refusing it.
+fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => Ok(None),
+        Some("2") => Ok(Some(2)),
+        Some("3") => Ok(Some(3)),
+        Some(other) => Err(format!(
+            "decode_tc_stages (FDPP_DECODE_TC_STAGES) = '{other}': expected 0 (the register pass), 2 or 3 (cp.async stages per warp)"
+        )),
+    }
+}
+
+/// The largest head_dim `decode_tc=auto` runs on the tensor-core pass. The pass is built up to
+/// [`TC_MAX_HEAD_DIM`] (256 since session 13), but at 256 it has not run on a GPU yet: until
+/// `scripts/decode_d256_gpu.sh` has checked and timed it, d256 takes it only with `decode_tc=1`.
+const TC_AUTO_MAX_HEAD_DIM: usize = 128;
+
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
-    /// The tensor-core pass for two or more heads per block at head_dim ≤ 128.
+    /// The tensor-core pass for two or more heads per block.
     Auto,
     /// Never (at most 4 heads per block).
     Off,
@@ -46,7 +75,12 @@ impl TcMode {
 
     /// Most query heads per block the launcher may give a block at `head_dim`.
     pub fn max_heads_per_block(self, head_dim: usize) -> usize {
-        if self != TcMode::Off && head_dim <= TC_MAX_HEAD_DIM {
+        let tc = match self {
+            TcMode::Off => false,
+            TcMode::On => head_dim <= TC_MAX_HEAD_DIM,
+            TcMode::Auto => head_dim <= TC_AUTO_MAX_HEAD_DIM,
+        };
+        if tc {
             TC_MAX_HEADS_PER_BLOCK
         } else {
             MAX_HEADS_PER_BLOCK
@@ -60,7 +94,7 @@ impl TcMode {
             && match self {
                 TcMode::Off => false,
                 TcMode::On => true,
-                TcMode::Auto => hg >= 2,
+                TcMode::Auto => hg >= 2 && head_dim <= TC_AUTO_MAX_HEAD_DIM,
             }
     }
 }
@@ -70,6 +104,18 @@ mod tests {
     use super::*;
     use crate::backend::attn_plan::attn_heads_per_block_max;
     use crate::backend::cuda::sources::decode_heads_per_block;
+
+    #[test]
+    fn the_stage_switch_parses_and_refuses_other_values() {
+        assert_eq!(parse_stages(None), Ok(None));
+        assert_eq!(parse_stages(Some("0")), Ok(None));
+        assert_eq!(parse_stages(Some(" 3 ")), Ok(Some(3)));
+        assert_eq!(parse_stages(Some("2")), Ok(Some(2)));
+        for bad in ["1", "4", "yes"] {
+            let e = parse_stages(Some(bad)).unwrap_err();
+            assert!(e.contains("FDPP_DECODE_TC_STAGES") && e.contains(bad), "{e}");
+        }
+    }
 
     #[test]
     fn the_switch_parses_and_refuses_other_values() {
@@ -115,9 +161,16 @@ mod tests {
                 "group {group}"
             );
         }
-        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && !auto.uses_tc(256, 4));
-        assert!(TcMode::On.uses_tc(128, 1) && !TcMode::Off.uses_tc(128, 8));
+        // head_dim 256 runs the pass only when asked for until the GPU has checked it.
+        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && !auto.uses_tc(256, 4) && !auto.uses_tc(256, 1));
+        assert!(TcMode::On.uses_tc(128, 1) && TcMode::On.uses_tc(256, 1) && !TcMode::Off.uses_tc(128, 8));
+        assert!(!TcMode::Off.uses_tc(256, 4));
         assert_eq!(TcMode::Off.max_heads_per_block(128), 4);
+        assert_eq!(TcMode::Off.max_heads_per_block(256), 4);
+        // head_dim 256 (session 13) with the pass asked for: ratios 5-8 in one block, as at 64
+        // and 128; under auto, session 12's CUDA-core blocks of at most 4.
+        assert_eq!(TcMode::On.max_heads_per_block(256), 8);
+        assert_eq!(attn_heads_per_block_max(8, TcMode::On.max_heads_per_block(256)), 8);
         assert_eq!(auto.max_heads_per_block(256), 4);
     }
 }

@@ -3,8 +3,11 @@
 //! of keys g and g + 8 per 32 dims), mma.sync m16n8k16 and movmatrix.m8n8.trans in their PTX
 //! fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "movmatrix"), the xor
 //! shuffles of the max, P rounded to the 16-bit type, the async scheme's conversion to sums
-//! against φ at the end, and the un-permutation of O^T's rows (`tc_dim`). It compares against
-//! attention computed directly in f64.
+//! against φ at the end, and the un-permutation of O^T's rows (`tc_dim`). At head_dim 256 it runs
+//! the kernel's team of two warps, each over 128 of the dims, with the exchange of partial S^T
+//! (each warp adds its partner's, computed as the partner computes it) and the merge of the two
+//! warps' slots as block_sum and block_head do it. It compares against attention computed
+//! directly in f64.
 //!
 //! [`Fault`] breaks one part of the pass; the tests require each broken model to fail, so the
 //! comparison is shown able to catch what it is there for.
@@ -31,6 +34,10 @@ enum Fault {
     /// The async scheme's P taken against φ (as a first version of the branch did), not
     /// against the warp's running max.
     PAgainstPhi,
+    /// head_dim 256: each warp of a team keeps its own partial S^T (no exchange).
+    NoExchange,
+    /// The staged form: ldmatrix reads the tiles without the swizzle the copies wrote them with.
+    NoSwizzleRead,
 }
 
 fn round16(dt: DType, x: f32) -> f32 {
@@ -112,6 +119,9 @@ struct Case {
     keys: usize,
     /// log2(e)/√d.
     scale2: f32,
+    /// The staged form (K/V through shared memory, fragments by ldmatrix) instead of the register
+    /// pass.
+    staged: bool,
 }
 
 impl Case {
@@ -130,7 +140,13 @@ impl Case {
             v,
             keys,
             scale2: std::f32::consts::LOG2_E / (d as f32).sqrt(),
+            staged: false,
         }
+    }
+
+    fn staged(mut self) -> Self {
+        self.staged = true;
+        self
     }
 
     /// Scores in log2 units, f64.
@@ -172,19 +188,24 @@ struct WarpOut {
     mx: [f32; 8],
 }
 
-/// One warp's pass over all of `c`'s keys (16 per step), then tc_store.
-fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
-    let (d, dt) = (c.d, c.dt);
-    let (kc, mt) = (d / 32, d / 16);
-    // q fragments: lane (g, t) holds head g's dims 32c + 8t + 2r + {0, 1} as register r of chunk c.
-    let qf: Vec<[[Reg; 4]; LANES]> = (0..kc)
+/// The kernel's TC_DW and TC_SPLIT: dims per warp, warps per key step.
+fn team_shape(d: usize) -> (usize, usize) {
+    let dw = d.min(128);
+    (dw, d / dw)
+}
+
+/// q fragments of the warp covering dims `d0 ..`: lane (g, t) holds head g's dims
+/// d0 + 32c + 8t + 2r + {0, 1} as register r of chunk c.
+fn q_frags(c: &Case, d0: usize, kc: usize) -> Vec<[[Reg; 4]; LANES]> {
+    let d = c.d;
+    (0..kc)
         .map(|ch| {
             std::array::from_fn(|lane| {
                 let (g, t) = (lane / 4, lane % 4);
                 std::array::from_fn(|r| {
                     std::array::from_fn(|e| {
                         if g < c.nh {
-                            c.q[g * d + 32 * ch + 8 * t + 2 * r + e]
+                            c.q[g * d + d0 + 32 * ch + 8 * t + 2 * r + e]
                         } else {
                             0.0
                         }
@@ -192,43 +213,172 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
                 })
             })
         })
-        .collect();
-    // The lane's 16-byte load of one row; keys past the end read the last row again (the
-    // kernel's tc_page clamps), their scores are masked.
-    let load = |rows: &[f32], key: usize, ch: usize, t: usize| -> [Reg; 4] {
-        let key = key.min(c.keys - 1);
-        std::array::from_fn(|r| std::array::from_fn(|e| rows[key * d + 32 * ch + 8 * t + 2 * r + e]))
-    };
+        .collect()
+}
+
+/// The lane's 16-byte load of one row's chunk `ch` of the dims from `d0`; keys past the end read
+/// the last row again (the kernel's tc_page clamps), their scores are masked.
+fn load(c: &Case, rows: &[f32], key: usize, d0: usize, ch: usize, t: usize) -> [Reg; 4] {
+    let key = key.min(c.keys - 1);
+    std::array::from_fn(|r| std::array::from_fn(|e| rows[key * c.d + d0 + 32 * ch + 8 * t + 2 * r + e]))
+}
+
+/// The partial S^T = K·Q^T of keys base + g, base + g + 8 over the dims from `d0` (one warp's
+/// chunks), unscaled.
+fn partial_s(c: &Case, qf: &[[[Reg; 4]; LANES]], base: usize, d0: usize) -> [[f32; 4]; LANES] {
+    let mut s = [[0f32; 4]; LANES];
+    for (ch, qc) in qf.iter().enumerate() {
+        let kl: [[[Reg; 4]; 2]; LANES] = std::array::from_fn(|lane| {
+            let (g, t) = (lane / 4, lane % 4);
+            [
+                load(c, &c.k, base + g, d0, ch, t),
+                load(c, &c.k, base + g + 8, d0, ch, t),
+            ]
+        });
+        for half in 0..2 {
+            let a: [[Reg; 4]; LANES] = std::array::from_fn(|lane| {
+                let [ka, kb] = kl[lane];
+                [ka[2 * half], kb[2 * half], ka[2 * half + 1], kb[2 * half + 1]]
+            });
+            let b: [[Reg; 2]; LANES] = std::array::from_fn(|lane| [qc[lane][2 * half], qc[lane][2 * half + 1]]);
+            mma(&mut s, &a, &b);
+        }
+    }
+    s
+}
+
+/// The staged form's tile of one 16-key step (K or V of the warp's dims from `d0`), as tcs_issue
+/// writes it: lane (g, t) copies chunks t, t + 4, … of keys g and g + 8 to chunk position
+/// c ^ (key & 7) of the key's row (tcs_off). Each position is written exactly once (asserted).
+fn stage_tile(c: &Case, rows: &[f32], base: usize, d0: usize) -> Vec<[f32; 8]> {
+    let cpr = c.d.min(128) / 8;
+    let mut tile = vec![[f32::NAN; 8]; 16 * cpr];
+    let mut written = vec![0u8; 16 * cpr];
+    for lane in 0..LANES {
+        let (g, t) = (lane / 4, lane % 4);
+        for i in 0..cpr / 4 {
+            let ch = t + 4 * i;
+            for key in [g, g + 8] {
+                let row = (base + key).min(c.keys - 1);
+                let at = key * cpr + (ch ^ (key & 7));
+                tile[at] = std::array::from_fn(|e| rows[row * c.d + d0 + 8 * ch + e]);
+                written[at] += 1;
+            }
+        }
+    }
+    assert!(written.iter().all(|&w| w == 1), "the copies cover the tile once");
+    tile
+}
+
+/// ldmatrix.x4 (`trans`: .trans) on a tile: lane l addresses row l % 8 of matrix l / 8 at
+/// (key, chunk) = `at(l)`; register m of lane (g, t) gets matrix m's row g, columns 2t, 2t + 1
+/// (transposed: column g, rows 2t, 2t + 1).
+fn ldmatrix_x4(
+    tile: &[[f32; 8]],
+    cpr: usize,
+    at: impl Fn(usize) -> (usize, usize),
+    trans: bool,
+    fault: Fault,
+) -> [[Reg; 4]; LANES] {
+    let rows: [[[f32; 8]; 8]; 4] = std::array::from_fn(|m| {
+        std::array::from_fn(|r| {
+            let (key, ch) = at(8 * m + r);
+            let phys = if fault == Fault::NoSwizzleRead {
+                ch
+            } else {
+                ch ^ (key & 7)
+            };
+            tile[key * cpr + phys]
+        })
+    });
+    std::array::from_fn(|lane| {
+        let (g, t) = (lane / 4, lane % 4);
+        std::array::from_fn(|m| {
+            if trans {
+                [rows[m][2 * t][g], rows[m][2 * t + 1][g]]
+            } else {
+                [rows[m][g][2 * t], rows[m][g][2 * t + 1]]
+            }
+        })
+    })
+}
+
+/// The staged form's partial S^T over the dims from `d0`: K fragments by ldmatrix from the tile,
+/// q's B fragments in natural dim order (tcs_load_q).
+fn partial_s_staged(c: &Case, base: usize, d0: usize, fault: Fault) -> [[f32; 4]; LANES] {
+    let dw = c.d.min(128);
+    let cpr = dw / 8;
+    let tile = stage_tile(c, &c.k, base, d0);
+    let mut s = [[0f32; 4]; LANES];
+    for ks in 0..dw / 16 {
+        let a = ldmatrix_x4(
+            &tile,
+            cpr,
+            |l| {
+                let (m, r) = (l >> 3, l & 7);
+                (r + 8 * (m & 1), 2 * ks + (m >> 1))
+            },
+            false,
+            fault,
+        );
+        let b: [[Reg; 2]; LANES] = std::array::from_fn(|lane| {
+            let (g, t) = (lane / 4, lane % 4);
+            let q = |dim: usize| -> Reg {
+                std::array::from_fn(|e| if g < c.nh { c.q[g * c.d + d0 + dim + e] } else { 0.0 })
+            };
+            [q(16 * ks + 2 * t), q(16 * ks + 8 + 2 * t)]
+        });
+        mma(&mut s, &a, &b);
+    }
+    s
+}
+
+/// One warp's pass over all of `c`'s keys (16 per step), then tc_store. `half`: the warp's half
+/// of the dims at head_dim 256 (0 otherwise).
+fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault, half: usize) -> WarpOut {
+    let (d, dt) = (c.d, c.dt);
+    let (dw, split) = team_shape(d);
+    let d0 = dw * half;
+    let (kc, mt) = (dw / 32, dw / 16);
+    let qf = q_frags(c, d0, kc);
+    // The partner's q fragments (head_dim 256): its partial S^T is computed as it computes it.
+    let partner_qf = (split > 1).then(|| q_frags(c, dw * (1 - half), kc));
     let mut o = vec![[[0f32; 4]; LANES]; mt];
     let mut m = [[f32::NEG_INFINITY; 2]; LANES];
     let mut l = [[0f32; 2]; LANES];
     let mut base = 0;
     while base < c.keys {
-        // Per lane and chunk: (ka, kb, va, vb).
-        let kk: Vec<[[[Reg; 4]; 4]; LANES]> = (0..kc)
+        // Per lane and chunk: (va, vb) of the warp's dims.
+        let vv: Vec<[[[Reg; 4]; 2]; LANES]> = (0..kc)
             .map(|ch| {
                 std::array::from_fn(|lane| {
                     let (g, t) = (lane / 4, lane % 4);
                     [
-                        load(&c.k, base + g, ch, t),
-                        load(&c.k, base + g + 8, ch, t),
-                        load(&c.v, base + g, ch, t),
-                        load(&c.v, base + g + 8, ch, t),
+                        load(c, &c.v, base + g, d0, ch, t),
+                        load(c, &c.v, base + g + 8, d0, ch, t),
                     ]
                 })
             })
             .collect();
-        // S^T = K·Q^T.
-        let mut s = [[0f32; 4]; LANES];
-        for (ch, kl) in kk.iter().enumerate() {
-            for half in 0..2 {
-                let a: [[Reg; 4]; LANES] = std::array::from_fn(|lane| {
-                    let [ka, kb, _, _] = kl[lane];
-                    [ka[2 * half], kb[2 * half], ka[2 * half + 1], kb[2 * half + 1]]
-                });
-                let b: [[Reg; 2]; LANES] =
-                    std::array::from_fn(|lane| [qf[ch][lane][2 * half], qf[ch][lane][2 * half + 1]]);
-                mma(&mut s, &a, &b);
+        // S^T = K·Q^T over the warp's dims, plus the partner's partial (tc_exchange: mine + the
+        // other's, an f32 add as the kernel does it).
+        let mut s = if c.staged {
+            partial_s_staged(c, base, d0, fault)
+        } else {
+            partial_s(c, &qf, base, d0)
+        };
+        if let Some(pq) = &partner_qf {
+            if fault != Fault::NoExchange {
+                let o = if c.staged {
+                    partial_s_staged(c, base, dw * (1 - half), fault)
+                } else {
+                    partial_s(c, pq, base, dw * (1 - half))
+                };
+                for (sl, ol) in s.iter_mut().zip(o) {
+                    for (x, y) in sl.iter_mut().zip(ol) {
+                        *x += y;
+                    }
+                }
             }
         }
         for (lane, sl) in s.iter_mut().enumerate() {
@@ -295,18 +445,33 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
             (trans(&p0), trans(&p1))
         };
         let b: [[Reg; 2]; LANES] = std::array::from_fn(|lane| [pb0[lane], pb1[lane]]);
-        // O^T += V^T·P^T.
+        // O^T += V^T·P^T; the staged form takes V^T by ldmatrix.trans from its tile.
+        let vtile = c.staged.then(|| stage_tile(c, &c.v, base, d0));
         for (j, oj) in o.iter_mut().enumerate() {
+            if let Some(tile) = &vtile {
+                let a = ldmatrix_x4(
+                    tile,
+                    dw / 8,
+                    |l| {
+                        let (m, r) = (l >> 3, l & 7);
+                        (r + 8 * (m >> 1), 2 * j + (m & 1))
+                    },
+                    fault != Fault::NoVTranspose,
+                    fault,
+                );
+                mma(oj, &a, &b);
+                continue;
+            }
             let (ch, r) = (j >> 1, 2 * (j & 1));
             let reg = |which: usize, r: usize| -> [Reg; LANES] {
-                let x: [Reg; LANES] = std::array::from_fn(|lane| kk[ch][lane][which][r]);
+                let x: [Reg; LANES] = std::array::from_fn(|lane| vv[ch][lane][which][r]);
                 if fault == Fault::NoVTranspose {
                     x
                 } else {
                     trans(&x)
                 }
             };
-            let (a0, a1, a2, a3) = (reg(2, r), reg(2, r + 1), reg(3, r), reg(3, r + 1));
+            let (a0, a1, a2, a3) = (reg(0, r), reg(0, r + 1), reg(1, r), reg(1, r + 1));
             let a: [[Reg; 4]; LANES] = std::array::from_fn(|lane| [a0[lane], a1[lane], a2[lane], a3[lane]]);
             mma(oj, &a, &b);
         }
@@ -322,8 +487,12 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
             }
         }
     }
+    // The warp's own dims are written below; the other half (head_dim 256) is zeroed, as tc_store
+    // does for block_sum.
     let mut out = WarpOut {
-        acc: vec![f32::NAN; 8 * d],
+        acc: (0..8 * d)
+            .map(|i| if (i % d) / dw == half { f32::NAN } else { 0.0 })
+            .collect(),
         m: [0.0; 8],
         l: [0.0; 8],
         mx: [0.0; 8],
@@ -339,14 +508,52 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
                 None => 1.0,
             };
             for (j, oj) in o.iter().enumerate() {
-                out.acc[h * d + tc_dim(j, 0, g, fault)] = oj[lane][k] * f;
-                out.acc[h * d + tc_dim(j, 1, g, fault)] = oj[lane][2 + k] * f;
+                // The staged form's O^T rows are in dim order (tc_store<…, NATURAL>).
+                let (r0, r1) = if c.staged {
+                    let (lo, hi) = if fault == Fault::DimPermutation { (8, 0) } else { (0, 8) };
+                    (16 * j + lo + g, 16 * j + hi + g)
+                } else {
+                    (tc_dim(j, 0, g, fault), tc_dim(j, 1, g, fault))
+                };
+                out.acc[h * d + d0 + r0] = oj[lane][k] * f;
+                out.acc[h * d + d0 + r1] = oj[lane][2 + k] * f;
             }
             if g == 0 {
                 out.m[h] = async_phi2.unwrap_or(m[lane][k]);
-                out.l[h] = l[lane][k] * f;
+                // Half 1 of a team gives no l: its partner holds the same.
+                out.l[h] = if half == 0 { l[lane][k] * f } else { 0.0 };
                 out.mx[h] = m[lane][k];
             }
+        }
+    }
+    out
+}
+
+/// The warps' slots merged as block_sum and block_head do it: sync rescales each slot to the
+/// largest m, async adds (every slot's m is φ); the largest score is the maximum over the slots.
+fn merge(warps: &[WarpOut], d: usize, is_async: bool) -> WarpOut {
+    let mut out = WarpOut {
+        acc: vec![0.0; 8 * d],
+        m: [f32::NEG_INFINITY; 8],
+        l: [0.0; 8],
+        mx: [f32::NEG_INFINITY; 8],
+    };
+    for h in 0..8 {
+        let bm = warps.iter().map(|w| w.m[h]).fold(f32::NEG_INFINITY, f32::max);
+        out.m[h] = bm;
+        for w in warps {
+            let f = if is_async {
+                1.0
+            } else if w.m[h] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (w.m[h] - bm).exp2()
+            };
+            for i in 0..d {
+                out.acc[h * d + i] += w.acc[h * d + i] * f;
+            }
+            out.l[h] += w.l[h] * f;
+            out.mx[h] = out.mx[h].max(w.mx[h]);
         }
     }
     out
@@ -355,7 +562,9 @@ fn run_warp(c: &Case, async_phi2: Option<f32>, fault: Fault) -> WarpOut {
 /// Largest |model − direct| of out = acc / l over the live heads (∞ for a non-finite value), and
 /// under async the largest relative error of l against Σ 2^(s − φ).
 fn errors(c: &Case, async_phi2: Option<f32>, fault: Fault) -> (f64, f64) {
-    let w = run_warp(c, async_phi2, fault);
+    let (_, split) = team_shape(c.d);
+    let warps: Vec<WarpOut> = (0..split).map(|half| run_warp(c, async_phi2, fault, half)).collect();
+    let w = merge(&warps, c.d, async_phi2.is_some());
     let (want, lphi, mx) = c.direct(async_phi2.unwrap_or(0.0) as f64);
     let mut worst = 0f64;
     for h in 0..c.nh {
@@ -368,10 +577,12 @@ fn errors(c: &Case, async_phi2: Option<f32>, fault: Fault) -> (f64, f64) {
             };
             worst = worst.max(err);
         }
-        assert!(
-            (w.mx[h] as f64 - mx[h]).abs() <= 1e-3 * mx[h].abs().max(1.0),
-            "max score of head {h}"
-        );
+        let mx_ok = (w.mx[h] as f64 - mx[h]).abs() <= 1e-3 * mx[h].abs().max(1.0);
+        // A broken model may get the scores wrong: that is a failure to report, not a panic.
+        assert!(mx_ok || fault != Fault::None, "max score of head {h}");
+        if !mx_ok {
+            worst = f64::INFINITY;
+        }
     }
     let mut lerr = 0f64;
     if async_phi2.is_some() {
@@ -387,7 +598,7 @@ const TOL: f64 = 2e-3;
 
 fn shapes() -> Vec<(usize, usize, usize)> {
     let mut v = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for nh in 2..=8 {
             for keys in [1, 7, 16, 17, 33, 50] {
                 v.push((d, nh, keys));
@@ -422,7 +633,7 @@ fn one_warp_matches_direct_attention_sync_and_async() {
 /// recomputed anyway).
 #[test]
 fn async_sums_survive_scores_whose_exponential_overflows_fp16() {
-    for (d, nh, keys) in [(64, 4, 50), (128, 8, 33), (128, 5, 17)] {
+    for (d, nh, keys) in [(64, 4, 50), (128, 8, 33), (128, 5, 17), (256, 8, 33), (256, 3, 17)] {
         let c = Case::random(DType::F16, d, nh, keys, 8.0, 99 + keys as u64);
         let top = (0..nh)
             .flat_map(|h| (0..keys).map(move |t| (h, t)))
@@ -447,7 +658,7 @@ fn async_sums_survive_scores_whose_exponential_overflows_fp16() {
 #[test]
 fn the_model_fails_when_the_permutation_or_a_transpose_is_broken() {
     for fault in [Fault::DimPermutation, Fault::NoPTranspose, Fault::NoVTranspose] {
-        for (d, nh, keys) in [(64, 2, 17), (128, 8, 50), (128, 5, 33)] {
+        for (d, nh, keys) in [(64, 2, 17), (128, 8, 50), (128, 5, 33), (256, 4, 33)] {
             let c = Case::random(DType::F16, d, nh, keys, 1.0, 5 + nh as u64);
             let (e, _) = errors(&c, None, fault);
             assert!(
@@ -456,4 +667,63 @@ fn the_model_fails_when_the_permutation_or_a_transpose_is_broken() {
             );
         }
     }
+}
+
+/// head_dim 256: a team whose warps keep their own partial S^T (no exchange) fails, sync and
+/// async; with the exchange both warps take the same running max (asserted through the merge:
+/// the slots' m agree).
+#[test]
+fn the_d256_team_fails_without_the_exchange() {
+    for (nh, keys) in [(8, 50), (2, 17), (5, 33)] {
+        let c = Case::random(DType::F16, 256, nh, keys, 1.0, 0xd256 + keys as u64);
+        let (e, _) = errors(&c, None, Fault::NoExchange);
+        assert!(
+            e.is_nan() || e > TOL,
+            "no exchange passed at nh{nh} keys {keys}: {e:.2e}"
+        );
+        let (e, _) = errors(&c, Some(1.7), Fault::NoExchange);
+        assert!(
+            e.is_nan() || e > TOL,
+            "async, no exchange passed at nh{nh} keys {keys}: {e:.2e}"
+        );
+        let w: Vec<WarpOut> = (0..2).map(|h| run_warp(&c, None, Fault::None, h)).collect();
+        for h in 0..nh {
+            assert_eq!(
+                w[0].m[h].to_bits(),
+                w[1].m[h].to_bits(),
+                "head {h}: the halves' maxima differ"
+            );
+        }
+    }
+}
+
+/// The staged form (kernels_cuda/attn_decode_tc.cuh, "The staged form"): the copies' swizzled
+/// tiles, ldmatrix and ldmatrix.trans fragments, q in natural dim order and O^T's rows in dim
+/// order match direct attention at every head_dim, sync and async; it fails with the swizzle
+/// left out of the reads, with V read without .trans, with the halves of O^T's rows swapped.
+#[test]
+fn the_staged_form_matches_and_its_faults_fail() {
+    for (i, (d, nh, keys)) in shapes().into_iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        let dt = if i % 3 == 2 { DType::Bf16 } else { DType::F16 };
+        let tol = if dt == DType::Bf16 { 8.0 * TOL } else { TOL };
+        let c = Case::random(dt, d, nh, keys, 1.0, 0x57a6 + i as u64).staged();
+        let (e, _) = errors(&c, None, Fault::None);
+        assert!(e <= tol, "staged sync {dt} d{d} nh{nh} keys {keys}: error {e:.2e}");
+        let (e, le) = errors(&c, Some(-2.3), Fault::None);
+        assert!(
+            e <= tol && le <= 1e-5,
+            "staged async {dt} d{d} nh{nh} keys {keys}: {e:.2e}, l {le:.2e}"
+        );
+    }
+    for fault in [Fault::NoSwizzleRead, Fault::NoVTranspose, Fault::DimPermutation] {
+        for (d, nh, keys) in [(64, 2, 17), (128, 8, 50), (256, 5, 33)] {
+            let c = Case::random(DType::F16, d, nh, keys, 1.0, 11 + nh as u64).staged();
+            let (e, _) = errors(&c, None, fault);
+            assert!(e.is_nan() || e > TOL, "staged {fault:?} passed at d{d} nh{nh}: {e:.2e}");
+        }
+    }
+    // The exchange is the same at d256.
+    let c = Case::random(DType::F16, 256, 8, 50, 1.0, 3).staged();
+    let (e, _) = errors(&c, None, Fault::NoExchange);
+    assert!(e.is_nan() || e > TOL, "staged without the exchange passed: {e:.2e}");
 }

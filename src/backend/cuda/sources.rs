@@ -230,12 +230,20 @@ pub use crate::backend::attn_plan::{attn_heads_per_block, ATTN_HEADS_PER_BLOCK};
 /// [`crate::backend::attn_plan::MAX_HEADS_PER_BLOCK`].
 pub const TC_MAX_HEADS_PER_BLOCK: usize = 8;
 
-/// Largest head_dim of the tensor-core pass: it holds D/2 fp32 accumulators, D/8 q registers and
-/// D/2 registers of K/V rows per lane; at 256 that is past 255 registers.
-pub const TC_MAX_HEAD_DIM: usize = 128;
+/// Largest head_dim of the tensor-core pass: every supported one. A warp holds TC_DW/2 fp32
+/// accumulators, TC_DW/8 q registers and TC_DW/2 registers of K/V rows per lane with TC_DW =
+/// min(head_dim, 128); at 256 two warps share each key step, one per half of the dims
+/// (attn_decode_tc.cuh).
+pub const TC_MAX_HEAD_DIM: usize = 256;
 
-/// The decode modules compiled for one head_dim: HG 1..=4 (both passes at head_dim ≤ 128), and
-/// 5..=8 (the tensor-core pass only) where that pass exists.
+/// Dynamic shared memory of a block of the tensor-core pass's staged form (attn_decode_tc.cuh):
+/// 4 warps × `stages` × (K and V of 16 keys over the warp's min(head_dim, 128) dims, 16-bit).
+pub fn tc_staged_smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    (4 * stages * 2 * 16 * head_dim.min(128) * 2) as u32
+}
+
+/// The decode modules compiled for one head_dim: HG 1..=4 (both passes), and 5..=8 (the
+/// tensor-core pass only) where that pass exists.
 pub fn decode_heads_per_block(head_dim: usize) -> Vec<usize> {
     let max = if head_dim <= TC_MAX_HEAD_DIM {
         TC_MAX_HEADS_PER_BLOCK
