@@ -457,7 +457,7 @@ fn block_rows(spec: &GemmSpec, dims: GemmDims) -> Result<usize> {
     let default = match spec.imp {
         GemmImpl::Gemv => gemv::default_rows_per_task(dims.n, dims.k),
         GemmImpl::FlatGemm => flat_gemm::DEFAULT_BLOCK_N,
-        GemmImpl::Gemm => gemm::DEFAULT_BLOCK_ROWS,
+        GemmImpl::Gemm => gemm::default_block_rows(dims.n),
     };
     match spec.block_n {
         None => Ok(default.min(dims.n)),
@@ -487,7 +487,7 @@ fn run_gemm(spec: &GemmSpec, d: GemmDims, block: usize, x: &[u16], w: &[u16], y:
 /// y[m, n] = narrow(out_t[n, m]), one task per row of y.
 fn narrow_transposed(dt: DType, d: GemmDims, out_t: &[f32], y: &mut [u16]) {
     if d.m == 1 {
-        dt.narrow(out_t, y);
+        simd::narrow(dt, out_t, y);
         return;
     }
     y.par_chunks_mut(d.n).enumerate().for_each_init(
@@ -496,7 +496,7 @@ fn narrow_transposed(dt: DType, d: GemmDims, out_t: &[f32], y: &mut [u16]) {
             for (v, col) in row.iter_mut().zip(out_t.chunks_exact(d.m)) {
                 *v = col[m];
             }
-            dt.narrow(row, y_row);
+            simd::narrow(dt, row, y_row);
         },
     );
 }
