@@ -26,6 +26,11 @@ use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, 
 /// per KV tile), not per key.
 pub const TILE: usize = 32;
 
+/// Query tokens per prefill task: 8 tokens × a group of heads share each widened tile of keys,
+/// and a 128-token prompt still gives 16 tasks to balance over the threads (causal: later
+/// blocks read more keys).
+const PREFILL_BLOCK: usize = 8;
+
 /// Partial softmax state of one row over one range of keys.
 #[derive(Clone, Debug)]
 struct Partial {
@@ -72,22 +77,24 @@ impl SeqView<'_> {
 }
 
 multiversion! {
-    /// Accumulates keys `range` into the partials of the query heads of one GQA group, one
-    /// partial per head (`qs`: their rows of q · 1/√d in f32, `parts.len()` rows of head_dim).
-    /// The AVX2+FMA+F16C build where the CPU has it, the portable one otherwise.
+    /// Accumulates keys into `parts`, query rows that read the same K/V rows (the heads of a
+    /// GQA group; in prefill also a block of consecutive tokens): part j takes keys
+    /// `start..ends[j]` with its q row `qs[j·d..(j+1)·d]` (q · 1/√d in f32). The AVX2+FMA+F16C
+    /// build where the CPU has it, the portable one otherwise.
     ///
-    /// A tile of [`TILE`] keys is widened to f32 once for the whole group (the heads of a group
-    /// read the same K and V rows), the scores of four keys at a time come from four
-    /// independent vector dot products, the weights e^(x − m) are taken eight at a time with the
-    /// vector exp of simd.rs, and each head's accumulator takes the widened V rows of the tile in
-    /// registers, head_dim lanes at a time. Attention was ~14 % of a SmolLM2-135M decode step on
-    /// 2 cores with a per-head widening and a scalar exp per key (reports/NOTES.md).
+    /// A tile of [`TILE`] keys is widened to f32 once for all the parts, the scores of eight keys
+    /// at a time come from eight independent vector dot products reduced together, the weights
+    /// e^(x − m) are taken eight at a time with the vector exp of simd.rs, and each part's
+    /// accumulator takes the widened V rows of the tile in registers. With a scalar exp per key
+    /// and K/V widened once per query head, attention was ~14 % of a SmolLM2-135M decode step and
+    /// ~15 % of its prefill on 2 cores (reports/NOTES.md).
     #[allow(clippy::too_many_arguments)]
     fn accumulate<'a>(
         dt: DType,
         scheme: SoftmaxScheme,
         qs: &[f32],
-        range: Range<usize>,
+        start: usize,
+        ends: &[usize],
         key: &dyn Fn(usize) -> &'a [u16],
         val: &dyn Fn(usize) -> &'a [u16],
         parts: &mut [Partial],
@@ -101,32 +108,38 @@ fn accumulate_generic<'a, V: Vf32>(
     dt: DType,
     scheme: SoftmaxScheme,
     qs: &[f32],
-    range: Range<usize>,
+    start: usize,
+    ends: &[usize],
     key: &dyn Fn(usize) -> &'a [u16],
     val: &dyn Fn(usize) -> &'a [u16],
     parts: &mut [Partial],
     scratch: &mut Vec<f32>,
 ) {
-    let g = parts.len();
+    let g = parts.len().min(ends.len());
     if g == 0 {
         return;
     }
     let d = qs.len() / g;
-    // The tile's widened rows (K, then V), then each head's TILE scores / weights.
+    let stop = ends[..g].iter().copied().max().unwrap_or(start);
+    // The tile's widened rows (K, then V), then each part's TILE scores / weights.
     scratch.resize(TILE * d + g * TILE, 0.0);
     let (rows, xs) = scratch.split_at_mut(TILE * d);
-    let mut start = range.start;
-    while start < range.end {
-        let end = (start + TILE).min(range.end);
-        let n = end - start;
-        for (i, t) in (start..end).enumerate() {
+    let mut t0 = start;
+    while t0 < stop {
+        let t1 = (t0 + TILE).min(stop);
+        let n = t1 - t0;
+        // Keys of this tile that part j takes (0: its keys ended before the tile).
+        let taken = |j: usize| ends[j].min(t1).saturating_sub(t0);
+        for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, key(t), &mut rows[i * d..(i + 1) * d]);
         }
-        for (h, x) in xs.chunks_exact_mut(TILE).enumerate() {
-            scores::<V>(&qs[h * d..(h + 1) * d], &rows[..n * d], &mut x[..n]);
-        }
-        for (p, x) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)) {
-            let tile_max = x[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for (j, (p, x)) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)).enumerate() {
+            let nj = taken(j);
+            if nj == 0 {
+                continue;
+            }
+            scores::<V>(&qs[j * d..(j + 1) * d], &rows[..nj * d], &mut x[..nj]);
+            let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             p.max_x = p.max_x.max(tile_max);
             match scheme {
                 SoftmaxScheme::Sync => {
@@ -142,26 +155,29 @@ fn accumulate_generic<'a, V: Vf32>(
                     p.over |= tile_max - phi > b;
                 }
             }
-            // Weights in place, eight lanes at a time; the lanes past n are never read.
+            // Weights in place, eight lanes at a time; the lanes past nj are never read.
             let m = V::splat(p.m);
-            let (x8, _) = x[..n.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
+            let (x8, _) = x[..nj.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
             for c in x8 {
                 V::load(c).sub(m).exp().store(c);
             }
-            p.l += x[..n].iter().sum::<f32>();
+            p.l += x[..nj].iter().sum::<f32>();
         }
-        for (i, t) in (start..end).enumerate() {
+        for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, val(t), &mut rows[i * d..(i + 1) * d]);
         }
-        for (p, w) in parts.iter_mut().zip(xs.chunks_exact(TILE)) {
-            weighted_rows::<V>(&w[..n], &rows[..n * d], &mut p.acc);
+        for (j, (p, w)) in parts.iter_mut().zip(xs.chunks_exact(TILE)).enumerate() {
+            let nj = taken(j);
+            weighted_rows::<V>(&w[..nj], &rows[..nj * d], &mut p.acc);
         }
-        start = end;
+        debug_assert!(n <= TILE);
+        t0 = t1;
     }
 }
 
-/// x[i] = q · row i of `rows` ([x.len(), d]): four keys at a time, each its own chain of FMAs
-/// over head_dim, so that the FMA latency is hidden without splitting one dot product.
+/// x[i] = q · row i of `rows` ([x.len(), d]): eight keys at a time, each its own chain of FMAs
+/// over head_dim (so the FMA latency is hidden without splitting one dot product), the eight
+/// sums reduced together into one vector; the keys past a multiple of eight one at a time.
 #[inline(always)]
 fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
     let d = q.len();
@@ -173,10 +189,10 @@ fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
         }
         s
     };
-    let mut i = 0;
-    while i + 4 <= x.len() {
-        let r: [&[f32]; 4] = std::array::from_fn(|j| &rows[(i + j) * d..(i + j + 1) * d]);
-        let mut acc = [V::zero(); 4];
+    let (x8, x_rest) = x.as_chunks_mut::<LANES>();
+    for (blk, xb) in x8.iter_mut().enumerate() {
+        let r: [&[f32]; LANES] = std::array::from_fn(|j| &rows[(blk * LANES + j) * d..(blk * LANES + j + 1) * d]);
+        let mut acc = [V::zero(); LANES];
         for (c, qc) in q8.iter().enumerate() {
             let qv = V::load(qc);
             for (a, row) in acc.iter_mut().zip(&r) {
@@ -184,36 +200,54 @@ fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
                 *a = qv.madd(V::load(&k8[c]), *a);
             }
         }
-        for j in 0..4 {
-            x[i + j] = acc[j].hsum() + dot_tail(r[j]);
+        V::hsum8(acc).store(xb);
+        if !q_tail.is_empty() {
+            for (xv, row) in xb.iter_mut().zip(&r) {
+                *xv += dot_tail(row);
+            }
         }
-        i += 4;
     }
-    while i < x.len() {
-        let row = &rows[i * d..(i + 1) * d];
+    let done = x8.len() * LANES;
+    for (i, xv) in x_rest.iter_mut().enumerate() {
+        let row = &rows[(done + i) * d..(done + i + 1) * d];
         let (k8, _) = row.as_chunks::<LANES>();
         let mut a = V::zero();
         for (qc, kc) in q8.iter().zip(k8) {
             a = V::load(qc).madd(V::load(kc), a);
         }
-        x[i] = a.hsum() + dot_tail(row);
-        i += 1;
+        *xv = a.hsum() + dot_tail(row);
     }
 }
 
-/// acc += Σ_i w[i] · row i of `rows` ([w.len(), d]): each run of eight lanes of acc stays in a
-/// register over the whole tile.
+/// Runs of eight lanes of the accumulator held in registers at once by [`weighted_rows`]
+/// (64 values: head_dim 64 in one pass, 128 in two).
+const ACC_RUNS: usize = 8;
+
+/// acc += Σ_i w[i] · row i of `rows` ([w.len(), d]): up to [`ACC_RUNS`] runs of eight lanes of
+/// acc stay in registers over the whole tile, each its own chain of FMAs.
 #[inline(always)]
 fn weighted_rows<V: Vf32>(w: &[f32], rows: &[f32], acc: &mut [f32]) {
     let d = acc.len();
     let (a8, a_tail) = acc.as_chunks_mut::<LANES>();
-    for (c, ac) in a8.iter_mut().enumerate() {
-        let mut a = V::load(ac);
-        for (i, &wi) in w.iter().enumerate() {
-            let (v8, _) = rows[i * d..(i + 1) * d].as_chunks::<LANES>();
-            a = V::splat(wi).madd(V::load(&v8[c]), a);
+    let runs = a8.len();
+    let mut c0 = 0;
+    while c0 < runs {
+        let nc = ACC_RUNS.min(runs - c0);
+        let mut a = [V::zero(); ACC_RUNS];
+        for (r, ac) in a.iter_mut().zip(&a8[c0..c0 + nc]) {
+            *r = V::load(ac);
         }
-        a.store(ac);
+        for (i, &wi) in w.iter().enumerate() {
+            let wv = V::splat(wi);
+            let (v8, _) = rows[i * d..(i + 1) * d].as_chunks::<LANES>();
+            for (r, vc) in a[..nc].iter_mut().zip(&v8[c0..c0 + nc]) {
+                *r = wv.madd(V::load(vc), *r);
+            }
+        }
+        for (r, ac) in a.iter().zip(&mut a8[c0..c0 + nc]) {
+            r.store(ac);
+        }
+        c0 += nc;
     }
     let t0 = d - a_tail.len();
     for (j, a) in a_tail.iter_mut().enumerate() {
@@ -302,7 +336,9 @@ pub fn decode(
         let mut scratch = Vec::new();
         let mut parts: Vec<Partial> = heads.clone().map(|_| Partial::empty(d, start_of(scheme))).collect();
         let qs = &qf[(b * h + heads.start) * d..(b * h + heads.end) * d];
-        accumulate(dt, scheme, qs, split_range(b, s), &key, &val, &mut parts, &mut scratch);
+        let r = split_range(b, s);
+        let ends = vec![r.end; parts.len()];
+        accumulate(dt, scheme, qs, r.start, &ends, &key, &val, &mut parts, &mut scratch);
         parts
     };
     let tasks: Vec<Vec<Partial>> = (0..bsz * kvh * splits)
@@ -382,38 +418,59 @@ pub fn prefill(
         .flat_map(|(b, &(_, _, n))| std::iter::repeat_n(b, n))
         .collect();
     let tb = &p.tables;
-    let recomputed: usize = out[..tokens * h * d]
-        .par_chunks_mut(h * d)
-        .enumerate()
-        .map(|(tok, o)| {
-            let b = seq_of[tok];
+    // One task per block of up to PREFILL_BLOCK consecutive tokens of one sequence: for each kv
+    // head, the block's tokens × the group's heads read the same K/V rows (causal: token i stops
+    // at its own position), so each tile of keys is widened once for all of them.
+    let blocks: Vec<(usize, usize)> = spans
+        .iter()
+        .flat_map(|&(row0, _, n)| (0..n.div_ceil(PREFILL_BLOCK)).map(move |i| (row0 + i * PREFILL_BLOCK, row0 + ((i + 1) * PREFILL_BLOCK).min(n))))
+        .collect();
+    let mut outs: Vec<&mut [u16]> = Vec::with_capacity(blocks.len());
+    let mut rest = &mut out[..tokens * h * d];
+    for &(a, z) in &blocks {
+        let (head, tail) = rest.split_at_mut((z - a) * h * d);
+        outs.push(head);
+        rest = tail;
+    }
+    let recomputed: usize = outs
+        .into_par_iter()
+        .zip(blocks.par_iter())
+        .with_max_len(1)
+        .map(|(o, &(a, z))| {
+            let b = seq_of[a];
             let (row0, prefix, _) = spans[b];
-            let keys = 0..prefix + (tok - row0) + 1;
             let pages = &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages];
+            let nt = z - a;
             let mut scratch = Vec::new();
+            let mut qs = vec![0f32; nt * grp * d];
             let mut again = 0;
-            // One pass over the keys per kv head serves the query heads of its group.
-            for (kv_head, og) in o.chunks_exact_mut(grp * d).enumerate() {
+            // Part j = (token a + j / grp, head kv_head·grp + j % grp); its keys end after the
+            // token's own position.
+            let ends: Vec<usize> = (0..nt * grp).map(|j| prefix + (a + j / grp - row0) + 1).collect();
+            for kv_head in 0..g.num_kv_heads {
                 let v = SeqView { layout, pages, kv_head };
                 let key = |t: usize| v.row(kp, t);
                 let val = |t: usize| v.row(vp, t);
-                let q0 = (tok * h + kv_head * grp) * d;
-                let mut parts: Vec<Partial> = (0..grp).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
-                let qs = &qf[q0..q0 + grp * d];
-                accumulate(dt, p.scheme, qs, keys.clone(), &key, &val, &mut parts, &mut scratch);
-                for (j, (part, oh)) in parts.iter().zip(og.chunks_exact_mut(d)).enumerate() {
+                for (i, qrow) in qs.chunks_exact_mut(grp * d).enumerate() {
+                    let q0 = ((a + i) * h + kv_head * grp) * d;
+                    qrow.copy_from_slice(&qf[q0..q0 + grp * d]);
+                }
+                let mut parts: Vec<Partial> = (0..nt * grp).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
+                accumulate(dt, p.scheme, &qs, 0, &ends, &key, &val, &mut parts, &mut scratch);
+                for (j, part) in parts.iter().enumerate() {
+                    let (i, hh) = (j / grp, kv_head * grp + j % grp);
                     let res = match combine(p.scheme, &[part], d) {
                         Some(r) => r,
                         None => {
-                            // Flagged by the async scheme: this head again with the sync one.
+                            // Flagged by the async scheme: this row again with the sync one.
                             again += 1;
                             let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
-                            let qs = &qf[q0 + j * d..q0 + (j + 1) * d];
-                            accumulate(dt, SoftmaxScheme::Sync, qs, keys.clone(), &key, &val, &mut redo, &mut scratch);
+                            let q = &qs[j * d..(j + 1) * d];
+                            accumulate(dt, SoftmaxScheme::Sync, q, 0, &ends[j..j + 1], &key, &val, &mut redo, &mut scratch);
                             combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
                         }
                     };
-                    write_row(dt, &res, oh);
+                    write_row(dt, &res, &mut o[(i * h + hh) * d..(i * h + hh + 1) * d]);
                 }
             }
             again
@@ -457,7 +514,7 @@ mod tests {
             .iter()
             .map(|r| {
                 let mut p = [Partial::empty(D, start_of(scheme))];
-                accumulate(DType::F16, scheme, &q, r.clone(), &key, &val, &mut p, &mut scratch);
+                accumulate(DType::F16, scheme, &q, r.start, &[r.end], &key, &val, &mut p, &mut scratch);
                 p.into_iter().next().expect("one partial")
             })
             .collect();
@@ -496,6 +553,7 @@ mod tests {
                     let want: Vec<Vec<f64>> = (0..g)
                         .map(|h| {
                             let qh = &q[h * d..(h + 1) * d];
+                            let total = total - h.min(len - 1);
                             let xs: Vec<f64> = (r0..total)
                                 .map(|t| wide(key(t)).iter().zip(qh).map(|(a, &b)| a * b as f64).sum())
                                 .collect();
@@ -520,10 +578,13 @@ mod tests {
                             let mut parts: Vec<Partial> = (0..g).map(|_| Partial::empty(d, start_of(scheme))).collect();
                             // Poisoned scratch: nothing may read what the kernel did not write.
                             let mut scratch = vec![f32::NAN; 7];
+                            // Part h stops h keys early (the causal prefill case), except
+                            // part 0, which takes them all (the decode case).
+                            let ends: Vec<usize> = (0..g).map(|h| total - h.min(len - 1)).collect();
                             if portable {
-                                accumulate_generic::<Portable>(dt, scheme, &q, r0..total, &key, &val, &mut parts, &mut scratch);
+                                accumulate_generic::<Portable>(dt, scheme, &q, r0, &ends, &key, &val, &mut parts, &mut scratch);
                             } else {
-                                accumulate(dt, scheme, &q, r0..total, &key, &val, &mut parts, &mut scratch);
+                                accumulate(dt, scheme, &q, r0, &ends, &key, &val, &mut parts, &mut scratch);
                             }
                             for (h, part) in parts.iter().enumerate() {
                                 let got = normalised(combine(scheme, &[part], d).expect("inside the window"));

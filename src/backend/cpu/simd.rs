@@ -45,6 +45,8 @@ pub(super) trait Vf32: Copy {
     /// e^x lane-wise to ~2 ulp over the whole f32 range (see [`exp_lanes`]); NaN stays NaN,
     /// −∞ gives 0, overflow gives +∞.
     fn exp(self) -> Self;
+    /// Lane j = the sum of the lanes of `v[j]`: eight horizontal sums at once.
+    fn hsum8(v: [Self; LANES]) -> Self;
     /// Round the lanes to 16-bit values (nearest, ties to even; bit-identical to
     /// [`DType::from_f32`]) and store them.
     fn store_narrow(self, dt: DType, dst: &mut [u16; LANES]);
@@ -177,6 +179,10 @@ impl Vf32 for Portable {
     #[inline(always)]
     fn exp(self) -> Self {
         Portable(self.0.map(exp_lanes))
+    }
+    #[inline(always)]
+    fn hsum8(v: [Self; LANES]) -> Self {
+        Portable(v.map(|x| pairwise_sum(x.0)))
     }
     #[inline(always)]
     fn store_narrow(self, dt: DType, dst: &mut [u16; LANES]) {
@@ -340,6 +346,25 @@ mod x86 {
                 let e = _mm256_mul_ps(_mm256_mul_ps(p, p1), p2);
                 // max/min dropped a NaN lane (they return the second operand): put it back.
                 _mm256_blendv_ps(e, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+            })
+        }
+        #[inline(always)]
+        fn hsum8(v: [Self; LANES]) -> Self {
+            // Pairwise within each 128-bit half by horizontal adds (lane j of u0 holds half of
+            // v[j]'s sum for j < 4 in the low half, the other half in the high half; u1 the same
+            // for v[4..]), then the two halves added.
+            // SAFETY: register-only AVX arithmetic, see the type.
+            Avx2(unsafe {
+                let t0 = _mm256_hadd_ps(v[0].0, v[1].0);
+                let t1 = _mm256_hadd_ps(v[2].0, v[3].0);
+                let t2 = _mm256_hadd_ps(v[4].0, v[5].0);
+                let t3 = _mm256_hadd_ps(v[6].0, v[7].0);
+                let u0 = _mm256_hadd_ps(t0, t1);
+                let u1 = _mm256_hadd_ps(t2, t3);
+                _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(u0, u1),
+                    _mm256_permute2f128_ps::<0x31>(u0, u1),
+                )
             })
         }
         #[inline(always)]
@@ -610,6 +635,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    multiversion! {
+        fn hsum8_into(v: &[[f32; LANES]; LANES], out: &mut [f32; LANES]) => hsum8_into_generic
+    }
+    #[inline(always)]
+    fn hsum8_into_generic<V: Vf32>(v: &[[f32; LANES]; LANES], out: &mut [f32; LANES]) {
+        V::hsum8(v.map(|r| V::load(&r))).store(out);
+    }
+
+    #[test]
+    fn hsum8_sums_each_vector_in_every_build() {
+        let b = bits32(64, 5);
+        let v: [[f32; LANES]; LANES] = std::array::from_fn(|j| std::array::from_fn(|i| (b[j * 8 + i] % 1000) as f32 - 500.0));
+        let mut fast = [f32::NAN; LANES];
+        hsum8_into(&v, &mut fast);
+        let mut portable = [f32::NAN; LANES];
+        hsum8_into_generic::<Portable>(&v, &mut portable);
+        for j in 0..LANES {
+            // Small integers: every order of summation is exact.
+            let want: f32 = v[j].iter().sum();
+            assert_eq!((fast[j], portable[j]), (want, want), "lane {j}");
         }
     }
 
