@@ -133,6 +133,11 @@ fn accumulate_generic<'a, V: Vf32>(
         for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, key(t), &mut rows[i * d..(i + 1) * d]);
         }
+        // The cache is cold at decode (the weights streamed through the caches since this
+        // layer's last step): ask for this tile's V rows and the next tile's K rows now, so
+        // that their misses overlap the arithmetic below instead of stalling the widening.
+        prefetch_rows::<V>(val, t0..t1);
+        prefetch_rows::<V>(key, t1..(t1 + TILE).min(stop));
         for (j, (p, x)) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)).enumerate() {
             let nj = taken(j);
             if nj == 0 {
@@ -172,6 +177,22 @@ fn accumulate_generic<'a, V: Vf32>(
         }
         debug_assert!(n <= TILE);
         t0 = t1;
+    }
+}
+
+/// A prefetch of every cache line of rows `range` (a hint: no effect on the results).
+#[inline(always)]
+fn prefetch_rows<'a, V: Vf32>(rows: &dyn Fn(usize) -> &'a [u16], range: Range<usize>) {
+    for t in range {
+        // 32 two-byte values per 64-byte line; a row that starts mid-line is covered by its
+        // last element's line too.
+        let r = rows(t);
+        for c in r.chunks(32) {
+            V::prefetch(c.as_ptr());
+        }
+        if let Some(last) = r.last() {
+            V::prefetch(last);
+        }
     }
 }
 

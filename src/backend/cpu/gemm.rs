@@ -65,16 +65,18 @@ pub(super) fn gemm(dt: DType, d: GemmDims, xf: &[f32], w: &[u16], out_t: &mut [f
         );
 }
 
-/// x [M, K] as `[⌈M/16⌉][K][16]`, rows past M zero.
+/// x [M, K] as `[⌈M/16⌉][K][16]`, rows past M zero; one task per panel.
 fn pack_x(m: usize, k: usize, xf: &[f32]) -> Vec<f32> {
     let mut xp = vec![0f32; m.div_ceil(MR) * k * MR];
-    for (i, row) in xf[..m * k].chunks_exact(k).enumerate() {
-        let (mb, lane) = (i / MR, i % MR);
-        let panel = &mut xp[mb * k * MR..(mb + 1) * k * MR];
-        for (kk, &v) in row.iter().enumerate() {
-            panel[kk * MR + lane] = v;
+    xp.par_chunks_mut(k * MR).enumerate().for_each(|(mb, panel)| {
+        let rows = MR.min(m - mb * MR);
+        for lane in 0..rows {
+            let row = &xf[(mb * MR + lane) * k..(mb * MR + lane + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * MR + lane] = v;
+            }
         }
-    }
+    });
     xp
 }
 
