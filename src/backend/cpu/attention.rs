@@ -26,9 +26,9 @@ use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, 
 /// per KV tile), not per key.
 pub const TILE: usize = 32;
 
-/// Query tokens per prefill task: 8 tokens × a group of heads share each widened tile of keys,
-/// and a 128-token prompt still gives 16 tasks to balance over the threads (causal: later
-/// blocks read more keys).
+/// Query tokens per prefill task: 8 tokens × every head share each widened tile of keys, and a
+/// 128-token prompt still gives 16 tasks to balance over the threads (causal: later blocks
+/// read more keys).
 const PREFILL_BLOCK: usize = 8;
 
 /// Partial softmax state of one row over one range of keys.
@@ -58,31 +58,33 @@ impl Partial {
     }
 }
 
-/// Where the rows of one (sequence, kv head) lie in a pool.
+/// Where the token rows of one sequence lie in a pool.
 struct SeqView<'a> {
     layout: &'a PagedKvLayout,
     pages: &'a [i32],
-    kv_head: usize,
 }
 
 impl SeqView<'_> {
-    /// Token t's head_dim run. Tables are validated before any kernel runs, so every page
-    /// lies in the pool.
+    /// Token t's row: every kv head's head_dim run, which the layout stores contiguously.
+    /// Tables are validated before any kernel runs, so every page lies in the pool.
     fn row<'p>(&self, pool: &'p [u16], t: usize) -> &'p [u16] {
         let l = self.layout;
         let page = self.pages[t / l.page_size] as usize;
-        let at = l.offset(page, t % l.page_size, self.kv_head);
-        &pool[at..at + l.head_dim]
+        let at = l.offset(page, t % l.page_size, 0);
+        &pool[at..at + l.token_elems()]
     }
 }
 
 multiversion! {
-    /// Accumulates keys into `parts`, query rows that read the same K/V rows (the heads of a
-    /// GQA group; in prefill also a block of consecutive tokens): part j takes keys
-    /// `start..ends[j]` with its q row `qs[j·d..(j+1)·d]` (q · 1/√d in f32). The AVX2+FMA+F16C
-    /// build where the CPU has it, the portable one otherwise.
+    /// Accumulates keys into `parts`, query rows of one sequence (every head; in prefill a
+    /// block of consecutive tokens): part j takes keys `start..ends[j]` with its q row
+    /// `qs[j·d..(j+1)·d]` (q · 1/√d in f32), reading columns `cols[j]..cols[j] + d` of the
+    /// token rows `key(t)` / `val(t)` (all kv heads of a token; its kv head's run). The
+    /// AVX2+FMA+F16C build where the CPU has it, the portable one otherwise.
     ///
-    /// A tile of [`TILE`] keys is widened to f32 once for all the parts, the scores of eight keys
+    /// A tile of [`TILE`] whole token rows is widened to f32 once for all the parts (whole rows:
+    /// one contiguous read per token, which the hardware prefetcher follows; one kv head's run
+    /// per task left 2/3 of every line to other tasks and the widening waited on memory), the scores of eight keys
     /// at a time come from eight independent vector dot products reduced together, the weights
     /// e^(x − m) are taken eight at a time with the vector exp of simd.rs, and each part's
     /// accumulator takes the widened V rows of the tile in registers. With a scalar exp per key
@@ -95,6 +97,7 @@ multiversion! {
         qs: &[f32],
         start: usize,
         ends: &[usize],
+        cols: &[usize],
         key: &dyn Fn(usize) -> &'a [u16],
         val: &dyn Fn(usize) -> &'a [u16],
         parts: &mut [Partial],
@@ -110,20 +113,23 @@ fn accumulate_generic<'a, V: Vf32>(
     qs: &[f32],
     start: usize,
     ends: &[usize],
+    cols: &[usize],
     key: &dyn Fn(usize) -> &'a [u16],
     val: &dyn Fn(usize) -> &'a [u16],
     parts: &mut [Partial],
     scratch: &mut Vec<f32>,
 ) {
-    let g = parts.len().min(ends.len());
-    if g == 0 {
+    let g = parts.len().min(ends.len()).min(cols.len());
+    let stop = ends[..g].iter().copied().max().unwrap_or(start);
+    if g == 0 || stop <= start {
         return;
     }
     let d = qs.len() / g;
-    let stop = ends[..g].iter().copied().max().unwrap_or(start);
+    // Width of a token row (every kv head); parts read their kv head's run of it.
+    let rw = key(start).len();
     // The tile's widened rows (K, then V), then each part's TILE scores / weights.
-    scratch.resize(TILE * d + g * TILE, 0.0);
-    let (rows, xs) = scratch.split_at_mut(TILE * d);
+    scratch.resize(TILE * rw + g * TILE, 0.0);
+    let (rows, xs) = scratch.split_at_mut(TILE * rw);
     let mut t0 = start;
     while t0 < stop {
         let t1 = (t0 + TILE).min(stop);
@@ -131,19 +137,15 @@ fn accumulate_generic<'a, V: Vf32>(
         // Keys of this tile that part j takes (0: its keys ended before the tile).
         let taken = |j: usize| ends[j].min(t1).saturating_sub(t0);
         for (i, t) in (t0..t1).enumerate() {
-            V::widen(dt, key(t), &mut rows[i * d..(i + 1) * d]);
+            V::widen(dt, key(t), &mut rows[i * rw..(i + 1) * rw]);
         }
-        // The cache is cold at decode (the weights streamed through the caches since this
-        // layer's last step): ask for this tile's V rows and the next tile's K rows now, so
-        // that their misses overlap the arithmetic below instead of stalling the widening.
-        prefetch_rows::<V>(val, t0..t1);
-        prefetch_rows::<V>(key, t1..(t1 + TILE).min(stop));
         for (j, (p, x)) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)).enumerate() {
             let nj = taken(j);
             if nj == 0 {
                 continue;
             }
-            scores::<V>(&qs[j * d..(j + 1) * d], &rows[..nj * d], &mut x[..nj]);
+            let kv = Strided { rows: &rows[..nj * rw], stride: rw, col: cols[j] };
+            scores::<V>(&qs[j * d..(j + 1) * d], kv, &mut x[..nj]);
             let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             p.max_x = p.max_x.max(tile_max);
             match scheme {
@@ -169,38 +171,39 @@ fn accumulate_generic<'a, V: Vf32>(
             p.l += x[..nj].iter().sum::<f32>();
         }
         for (i, t) in (t0..t1).enumerate() {
-            V::widen(dt, val(t), &mut rows[i * d..(i + 1) * d]);
+            V::widen(dt, val(t), &mut rows[i * rw..(i + 1) * rw]);
         }
         for (j, (p, w)) in parts.iter_mut().zip(xs.chunks_exact(TILE)).enumerate() {
             let nj = taken(j);
-            weighted_rows::<V>(&w[..nj], &rows[..nj * d], &mut p.acc);
+            let kv = Strided { rows: &rows[..nj * rw], stride: rw, col: cols[j] };
+            weighted_rows::<V>(&w[..nj], kv, &mut p.acc);
         }
         debug_assert!(n <= TILE);
         t0 = t1;
     }
 }
 
-/// A prefetch of every cache line of rows `range` (a hint: no effect on the results).
-#[inline(always)]
-fn prefetch_rows<'a, V: Vf32>(rows: &dyn Fn(usize) -> &'a [u16], range: Range<usize>) {
-    for t in range {
-        // 32 two-byte values per 64-byte line; a row that starts mid-line is covered by its
-        // last element's line too.
-        let r = rows(t);
-        for c in r.chunks(32) {
-            V::prefetch(c.as_ptr());
-        }
-        if let Some(last) = r.last() {
-            V::prefetch(last);
-        }
+/// Rows of `stride` values, of which a part reads the run starting at `col` (its kv head's).
+#[derive(Clone, Copy)]
+struct Strided<'r> {
+    rows: &'r [f32],
+    stride: usize,
+    col: usize,
+}
+
+impl<'r> Strided<'r> {
+    #[inline(always)]
+    fn row(&self, i: usize, d: usize) -> &'r [f32] {
+        let at = i * self.stride + self.col;
+        &self.rows[at..at + d]
     }
 }
 
-/// x[i] = q · row i of `rows` ([x.len(), d]): eight keys at a time, each its own chain of FMAs
+/// x[i] = q · row i of `rows` (its run of d = q.len()): eight keys at a time, each its own chain of FMAs
 /// over head_dim (so the FMA latency is hidden without splitting one dot product), the eight
 /// sums reduced together into one vector; the keys past a multiple of eight one at a time.
 #[inline(always)]
-fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
+fn scores<V: Vf32>(q: &[f32], rows: Strided, x: &mut [f32]) {
     let d = q.len();
     let (q8, q_tail) = q.as_chunks::<LANES>();
     let dot_tail = |row: &[f32]| -> f32 {
@@ -212,7 +215,7 @@ fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
     };
     let (x8, x_rest) = x.as_chunks_mut::<LANES>();
     for (blk, xb) in x8.iter_mut().enumerate() {
-        let r: [&[f32]; LANES] = std::array::from_fn(|j| &rows[(blk * LANES + j) * d..(blk * LANES + j + 1) * d]);
+        let r: [&[f32]; LANES] = std::array::from_fn(|j| rows.row(blk * LANES + j, d));
         let mut acc = [V::zero(); LANES];
         for (c, qc) in q8.iter().enumerate() {
             let qv = V::load(qc);
@@ -230,7 +233,7 @@ fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
     }
     let done = x8.len() * LANES;
     for (i, xv) in x_rest.iter_mut().enumerate() {
-        let row = &rows[(done + i) * d..(done + i + 1) * d];
+        let row = rows.row(done + i, d);
         let (k8, _) = row.as_chunks::<LANES>();
         let mut a = V::zero();
         for (qc, kc) in q8.iter().zip(k8) {
@@ -240,42 +243,47 @@ fn scores<V: Vf32>(q: &[f32], rows: &[f32], x: &mut [f32]) {
     }
 }
 
-/// Runs of eight lanes of the accumulator held in registers at once by [`weighted_rows`]
-/// (64 values: head_dim 64 in one pass, 128 in two).
-const ACC_RUNS: usize = 8;
-
-/// acc += Σ_i w[i] · row i of `rows` ([w.len(), d]): up to [`ACC_RUNS`] runs of eight lanes of
-/// acc stay in registers over the whole tile, each its own chain of FMAs.
+/// acc += Σ_i w[i] · row i of `rows` (its run of d = acc.len()): runs of eight lanes of acc
+/// stay in registers over the whole tile, up to eight at once (head_dim 64 in one pass, 128 in
+/// two), each its own chain of FMAs; the block sizes are constants so that the accumulators
+/// are registers, not an array in memory.
 #[inline(always)]
-fn weighted_rows<V: Vf32>(w: &[f32], rows: &[f32], acc: &mut [f32]) {
+fn weighted_rows<V: Vf32>(w: &[f32], rows: Strided, acc: &mut [f32]) {
     let d = acc.len();
     let (a8, a_tail) = acc.as_chunks_mut::<LANES>();
-    let runs = a8.len();
     let mut c0 = 0;
-    while c0 < runs {
-        let nc = ACC_RUNS.min(runs - c0);
-        let mut a = [V::zero(); ACC_RUNS];
-        for (r, ac) in a.iter_mut().zip(&a8[c0..c0 + nc]) {
-            *r = V::load(ac);
-        }
-        for (i, &wi) in w.iter().enumerate() {
-            let wv = V::splat(wi);
-            let (v8, _) = rows[i * d..(i + 1) * d].as_chunks::<LANES>();
-            for (r, vc) in a[..nc].iter_mut().zip(&v8[c0..c0 + nc]) {
-                *r = wv.madd(V::load(vc), *r);
-            }
-        }
-        for (r, ac) in a.iter().zip(&mut a8[c0..c0 + nc]) {
-            r.store(ac);
-        }
-        c0 += nc;
+    while c0 < a8.len() {
+        c0 += match a8.len() - c0 {
+            8.. => runs_block::<V, 8>(w, rows, d, c0, a8),
+            4..=7 => runs_block::<V, 4>(w, rows, d, c0, a8),
+            2 | 3 => runs_block::<V, 2>(w, rows, d, c0, a8),
+            _ => runs_block::<V, 1>(w, rows, d, c0, a8),
+        };
     }
     let t0 = d - a_tail.len();
     for (j, a) in a_tail.iter_mut().enumerate() {
         for (i, &wi) in w.iter().enumerate() {
-            *a = V::madd1(wi, rows[i * d + t0 + j], *a);
+            *a = V::madd1(wi, rows.row(i, d)[t0 + j], *a);
         }
     }
+}
+
+/// NC runs of eight lanes of acc from run c0 on (see [`weighted_rows`]); returns NC.
+#[inline(always)]
+fn runs_block<V: Vf32, const NC: usize>(w: &[f32], rows: Strided, d: usize, c0: usize, a8: &mut [[f32; LANES]]) -> usize {
+    let mut a: [V; NC] = std::array::from_fn(|r| V::load(&a8[c0 + r]));
+    for (i, &wi) in w.iter().enumerate() {
+        let wv = V::splat(wi);
+        let (v8, _) = rows.row(i, d).as_chunks::<LANES>();
+        let v8 = &v8[c0..c0 + NC];
+        for r in 0..NC {
+            a[r] = wv.madd(V::load(&v8[r]), a[r]);
+        }
+    }
+    for (r, v) in a.iter().enumerate() {
+        v.store(&mut a8[c0 + r]);
+    }
+    NC
 }
 
 /// Merges split partials into (l, acc). Sync partials carry their own max and are rescaled to
@@ -339,19 +347,19 @@ pub fn decode(
         .unwrap_or_else(|| num_splits(bsz, kvh, max_len, compute_units));
     let qf = scaled_q(dt, &q[..bsz * h * d], g.scale());
     let tb = &p.tables;
-    let view = |b: usize, kv_head: usize| SeqView {
+    let view = |b: usize| SeqView {
         layout,
         pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
-        kv_head,
     };
     let split_range = |b: usize, s: usize| {
         let len = tb.seq_len(b);
         let chunk = len.div_ceil(splits);
         (s * chunk).min(len)..((s + 1) * chunk).min(len)
     };
-    // The partials of one (sequence, kv head, split) task: one per query head of the group.
-    let run = |scheme: SoftmaxScheme, b: usize, kv_head: usize, s: usize, heads: Range<usize>| -> Vec<Partial> {
-        let v = view(b, kv_head);
+    // The partials of one (sequence, split) task: one per query head in `heads`, each reading
+    // its kv head's run of the token rows.
+    let run = |scheme: SoftmaxScheme, b: usize, s: usize, heads: Range<usize>| -> Vec<Partial> {
+        let v = view(b);
         let key = |t: usize| v.row(pools.0, t);
         let val = |t: usize| v.row(pools.1, t);
         let mut scratch = Vec::new();
@@ -359,15 +367,16 @@ pub fn decode(
         let qs = &qf[(b * h + heads.start) * d..(b * h + heads.end) * d];
         let r = split_range(b, s);
         let ends = vec![r.end; parts.len()];
-        accumulate(dt, scheme, qs, r.start, &ends, &key, &val, &mut parts, &mut scratch);
+        let cols: Vec<usize> = heads.map(|head| head / grp * d).collect();
+        accumulate(dt, scheme, qs, r.start, &ends, &cols, &key, &val, &mut parts, &mut scratch);
         parts
     };
-    let tasks: Vec<Vec<Partial>> = (0..bsz * kvh * splits)
+    // Splits as the shared rule counts them for (sequence, kv head) items; one CPU task per
+    // (sequence, split) serves every head, so that each task reads whole token rows.
+    let tasks: Vec<Vec<Partial>> = (0..bsz * splits)
         .into_par_iter()
-        .map(|i| {
-            let (b, kv_head, s) = (i / (kvh * splits), (i / splits) % kvh, i % splits);
-            run(p.scheme, b, kv_head, s, kv_head * grp..(kv_head + 1) * grp)
-        })
+        .with_max_len(1)
+        .map(|i| run(p.scheme, i / splits, i % splits, 0..h))
         .collect();
     // Combine: one task per row.
     let recomputed: usize = out[..bsz * h * d]
@@ -375,16 +384,13 @@ pub fn decode(
         .enumerate()
         .map(|(row, o)| {
             let (b, head) = (row / h, row % h);
-            let kv_head = head / grp;
-            let parts: Vec<&Partial> = (0..splits)
-                .map(|s| &tasks[(b * kvh + kv_head) * splits + s][head % grp])
-                .collect();
+            let parts: Vec<&Partial> = (0..splits).map(|s| &tasks[b * splits + s][head]).collect();
             let (res, again) = match combine(p.scheme, &parts, d) {
                 Some(r) => (r, 0),
                 None => {
                     // Flagged by the async scheme: the whole row again with the sync scheme.
                     let redo: Vec<Partial> = (0..splits)
-                        .map(|s| run(SoftmaxScheme::Sync, b, kv_head, s, head..head + 1).remove(0))
+                        .map(|s| run(SoftmaxScheme::Sync, b, s, head..head + 1).remove(0))
                         .collect();
                     let refs: Vec<&Partial> = redo.iter().collect();
                     (
@@ -460,39 +466,36 @@ pub fn prefill(
         .map(|(o, &(a, z))| {
             let b = seq_of[a];
             let (row0, prefix, _) = spans[b];
-            let pages = &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages];
+            let v = SeqView {
+                layout,
+                pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
+            };
+            let key = |t: usize| v.row(kp, t);
+            let val = |t: usize| v.row(vp, t);
             let nt = z - a;
             let mut scratch = Vec::new();
-            let mut qs = vec![0f32; nt * grp * d];
             let mut again = 0;
-            // Part j = (token a + j / grp, head kv_head·grp + j % grp); its keys end after the
-            // token's own position.
-            let ends: Vec<usize> = (0..nt * grp).map(|j| prefix + (a + j / grp - row0) + 1).collect();
-            for kv_head in 0..g.num_kv_heads {
-                let v = SeqView { layout, pages, kv_head };
-                let key = |t: usize| v.row(kp, t);
-                let val = |t: usize| v.row(vp, t);
-                for (i, qrow) in qs.chunks_exact_mut(grp * d).enumerate() {
-                    let q0 = ((a + i) * h + kv_head * grp) * d;
-                    qrow.copy_from_slice(&qf[q0..q0 + grp * d]);
-                }
-                let mut parts: Vec<Partial> = (0..nt * grp).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
-                accumulate(dt, p.scheme, &qs, 0, &ends, &key, &val, &mut parts, &mut scratch);
-                for (j, part) in parts.iter().enumerate() {
-                    let (i, hh) = (j / grp, kv_head * grp + j % grp);
-                    let res = match combine(p.scheme, &[part], d) {
-                        Some(r) => r,
-                        None => {
-                            // Flagged by the async scheme: this row again with the sync one.
-                            again += 1;
-                            let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
-                            let q = &qs[j * d..(j + 1) * d];
-                            accumulate(dt, SoftmaxScheme::Sync, q, 0, &ends[j..j + 1], &key, &val, &mut redo, &mut scratch);
-                            combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
-                        }
-                    };
-                    write_row(dt, &res, &mut o[(i * h + hh) * d..(i * h + hh + 1) * d]);
-                }
+            // Part j = (token a + j / h, head j % h): q and the output row are at j·d of the
+            // block's rows; its keys end after the token's own position.
+            let ends: Vec<usize> = (0..nt * h).map(|j| prefix + (a + j / h - row0) + 1).collect();
+            let cols: Vec<usize> = (0..nt * h).map(|j| j % h / grp * d).collect();
+            let qs = &qf[a * h * d..z * h * d];
+            let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
+            accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+            for (j, (part, oh)) in parts.iter().zip(o.chunks_exact_mut(d)).enumerate() {
+                let res = match combine(p.scheme, &[part], d) {
+                    Some(r) => r,
+                    None => {
+                        // Flagged by the async scheme: this row again with the sync one.
+                        again += 1;
+                        let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
+                        let q = &qs[j * d..(j + 1) * d];
+                        let (e, c) = (&ends[j..j + 1], &cols[j..j + 1]);
+                        accumulate(dt, SoftmaxScheme::Sync, q, 0, e, c, &key, &val, &mut redo, &mut scratch);
+                        combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
+                    }
+                };
+                write_row(dt, &res, oh);
             }
             again
         })
@@ -535,7 +538,7 @@ mod tests {
             .iter()
             .map(|r| {
                 let mut p = [Partial::empty(D, start_of(scheme))];
-                accumulate(DType::F16, scheme, &q, r.start, &[r.end], &key, &val, &mut p, &mut scratch);
+                accumulate(DType::F16, scheme, &q, r.start, &[r.end], &[0], &key, &val, &mut p, &mut scratch);
                 p.into_iter().next().expect("one partial")
             })
             .collect();
@@ -548,8 +551,9 @@ mod tests {
         acc.iter().map(|a| a / l).collect()
     }
 
-    /// The grouped accumulate against an f64 softmax, at odd head dims (vector tails), group
-    /// sizes, key counts (tile tails, the four-key step's tail) and range offsets, in the AVX2
+    /// The grouped accumulate against an f64 softmax, at odd head dims (vector tails), part
+    /// counts, key counts (tile tails, the eight-key step's tail), range offsets and per-part
+    /// key ends, over token rows of three kv heads (each part reads its own run), in the AVX2
     /// and the portable build, with both schemes.
     #[test]
     fn grouped_accumulate_matches_f64_at_odd_sizes_in_every_build() {
@@ -562,27 +566,32 @@ mod tests {
                 for (r0, len) in [(0, 1), (3, 7), (1, 33), (5, 70)] {
                     seed += 1;
                     let total = r0 + len;
-                    let k = random_bits(dt, total * d, 1.0, seed);
-                    let v = random_bits(dt, total * d, 1.0, seed + 1000);
+                    // Token rows of KVH kv heads; part h reads kv head h % KVH.
+                    const KVH: usize = 3;
+                    let rw = KVH * d;
+                    let k = random_bits(dt, total * rw, 1.0, seed);
+                    let v = random_bits(dt, total * rw, 1.0, seed + 1000);
                     let qb = random_bits(dt, g * d, 1.0, seed + 2000);
                     let mut q = vec![0f32; g * d];
                     dt.widen(&qb, &mut q);
                     q.iter_mut().for_each(|x| *x *= 0.7);
-                    let key = |t: usize| &k[t * d..(t + 1) * d];
-                    let val = |t: usize| &v[t * d..(t + 1) * d];
+                    let key = |t: usize| &k[t * rw..(t + 1) * rw];
+                    let val = |t: usize| &v[t * rw..(t + 1) * rw];
+                    let cols: Vec<usize> = (0..g).map(|h| h % KVH * d).collect();
                     let wide = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| dt.to_f32(x) as f64).collect() };
                     let want: Vec<Vec<f64>> = (0..g)
                         .map(|h| {
                             let qh = &q[h * d..(h + 1) * d];
                             let total = total - h.min(len - 1);
+                            let c = cols[h];
                             let xs: Vec<f64> = (r0..total)
-                                .map(|t| wide(key(t)).iter().zip(qh).map(|(a, &b)| a * b as f64).sum())
+                                .map(|t| wide(&key(t)[c..c + d]).iter().zip(qh).map(|(a, &b)| a * b as f64).sum())
                                 .collect();
                             let m = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                             let w: Vec<f64> = xs.iter().map(|x| (x - m).exp()).collect();
                             let l: f64 = w.iter().sum();
                             (0..d)
-                                .map(|j| (r0..total).zip(&w).map(|(t, p)| p * wide(val(t))[j]).sum::<f64>() / l)
+                                .map(|j| (r0..total).zip(&w).map(|(t, p)| p * wide(&val(t)[c..c + d])[j]).sum::<f64>() / l)
                                 .collect()
                         })
                         .collect();
@@ -603,9 +612,9 @@ mod tests {
                             // part 0, which takes them all (the decode case).
                             let ends: Vec<usize> = (0..g).map(|h| total - h.min(len - 1)).collect();
                             if portable {
-                                accumulate_generic::<Portable>(dt, scheme, &q, r0, &ends, &key, &val, &mut parts, &mut scratch);
+                                accumulate_generic::<Portable>(dt, scheme, &q, r0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
                             } else {
-                                accumulate(dt, scheme, &q, r0, &ends, &key, &val, &mut parts, &mut scratch);
+                                accumulate(dt, scheme, &q, r0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
                             }
                             for (h, part) in parts.iter().enumerate() {
                                 let got = normalised(combine(scheme, &[part], d).expect("inside the window"));
