@@ -144,7 +144,11 @@ fn accumulate_generic<'a, V: Vf32>(
             if nj == 0 {
                 continue;
             }
-            let kv = Strided { rows: &rows[..nj * rw], stride: rw, col: cols[j] };
+            let kv = Strided {
+                rows: &rows[..nj * rw],
+                stride: rw,
+                col: cols[j],
+            };
             scores::<V>(&qs[j * d..(j + 1) * d], kv, &mut x[..nj]);
             let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             p.max_x = p.max_x.max(tile_max);
@@ -175,7 +179,11 @@ fn accumulate_generic<'a, V: Vf32>(
         }
         for (j, (p, w)) in parts.iter_mut().zip(xs.chunks_exact(TILE)).enumerate() {
             let nj = taken(j);
-            let kv = Strided { rows: &rows[..nj * rw], stride: rw, col: cols[j] };
+            let kv = Strided {
+                rows: &rows[..nj * rw],
+                stride: rw,
+                col: cols[j],
+            };
             weighted_rows::<V>(&w[..nj], kv, &mut p.acc);
         }
         debug_assert!(n <= TILE);
@@ -270,7 +278,13 @@ fn weighted_rows<V: Vf32>(w: &[f32], rows: Strided, acc: &mut [f32]) {
 
 /// NC runs of eight lanes of acc from run c0 on (see [`weighted_rows`]); returns NC.
 #[inline(always)]
-fn runs_block<V: Vf32, const NC: usize>(w: &[f32], rows: Strided, d: usize, c0: usize, a8: &mut [[f32; LANES]]) -> usize {
+fn runs_block<V: Vf32, const NC: usize>(
+    w: &[f32],
+    rows: Strided,
+    d: usize,
+    c0: usize,
+    a8: &mut [[f32; LANES]],
+) -> usize {
     let mut a: [V; NC] = std::array::from_fn(|r| V::load(&a8[c0 + r]));
     for (i, &wi) in w.iter().enumerate() {
         let wv = V::splat(wi);
@@ -368,7 +382,18 @@ pub fn decode(
         let r = split_range(b, s);
         let ends = vec![r.end; parts.len()];
         let cols: Vec<usize> = heads.map(|head| head / grp * d).collect();
-        accumulate(dt, scheme, qs, r.start, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+        accumulate(
+            dt,
+            scheme,
+            qs,
+            r.start,
+            &ends,
+            &cols,
+            &key,
+            &val,
+            &mut parts,
+            &mut scratch,
+        );
         parts
     };
     // Splits as the shared rule counts them for (sequence, kv head) items; one CPU task per
@@ -450,7 +475,10 @@ pub fn prefill(
     // at its own position), so each tile of keys is widened once for all of them.
     let blocks: Vec<(usize, usize)> = spans
         .iter()
-        .flat_map(|&(row0, _, n)| (0..n.div_ceil(PREFILL_BLOCK)).map(move |i| (row0 + i * PREFILL_BLOCK, row0 + ((i + 1) * PREFILL_BLOCK).min(n))))
+        .flat_map(|&(row0, _, n)| {
+            (0..n.div_ceil(PREFILL_BLOCK))
+                .map(move |i| (row0 + i * PREFILL_BLOCK, row0 + ((i + 1) * PREFILL_BLOCK).min(n)))
+        })
         .collect();
     let mut outs: Vec<&mut [u16]> = Vec::with_capacity(blocks.len());
     let mut rest = &mut out[..tokens * h * d];
@@ -538,7 +566,18 @@ mod tests {
             .iter()
             .map(|r| {
                 let mut p = [Partial::empty(D, start_of(scheme))];
-                accumulate(DType::F16, scheme, &q, r.start, &[r.end], &[0], &key, &val, &mut p, &mut scratch);
+                accumulate(
+                    DType::F16,
+                    scheme,
+                    &q,
+                    r.start,
+                    &[r.end],
+                    &[0],
+                    &key,
+                    &val,
+                    &mut p,
+                    &mut scratch,
+                );
                 p.into_iter().next().expect("one partial")
             })
             .collect();
@@ -591,7 +630,13 @@ mod tests {
                             let w: Vec<f64> = xs.iter().map(|x| (x - m).exp()).collect();
                             let l: f64 = w.iter().sum();
                             (0..d)
-                                .map(|j| (r0..total).zip(&w).map(|(t, p)| p * wide(&val(t)[c..c + d])[j]).sum::<f64>() / l)
+                                .map(|j| {
+                                    (r0..total)
+                                        .zip(&w)
+                                        .map(|(t, p)| p * wide(&val(t)[c..c + d])[j])
+                                        .sum::<f64>()
+                                        / l
+                                })
                                 .collect()
                         })
                         .collect();
@@ -612,7 +657,18 @@ mod tests {
                             // part 0, which takes them all (the decode case).
                             let ends: Vec<usize> = (0..g).map(|h| total - h.min(len - 1)).collect();
                             if portable {
-                                accumulate_generic::<Portable>(dt, scheme, &q, r0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+                                accumulate_generic::<Portable>(
+                                    dt,
+                                    scheme,
+                                    &q,
+                                    r0,
+                                    &ends,
+                                    &cols,
+                                    &key,
+                                    &val,
+                                    &mut parts,
+                                    &mut scratch,
+                                );
                             } else {
                                 accumulate(dt, scheme, &q, r0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
                             }

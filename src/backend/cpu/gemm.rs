@@ -113,13 +113,7 @@ fn task_tiles_generic<V: Vf32>(
             for mb in 0..mblocks {
                 let panel = &xp[(mb * k + k0) * MR..(mb * k + k0 + kc) * MR];
                 let (m0, cols) = (mb * MR, MR.min(m - mb * MR));
-                let t = Tile {
-                    kc,
-                    m,
-                    m0,
-                    cols,
-                    first,
-                };
+                let t = Tile { kc, m, m0, cols, first };
                 match nr {
                     6 => tile::<V, 6>(t, panel, wf, out_rows),
                     5 => tile::<V, 5>(t, panel, wf, out_rows),
@@ -192,7 +186,14 @@ mod tests {
     fn gemm_matches_f64_at_odd_sizes_in_every_build() {
         let mut seed = 300;
         for dt in [DType::F16, DType::Bf16] {
-            for (m, n, k) in [(1, 1, 1), (3, 7, 9), (17, 13, 300), (33, 20, 513), (16, 6, 256), (40, 31, 77)] {
+            for (m, n, k) in [
+                (1, 1, 1),
+                (3, 7, 9),
+                (17, 13, 300),
+                (33, 20, 513),
+                (16, 6, 256),
+                (40, 31, 77),
+            ] {
                 for block in [1, 5, 6, 12, 64] {
                     seed += 1;
                     let xb = random_bits(dt, m * k, 1.0, seed);
@@ -241,7 +242,7 @@ mod tests {
     fn default_block_rows_is_a_multiple_of_the_tile() {
         for n in [1, 5, 6, 576, 960, 3072, 49152] {
             let b = default_block_rows(n);
-            assert!(b % NR == 0 && (NR..=DEFAULT_BLOCK_ROWS).contains(&b), "n {n}: {b}");
+            assert!(b.is_multiple_of(NR) && (NR..=DEFAULT_BLOCK_ROWS).contains(&b), "n {n}: {b}");
         }
     }
 }

@@ -283,7 +283,9 @@ fn silu_mul_run_generic<V: Vf32>(dt: DType, g: &[f32], u: &[f32], o: &mut [u16])
     let (zero, one) = (V::zero(), V::splat(1.0));
     for ((gc, uc), oc) in g8.iter().zip(u8s).zip(o8) {
         let gv = V::load(gc);
-        gv.div(one.add(zero.sub(gv).exp())).mul(V::load(uc)).store_narrow(dt, oc);
+        gv.div(one.add(zero.sub(gv).exp()))
+            .mul(V::load(uc))
+            .store_narrow(dt, oc);
     }
     for ((ov, &gv), &uv) in o_tail.iter_mut().zip(g_tail).zip(u_tail) {
         *ov = dt.from_f32(gv / (1.0 + (-gv).exp()) * uv);

@@ -556,7 +556,11 @@ mod tests {
                 narrow_transposed(dt, GemmDims { m, n, k: 1 }, &out_t, &mut y);
                 for i in 0..m {
                     for j in 0..n {
-                        assert_eq!(y[i * n + j], dt.from_f32(out_t[j * m + i]), "{dt} m {m} n {n} [{i}, {j}]");
+                        assert_eq!(
+                            y[i * n + j],
+                            dt.from_f32(out_t[j * m + i]),
+                            "{dt} m {m} n {n} [{i}, {j}]"
+                        );
                     }
                 }
             }

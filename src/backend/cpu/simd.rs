@@ -62,14 +62,7 @@ const EXP_LO: f32 = -104.0;
 const EXP_HI: f32 = 89.0;
 /// Taylor coefficients 1/k!, k = 7 down to 2: on |r| ≤ ln2/2 the degree-7 remainder is
 /// below 6e-9 relative, under half an f32 ulp.
-const EXP_POLY: [f32; 6] = [
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-];
+const EXP_POLY: [f32; 6] = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5];
 
 /// e^x of one lane, the arithmetic [`Avx2::exp`] does per lane (without the FMAs): x = n·ln2 + r,
 /// e^r by a degree-7 polynomial, 2^n applied as two factors 2^⌊n/2⌋ · 2^(n−⌊n/2⌋) so that
@@ -649,7 +642,8 @@ mod tests {
     #[test]
     fn hsum8_sums_each_vector_in_every_build() {
         let b = bits32(64, 5);
-        let v: [[f32; LANES]; LANES] = std::array::from_fn(|j| std::array::from_fn(|i| (b[j * 8 + i] % 1000) as f32 - 500.0));
+        let v: [[f32; LANES]; LANES] =
+            std::array::from_fn(|j| std::array::from_fn(|i| (b[j * 8 + i] % 1000) as f32 - 500.0));
         let mut fast = [f32::NAN; LANES];
         hsum8_into(&v, &mut fast);
         let mut portable = [f32::NAN; LANES];
