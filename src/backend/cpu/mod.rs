@@ -491,14 +491,22 @@ fn run_gemm(spec: &GemmSpec, d: GemmDims, block: usize, x: &[u16], w: &[u16], y:
     let dt = spec.dtype;
     let mut xf = vec![0f32; d.m * d.k];
     simd::widen(dt, &x[..d.m * d.k], &mut xf);
-    let mut out_t = vec![0f32; d.n * d.m];
     let w = &w[..d.n * d.k];
+    let y = &mut y[..d.m * d.n];
     match spec.imp {
-        GemmImpl::Gemv => gemv::gemv(dt, d, &xf, w, &mut out_t, block),
-        GemmImpl::FlatGemm => flat_gemm::flat_gemm(dt, d, &xf, w, &mut out_t, block),
-        GemmImpl::Gemm => gemm::gemm(dt, d, &xf, w, &mut out_t, block),
+        // The GEMM rounds into y itself (see gemm.rs).
+        GemmImpl::Gemm => gemm::gemm(dt, d, &xf, w, y, block),
+        // The GEMV and flat GEMM write yᵀ in f32 ([N, M]), rounded here.
+        GemmImpl::Gemv | GemmImpl::FlatGemm => {
+            let mut out_t = vec![0f32; d.n * d.m];
+            if spec.imp == GemmImpl::Gemv {
+                gemv::gemv(dt, d, &xf, w, &mut out_t, block);
+            } else {
+                flat_gemm::flat_gemm(dt, d, &xf, w, &mut out_t, block);
+            }
+            narrow_transposed(dt, d, &out_t, y);
+        }
     }
-    narrow_transposed(dt, d, &out_t, &mut y[..d.m * d.n]);
 }
 
 /// Rows of y per task of [`narrow_transposed`]: a 64-byte line of `out_t` holds 16 values of
