@@ -16,8 +16,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-#[cfg(target_arch = "x86_64")]
-use super::simd::{multiversion, Vf32};
+use super::simd::{multiversion, Vf32, LANES};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv::paged::{write_tokens, PagedKvLayout};
@@ -26,6 +25,11 @@ use crate::ops::attention::{num_splits, AttnStats, DecodeParams, PrefillParams, 
 /// Keys per tile: the sync scheme updates its running max once per tile (as a GPU block does
 /// per KV tile), not per key.
 pub const TILE: usize = 32;
+
+/// Query tokens per prefill task: 8 tokens × every head share each widened tile of keys, and a
+/// 128-token prompt still gives 16 tasks to balance over the threads (causal: later blocks
+/// read more keys).
+const PREFILL_BLOCK: usize = 8;
 
 /// Partial softmax state of one row over one range of keys.
 #[derive(Clone, Debug)]
@@ -54,59 +58,49 @@ impl Partial {
     }
 }
 
-/// Where the rows of one (sequence, kv head) lie in a pool.
+/// Where the token rows of one sequence lie in a pool.
 struct SeqView<'a> {
     layout: &'a PagedKvLayout,
     pages: &'a [i32],
-    kv_head: usize,
 }
 
 impl SeqView<'_> {
-    /// Token t's head_dim run. Tables are validated before any kernel runs, so every page
-    /// lies in the pool.
+    /// Token t's row: every kv head's head_dim run, which the layout stores contiguously.
+    /// Tables are validated before any kernel runs, so every page lies in the pool.
     fn row<'p>(&self, pool: &'p [u16], t: usize) -> &'p [u16] {
         let l = self.layout;
         let page = self.pages[t / l.page_size] as usize;
-        let at = l.offset(page, t % l.page_size, self.kv_head);
-        &pool[at..at + l.head_dim]
+        let at = l.offset(page, t % l.page_size, 0);
+        &pool[at..at + l.token_elems()]
     }
-}
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = [0f32; 4];
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    for (x, y) in ca.zip(cb) {
-        for i in 0..4 {
-            s[i] += x[i] * y[i];
-        }
-    }
-    let tail: f32 = ca_tail(a, b);
-    (s[0] + s[1]) + (s[2] + s[3]) + tail
-}
-
-/// The products past the last multiple of 4 (none for the supported head dims).
-#[inline(always)]
-fn ca_tail(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len()) / 4 * 4;
-    a[n..].iter().zip(&b[n..]).map(|(x, y)| x * y).sum()
 }
 
 multiversion! {
-    /// Accumulates keys `range` into `p` with the given scheme. `qs` is q · 1/√d in f32. The
-    /// AVX2+FMA+F16C build where the CPU has it (F16C widening, 256-bit vectors for the dot
-    /// products and the V accumulation; the same operations in the same order, so the same
-    /// results), the portable one otherwise. Attention was ~9 % of a SmolLM2-135M decode step on
-    /// 2 cores (FDPP_OP_TIMES), in the baseline build with a per-row feature check to widen.
+    /// Accumulates keys into `parts`, query rows of one sequence (every head; in prefill a
+    /// block of consecutive tokens): part j takes keys `start..ends[j]` with its q row
+    /// `qs[j·d..(j+1)·d]` (q · 1/√d in f32), reading columns `cols[j]..cols[j] + d` of the
+    /// token rows `key(t)` / `val(t)` (all kv heads of a token; its kv head's run). The
+    /// AVX2+FMA+F16C build where the CPU has it, the portable one otherwise.
+    ///
+    /// A tile of [`TILE`] whole token rows is widened to f32 once for all the parts (whole rows:
+    /// one contiguous read per token, which the hardware prefetcher follows; one kv head's run
+    /// per task left 2/3 of every line to other tasks and the widening waited on memory), the scores of eight keys
+    /// at a time come from eight independent vector dot products reduced together, the weights
+    /// e^(x − m) are taken eight at a time with the vector exp of simd.rs, and each part's
+    /// accumulator takes the widened V rows of the tile in registers. With a scalar exp per key
+    /// and K/V widened once per query head, attention was ~14 % of a SmolLM2-135M decode step and
+    /// ~15 % of its prefill on 2 cores (reports/NOTES.md).
     #[allow(clippy::too_many_arguments)]
     fn accumulate<'a>(
         dt: DType,
         scheme: SoftmaxScheme,
         qs: &[f32],
-        range: Range<usize>,
+        start: usize,
+        ends: &[usize],
+        cols: &[usize],
         key: &dyn Fn(usize) -> &'a [u16],
         val: &dyn Fn(usize) -> &'a [u16],
-        p: &mut Partial,
+        parts: &mut [Partial],
         scratch: &mut Vec<f32>,
     ) => accumulate_generic
 }
@@ -117,47 +111,193 @@ fn accumulate_generic<'a, V: Vf32>(
     dt: DType,
     scheme: SoftmaxScheme,
     qs: &[f32],
-    range: Range<usize>,
+    start: usize,
+    ends: &[usize],
+    cols: &[usize],
     key: &dyn Fn(usize) -> &'a [u16],
     val: &dyn Fn(usize) -> &'a [u16],
-    p: &mut Partial,
+    parts: &mut [Partial],
     scratch: &mut Vec<f32>,
 ) {
-    let d = qs.len();
-    scratch.resize(d + TILE, 0.0);
-    let (row, xs) = scratch.split_at_mut(d);
-    let mut start = range.start;
-    while start < range.end {
-        let end = (start + TILE).min(range.end);
-        let n = end - start;
-        for (i, t) in (start..end).enumerate() {
-            V::widen(dt, key(t), row);
-            xs[i] = dot(qs, row);
+    let g = parts.len().min(ends.len()).min(cols.len());
+    let stop = ends[..g].iter().copied().max().unwrap_or(start);
+    if g == 0 || stop <= start {
+        return;
+    }
+    let d = qs.len() / g;
+    // Width of a token row (every kv head); parts read their kv head's run of it.
+    let rw = key(start).len();
+    // The tile's widened rows (K, then V), then each part's TILE scores / weights.
+    scratch.resize(TILE * rw + g * TILE, 0.0);
+    let (rows, xs) = scratch.split_at_mut(TILE * rw);
+    let mut t0 = start;
+    while t0 < stop {
+        let t1 = (t0 + TILE).min(stop);
+        let n = t1 - t0;
+        // Keys of this tile that part j takes (0: its keys ended before the tile).
+        let taken = |j: usize| ends[j].min(t1).saturating_sub(t0);
+        for (i, t) in (t0..t1).enumerate() {
+            V::widen(dt, key(t), &mut rows[i * rw..(i + 1) * rw]);
         }
-        let tile_max = xs[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        p.max_x = p.max_x.max(tile_max);
-        match scheme {
-            SoftmaxScheme::Sync => {
-                if tile_max > p.m {
-                    // The running max grew: rescale what was summed against the old one.
-                    let f = (p.m - tile_max).exp();
-                    p.l *= f;
-                    p.acc.iter_mut().for_each(|a| *a *= f);
-                    p.m = tile_max;
+        for (j, (p, x)) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)).enumerate() {
+            let nj = taken(j);
+            if nj == 0 {
+                continue;
+            }
+            let kv = Strided {
+                rows: &rows[..nj * rw],
+                stride: rw,
+                col: cols[j],
+            };
+            scores::<V>(&qs[j * d..(j + 1) * d], kv, &mut x[..nj]);
+            let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            p.max_x = p.max_x.max(tile_max);
+            match scheme {
+                SoftmaxScheme::Sync => {
+                    if tile_max > p.m {
+                        // The running max grew: rescale what was summed against the old one.
+                        let f = (p.m - tile_max).exp();
+                        p.l *= f;
+                        p.acc.iter_mut().for_each(|a| *a *= f);
+                        p.m = tile_max;
+                    }
+                }
+                SoftmaxScheme::Async { phi, b, .. } => {
+                    p.over |= tile_max - phi > b;
                 }
             }
-            SoftmaxScheme::Async { phi, b, .. } => {
-                p.over |= tile_max - phi > b;
+            // Weights in place, eight lanes at a time; the lanes past nj are never read.
+            let m = V::splat(p.m);
+            let (x8, _) = x[..nj.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
+            for c in x8 {
+                V::load(c).sub(m).exp().store(c);
+            }
+            p.l += x[..nj].iter().sum::<f32>();
+        }
+        for (i, t) in (t0..t1).enumerate() {
+            V::widen(dt, val(t), &mut rows[i * rw..(i + 1) * rw]);
+        }
+        for (j, (p, w)) in parts.iter_mut().zip(xs.chunks_exact(TILE)).enumerate() {
+            let nj = taken(j);
+            let kv = Strided {
+                rows: &rows[..nj * rw],
+                stride: rw,
+                col: cols[j],
+            };
+            weighted_rows::<V>(&w[..nj], kv, &mut p.acc);
+        }
+        debug_assert!(n <= TILE);
+        t0 = t1;
+    }
+}
+
+/// Rows of `stride` values, of which a part reads the run starting at `col` (its kv head's).
+#[derive(Clone, Copy)]
+struct Strided<'r> {
+    rows: &'r [f32],
+    stride: usize,
+    col: usize,
+}
+
+impl<'r> Strided<'r> {
+    #[inline(always)]
+    fn row(&self, i: usize, d: usize) -> &'r [f32] {
+        let at = i * self.stride + self.col;
+        &self.rows[at..at + d]
+    }
+}
+
+/// x[i] = q · row i of `rows` (its run of d = q.len()): eight keys at a time, each its own chain of FMAs
+/// over head_dim (so the FMA latency is hidden without splitting one dot product), the eight
+/// sums reduced together into one vector; the keys past a multiple of eight one at a time.
+#[inline(always)]
+fn scores<V: Vf32>(q: &[f32], rows: Strided, x: &mut [f32]) {
+    let d = q.len();
+    let (q8, q_tail) = q.as_chunks::<LANES>();
+    let dot_tail = |row: &[f32]| -> f32 {
+        let mut s = 0f32;
+        for (a, b) in q_tail.iter().zip(&row[d - q_tail.len()..]) {
+            s = V::madd1(*a, *b, s);
+        }
+        s
+    };
+    let (x8, x_rest) = x.as_chunks_mut::<LANES>();
+    for (blk, xb) in x8.iter_mut().enumerate() {
+        let r: [&[f32]; LANES] = std::array::from_fn(|j| rows.row(blk * LANES + j, d));
+        let mut acc = [V::zero(); LANES];
+        for (c, qc) in q8.iter().enumerate() {
+            let qv = V::load(qc);
+            for (a, row) in acc.iter_mut().zip(&r) {
+                let (k8, _) = row.as_chunks::<LANES>();
+                *a = qv.madd(V::load(&k8[c]), *a);
             }
         }
-        for (i, t) in (start..end).enumerate() {
-            let w = (xs[i] - p.m).exp();
-            p.l += w;
-            V::widen(dt, val(t), row);
-            p.acc.iter_mut().zip(row.iter()).for_each(|(a, &v)| *a += w * v);
+        V::hsum8(acc).store(xb);
+        if !q_tail.is_empty() {
+            for (xv, row) in xb.iter_mut().zip(&r) {
+                *xv += dot_tail(row);
+            }
         }
-        start = end;
     }
+    let done = x8.len() * LANES;
+    for (i, xv) in x_rest.iter_mut().enumerate() {
+        let row = rows.row(done + i, d);
+        let (k8, _) = row.as_chunks::<LANES>();
+        let mut a = V::zero();
+        for (qc, kc) in q8.iter().zip(k8) {
+            a = V::load(qc).madd(V::load(kc), a);
+        }
+        *xv = a.hsum() + dot_tail(row);
+    }
+}
+
+/// acc += Σ_i w[i] · row i of `rows` (its run of d = acc.len()): runs of eight lanes of acc
+/// stay in registers over the whole tile, up to eight at once (head_dim 64 in one pass, 128 in
+/// two), each its own chain of FMAs; the block sizes are constants so that the accumulators
+/// are registers, not an array in memory.
+#[inline(always)]
+fn weighted_rows<V: Vf32>(w: &[f32], rows: Strided, acc: &mut [f32]) {
+    let d = acc.len();
+    let (a8, a_tail) = acc.as_chunks_mut::<LANES>();
+    let mut c0 = 0;
+    while c0 < a8.len() {
+        c0 += match a8.len() - c0 {
+            8.. => runs_block::<V, 8>(w, rows, d, c0, a8),
+            4..=7 => runs_block::<V, 4>(w, rows, d, c0, a8),
+            2 | 3 => runs_block::<V, 2>(w, rows, d, c0, a8),
+            _ => runs_block::<V, 1>(w, rows, d, c0, a8),
+        };
+    }
+    let t0 = d - a_tail.len();
+    for (j, a) in a_tail.iter_mut().enumerate() {
+        for (i, &wi) in w.iter().enumerate() {
+            *a = V::madd1(wi, rows.row(i, d)[t0 + j], *a);
+        }
+    }
+}
+
+/// NC runs of eight lanes of acc from run c0 on (see [`weighted_rows`]); returns NC.
+#[inline(always)]
+fn runs_block<V: Vf32, const NC: usize>(
+    w: &[f32],
+    rows: Strided,
+    d: usize,
+    c0: usize,
+    a8: &mut [[f32; LANES]],
+) -> usize {
+    let mut a: [V; NC] = std::array::from_fn(|r| V::load(&a8[c0 + r]));
+    for (i, &wi) in w.iter().enumerate() {
+        let wv = V::splat(wi);
+        let (v8, _) = rows.row(i, d).as_chunks::<LANES>();
+        let v8 = &v8[c0..c0 + NC];
+        for r in 0..NC {
+            a[r] = wv.madd(V::load(&v8[r]), a[r]);
+        }
+    }
+    for (r, v) in a.iter().enumerate() {
+        v.store(&mut a8[c0 + r]);
+    }
+    NC
 }
 
 /// Merges split partials into (l, acc). Sync partials carry their own max and are rescaled to
@@ -221,37 +361,47 @@ pub fn decode(
         .unwrap_or_else(|| num_splits(bsz, kvh, max_len, compute_units));
     let qf = scaled_q(dt, &q[..bsz * h * d], g.scale());
     let tb = &p.tables;
-    let view = |b: usize, kv_head: usize| SeqView {
+    let view = |b: usize| SeqView {
         layout,
         pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
-        kv_head,
     };
     let split_range = |b: usize, s: usize| {
         let len = tb.seq_len(b);
         let chunk = len.div_ceil(splits);
         (s * chunk).min(len)..((s + 1) * chunk).min(len)
     };
-    // The partials of one (sequence, kv head, split) task: one per query head of the group.
-    let run = |scheme: SoftmaxScheme, b: usize, kv_head: usize, s: usize, heads: Range<usize>| -> Vec<Partial> {
-        let v = view(b, kv_head);
+    // The partials of one (sequence, split) task: one per query head in `heads`, each reading
+    // its kv head's run of the token rows.
+    let run = |scheme: SoftmaxScheme, b: usize, s: usize, heads: Range<usize>| -> Vec<Partial> {
+        let v = view(b);
         let key = |t: usize| v.row(pools.0, t);
         let val = |t: usize| v.row(pools.1, t);
         let mut scratch = Vec::new();
-        heads
-            .map(|head| {
-                let mut part = Partial::empty(d, start_of(scheme));
-                let qs = &qf[(b * h + head) * d..(b * h + head + 1) * d];
-                accumulate(dt, scheme, qs, split_range(b, s), &key, &val, &mut part, &mut scratch);
-                part
-            })
-            .collect()
+        let mut parts: Vec<Partial> = heads.clone().map(|_| Partial::empty(d, start_of(scheme))).collect();
+        let qs = &qf[(b * h + heads.start) * d..(b * h + heads.end) * d];
+        let r = split_range(b, s);
+        let ends = vec![r.end; parts.len()];
+        let cols: Vec<usize> = heads.map(|head| head / grp * d).collect();
+        accumulate(
+            dt,
+            scheme,
+            qs,
+            r.start,
+            &ends,
+            &cols,
+            &key,
+            &val,
+            &mut parts,
+            &mut scratch,
+        );
+        parts
     };
-    let tasks: Vec<Vec<Partial>> = (0..bsz * kvh * splits)
+    // Splits as the shared rule counts them for (sequence, kv head) items; one CPU task per
+    // (sequence, split) serves every head, so that each task reads whole token rows.
+    let tasks: Vec<Vec<Partial>> = (0..bsz * splits)
         .into_par_iter()
-        .map(|i| {
-            let (b, kv_head, s) = (i / (kvh * splits), (i / splits) % kvh, i % splits);
-            run(p.scheme, b, kv_head, s, kv_head * grp..(kv_head + 1) * grp)
-        })
+        .with_max_len(1)
+        .map(|i| run(p.scheme, i / splits, i % splits, 0..h))
         .collect();
     // Combine: one task per row.
     let recomputed: usize = out[..bsz * h * d]
@@ -259,16 +409,13 @@ pub fn decode(
         .enumerate()
         .map(|(row, o)| {
             let (b, head) = (row / h, row % h);
-            let kv_head = head / grp;
-            let parts: Vec<&Partial> = (0..splits)
-                .map(|s| &tasks[(b * kvh + kv_head) * splits + s][head % grp])
-                .collect();
+            let parts: Vec<&Partial> = (0..splits).map(|s| &tasks[b * splits + s][head]).collect();
             let (res, again) = match combine(p.scheme, &parts, d) {
                 Some(r) => (r, 0),
                 None => {
                     // Flagged by the async scheme: the whole row again with the sync scheme.
                     let redo: Vec<Partial> = (0..splits)
-                        .map(|s| run(SoftmaxScheme::Sync, b, kv_head, s, head..head + 1).remove(0))
+                        .map(|s| run(SoftmaxScheme::Sync, b, s, head..head + 1).remove(0))
                         .collect();
                     let refs: Vec<&Partial> = redo.iter().collect();
                     (
@@ -323,35 +470,57 @@ pub fn prefill(
         .flat_map(|(b, &(_, _, n))| std::iter::repeat_n(b, n))
         .collect();
     let tb = &p.tables;
-    let recomputed: usize = out[..tokens * h * d]
-        .par_chunks_mut(h * d)
-        .enumerate()
-        .map(|(tok, o)| {
-            let b = seq_of[tok];
+    // One task per block of up to PREFILL_BLOCK consecutive tokens of one sequence: for each kv
+    // head, the block's tokens × the group's heads read the same K/V rows (causal: token i stops
+    // at its own position), so each tile of keys is widened once for all of them.
+    let blocks: Vec<(usize, usize)> = spans
+        .iter()
+        .flat_map(|&(row0, _, n)| {
+            (0..n.div_ceil(PREFILL_BLOCK))
+                .map(move |i| (row0 + i * PREFILL_BLOCK, row0 + ((i + 1) * PREFILL_BLOCK).min(n)))
+        })
+        .collect();
+    let mut outs: Vec<&mut [u16]> = Vec::with_capacity(blocks.len());
+    let mut rest = &mut out[..tokens * h * d];
+    for &(a, z) in &blocks {
+        let (head, tail) = rest.split_at_mut((z - a) * h * d);
+        outs.push(head);
+        rest = tail;
+    }
+    let recomputed: usize = outs
+        .into_par_iter()
+        .zip(blocks.par_iter())
+        .with_max_len(1)
+        .map(|(o, &(a, z))| {
+            let b = seq_of[a];
             let (row0, prefix, _) = spans[b];
-            let keys = 0..prefix + (tok - row0) + 1;
-            let pages = &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages];
+            let v = SeqView {
+                layout,
+                pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
+            };
+            let key = |t: usize| v.row(kp, t);
+            let val = |t: usize| v.row(vp, t);
+            let nt = z - a;
             let mut scratch = Vec::new();
             let mut again = 0;
-            for (head, oh) in o.chunks_exact_mut(d).enumerate() {
-                let v = SeqView {
-                    layout,
-                    pages,
-                    kv_head: head / grp,
-                };
-                let key = |t: usize| v.row(kp, t);
-                let val = |t: usize| v.row(vp, t);
-                let qs = &qf[(tok * h + head) * d..(tok * h + head + 1) * d];
-                let one = |scheme: SoftmaxScheme, scratch: &mut Vec<f32>| {
-                    let mut part = Partial::empty(d, start_of(scheme));
-                    accumulate(dt, scheme, qs, keys.clone(), &key, &val, &mut part, scratch);
-                    combine(scheme, &[&part], d)
-                };
-                let res = match one(p.scheme, &mut scratch) {
+            // Part j = (token a + j / h, head j % h): q and the output row are at j·d of the
+            // block's rows; its keys end after the token's own position.
+            let ends: Vec<usize> = (0..nt * h).map(|j| prefix + (a + j / h - row0) + 1).collect();
+            let cols: Vec<usize> = (0..nt * h).map(|j| j % h / grp * d).collect();
+            let qs = &qf[a * h * d..z * h * d];
+            let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
+            accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+            for (j, (part, oh)) in parts.iter().zip(o.chunks_exact_mut(d)).enumerate() {
+                let res = match combine(p.scheme, &[part], d) {
                     Some(r) => r,
                     None => {
+                        // Flagged by the async scheme: this row again with the sync one.
                         again += 1;
-                        one(SoftmaxScheme::Sync, &mut scratch).unwrap_or((1.0, vec![f32::NAN; d]))
+                        let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
+                        let q = &qs[j * d..(j + 1) * d];
+                        let (e, c) = (&ends[j..j + 1], &cols[j..j + 1]);
+                        accumulate(dt, SoftmaxScheme::Sync, q, 0, e, c, &key, &val, &mut redo, &mut scratch);
+                        combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
                     }
                 };
                 write_row(dt, &res, oh);
@@ -396,9 +565,20 @@ mod tests {
         let parts: Vec<Partial> = splits
             .iter()
             .map(|r| {
-                let mut p = Partial::empty(D, start_of(scheme));
-                accumulate(DType::F16, scheme, &q, r.clone(), &key, &val, &mut p, &mut scratch);
-                p
+                let mut p = [Partial::empty(D, start_of(scheme))];
+                accumulate(
+                    DType::F16,
+                    scheme,
+                    &q,
+                    r.start,
+                    &[r.end],
+                    &[0],
+                    &key,
+                    &val,
+                    &mut p,
+                    &mut scratch,
+                );
+                p.into_iter().next().expect("one partial")
             })
             .collect();
         let refs: Vec<&Partial> = parts.iter().collect();
@@ -408,6 +588,105 @@ mod tests {
 
     fn normalised((l, acc): (f32, Vec<f32>)) -> Vec<f32> {
         acc.iter().map(|a| a / l).collect()
+    }
+
+    /// The grouped accumulate against an f64 softmax, at odd head dims (vector tails), part
+    /// counts, key counts (tile tails, the eight-key step's tail), range offsets and per-part
+    /// key ends, over token rows of three kv heads (each part reads its own run), in the AVX2
+    /// and the portable build, with both schemes.
+    #[test]
+    fn grouped_accumulate_matches_f64_at_odd_sizes_in_every_build() {
+        use crate::backend::cpu::simd::Portable;
+        use crate::dtype::random_bits;
+        let dt = DType::F16;
+        let mut seed = 1;
+        for d in [8, 20, 64] {
+            for g in [1, 3, 5] {
+                for (r0, len) in [(0, 1), (3, 7), (1, 33), (5, 70)] {
+                    seed += 1;
+                    let total = r0 + len;
+                    // Token rows of KVH kv heads; part h reads kv head h % KVH.
+                    const KVH: usize = 3;
+                    let rw = KVH * d;
+                    let k = random_bits(dt, total * rw, 1.0, seed);
+                    let v = random_bits(dt, total * rw, 1.0, seed + 1000);
+                    let qb = random_bits(dt, g * d, 1.0, seed + 2000);
+                    let mut q = vec![0f32; g * d];
+                    dt.widen(&qb, &mut q);
+                    q.iter_mut().for_each(|x| *x *= 0.7);
+                    let key = |t: usize| &k[t * rw..(t + 1) * rw];
+                    let val = |t: usize| &v[t * rw..(t + 1) * rw];
+                    let cols: Vec<usize> = (0..g).map(|h| h % KVH * d).collect();
+                    let wide = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| dt.to_f32(x) as f64).collect() };
+                    let want: Vec<Vec<f64>> = (0..g)
+                        .map(|h| {
+                            let qh = &q[h * d..(h + 1) * d];
+                            let total = total - h.min(len - 1);
+                            let c = cols[h];
+                            let xs: Vec<f64> = (r0..total)
+                                .map(|t| wide(&key(t)[c..c + d]).iter().zip(qh).map(|(a, &b)| a * b as f64).sum())
+                                .collect();
+                            let m = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let w: Vec<f64> = xs.iter().map(|x| (x - m).exp()).collect();
+                            let l: f64 = w.iter().sum();
+                            (0..d)
+                                .map(|j| {
+                                    (r0..total)
+                                        .zip(&w)
+                                        .map(|(t, p)| p * wide(&val(t)[c..c + d])[j])
+                                        .sum::<f64>()
+                                        / l
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let schemes = [
+                        SoftmaxScheme::Sync,
+                        SoftmaxScheme::Async {
+                            phi: 0.0,
+                            a: -60.0,
+                            b: 20.0,
+                        },
+                    ];
+                    for scheme in schemes {
+                        for portable in [false, true] {
+                            let mut parts: Vec<Partial> = (0..g).map(|_| Partial::empty(d, start_of(scheme))).collect();
+                            // Poisoned scratch: nothing may read what the kernel did not write.
+                            let mut scratch = vec![f32::NAN; 7];
+                            // Part h stops h keys early (the causal prefill case), except
+                            // part 0, which takes them all (the decode case).
+                            let ends: Vec<usize> = (0..g).map(|h| total - h.min(len - 1)).collect();
+                            if portable {
+                                accumulate_generic::<Portable>(
+                                    dt,
+                                    scheme,
+                                    &q,
+                                    r0,
+                                    &ends,
+                                    &cols,
+                                    &key,
+                                    &val,
+                                    &mut parts,
+                                    &mut scratch,
+                                );
+                            } else {
+                                accumulate(dt, scheme, &q, r0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+                            }
+                            for (h, part) in parts.iter().enumerate() {
+                                let got = normalised(combine(scheme, &[part], d).expect("inside the window"));
+                                for (j, (x, y)) in got.iter().zip(&want[h]).enumerate() {
+                                    assert!(
+                                        (*x as f64 - y).abs() < 2e-5,
+                                        "d {d} g {g} keys {r0}..{total} {} portable {portable} head {h} dim {j}: {x} vs {y}",
+                                        scheme.label()
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -7,7 +7,8 @@
 
 use rayon::prelude::*;
 
-use super::{simd, CpuBuffer};
+use super::simd::{self, load16, multiversion, Vf32, LANES};
+use super::CpuBuffer;
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::paged::{write_tokens, PagedKv};
@@ -78,25 +79,67 @@ pub fn add_rmsnorm(
         .zip(out.data[..n].par_chunks_mut(h))
         .enumerate()
         .for_each_init(
-            || (vec![0f32; h], vec![0f32; h]),
-            |(x, dx), (r, (res, o))| {
-                simd::widen(dt, res, x);
-                if let Some(d) = delta {
-                    simd::widen(dt, &d[r * h..(r + 1) * h], dx);
-                    // The sum is stored in the dtype and the norm reads the stored value, as HF
-                    // keeps the residual stream in the model's dtype.
-                    for ((xv, &dv), rv) in x.iter_mut().zip(dx.iter()).zip(res.iter_mut()) {
-                        *rv = dt.from_f32(*xv + dv);
-                        *xv = dt.to_f32(*rv);
-                    }
-                }
-                let inv = 1.0 / (sum_squares(x) / h as f32 + p.eps).sqrt();
-                for ((ov, &xv), &wv) in o.iter_mut().zip(x.iter()).zip(&w) {
-                    *ov = dt.from_f32(xv * inv * wv);
-                }
+            || vec![0f32; h],
+            |x, (r, (res, o))| {
+                let d = delta.map(|d| &d[r * h..(r + 1) * h]);
+                rms_row(dt, p.eps, res, d, &w, x, o);
             },
         );
     Ok(())
+}
+
+multiversion! {
+    /// One row of [`add_rmsnorm`], eight lanes at a time (widening and rounding in registers
+    /// where the CPU has F16C: the scalar per-element rounding of `half` was most of the op's
+    /// time). `x` is scratch of the row's length.
+    fn rms_row(dt: DType, eps: f32, res: &mut [u16], delta: Option<&[u16]>, w: &[f32], x: &mut [f32], o: &mut [u16]) => rms_row_generic
+}
+
+#[inline(always)]
+fn rms_row_generic<V: Vf32>(
+    dt: DType,
+    eps: f32,
+    res: &mut [u16],
+    delta: Option<&[u16]>,
+    w: &[f32],
+    x: &mut [f32],
+    o: &mut [u16],
+) {
+    let h = res.len();
+    let x = &mut x[..h];
+    V::widen(dt, res, x);
+    if let Some(d) = delta {
+        // The sum is stored in the dtype and the norm reads the stored value, as HF keeps the
+        // residual stream in the model's dtype.
+        let (x8, x_tail) = x.as_chunks_mut::<LANES>();
+        let (d8, d_tail) = d[..h].as_chunks::<LANES>();
+        let (r8, r_tail) = res.as_chunks_mut::<LANES>();
+        for ((xc, dc), rc) in x8.iter_mut().zip(d8).zip(r8) {
+            V::load(xc).add(load16::<V>(dt, dc)).store_narrow(dt, rc);
+            load16::<V>(dt, rc).store(xc);
+        }
+        for ((xv, &dv), rv) in x_tail.iter_mut().zip(d_tail).zip(r_tail) {
+            *rv = dt.from_f32(*xv + dt.to_f32(dv));
+            *xv = dt.to_f32(*rv);
+        }
+    }
+    let (x8, x_tail) = x.as_chunks::<LANES>();
+    let mut acc = V::zero();
+    for c in x8 {
+        let v = V::load(c);
+        acc = v.madd(v, acc);
+    }
+    let ss = acc.hsum() + x_tail.iter().map(|v| v * v).sum::<f32>();
+    let inv = 1.0 / (ss / h as f32 + eps).sqrt();
+    let (w8, w_tail) = w[..h].as_chunks::<LANES>();
+    let (o8, o_tail) = o[..h].as_chunks_mut::<LANES>();
+    let vi = V::splat(inv);
+    for ((xc, wc), oc) in x8.iter().zip(w8).zip(o8) {
+        V::load(xc).mul(vi).mul(V::load(wc)).store_narrow(dt, oc);
+    }
+    for ((ov, &xv), &wv) in o_tail.iter_mut().zip(x_tail).zip(w_tail) {
+        *ov = dt.from_f32(xv * inv * wv);
+    }
 }
 
 /// Σ x² in f32 with eight independent running sums (one per lane of a vector), reduced
@@ -172,31 +215,33 @@ pub fn qkv_rope(
                     *c = theta.cos();
                     *s = theta.sin();
                 }
-                let (xq, rest) = x.split_at(qw);
-                let (xk, xv) = rest.split_at(kw);
-                rotate_heads(dt, p.layout, d, xq, cos, sin, qo);
-                rotate_heads(dt, p.layout, d, xk, cos, sin, ko);
-                dt.narrow(xv, vo);
+                let (xq, rest) = x.split_at_mut(qw);
+                let (xk, xv) = rest.split_at_mut(kw);
+                rotate_heads(p.layout, d, xq, cos, sin);
+                rotate_heads(p.layout, d, xk, cos, sin);
+                simd::narrow(dt, xq, qo);
+                simd::narrow(dt, xk, ko);
+                simd::narrow(dt, xv, vo);
             },
         );
     Ok(())
 }
 
-/// RoPE of every head of `x` (heads of `d` elements) into `out`: pair i (i < cos.len()) is
+/// RoPE of every head of `x` (heads of `d` elements) in place: pair i (i < cos.len()) is
 /// (i, i + R/2) in the rotate-half layout or (2i, 2i + 1) interleaved, R = 2·cos.len(); the
-/// elements from R on pass through.
-fn rotate_heads(dt: DType, layout: RopeLayout, d: usize, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [u16]) {
+/// elements from R on are left as they are. The caller rounds the whole row at once.
+fn rotate_heads(layout: RopeLayout, d: usize, x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
-    for (xh, oh) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+    for xh in x.chunks_exact_mut(d) {
         for i in 0..half {
             let (a, b) = match layout {
                 RopeLayout::Half => (i, i + half),
                 RopeLayout::Interleaved => (2 * i, 2 * i + 1),
             };
-            oh[a] = dt.from_f32(xh[a] * cos[i] - xh[b] * sin[i]);
-            oh[b] = dt.from_f32(xh[b] * cos[i] + xh[a] * sin[i]);
+            let (xa, xb) = (xh[a], xh[b]);
+            xh[a] = xa * cos[i] - xb * sin[i];
+            xh[b] = xb * cos[i] + xa * sin[i];
         }
-        dt.narrow(&xh[2 * half..], &mut oh[2 * half..]);
     }
 }
 
@@ -220,12 +265,34 @@ pub fn silu_mul(p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> 
                 let n = oc.len();
                 simd::widen(dt, &gate_up.data[at..at + n], &mut gf[..n]);
                 simd::widen(dt, &gate_up.data[at + inter..at + inter + n], &mut uf[..n]);
-                for ((o, &g), &u) in oc.iter_mut().zip(gf.iter()).zip(uf.iter()) {
-                    *o = dt.from_f32(g / (1.0 + (-g).exp()) * u);
-                }
+                silu_mul_run(dt, &gf[..n], &uf[..n], oc);
             },
         );
     Ok(())
+}
+
+multiversion! {
+    /// o = silu(g) · u rounded, eight lanes at a time with the vector exp of simd.rs (a scalar
+    /// `exp` and rounding per element were the op's time).
+    fn silu_mul_run(dt: DType, g: &[f32], u: &[f32], o: &mut [u16]) => silu_mul_run_generic
+}
+
+#[inline(always)]
+fn silu_mul_run_generic<V: Vf32>(dt: DType, g: &[f32], u: &[f32], o: &mut [u16]) {
+    let n = o.len();
+    let (g8, g_tail) = g[..n].as_chunks::<LANES>();
+    let (u8s, u_tail) = u[..n].as_chunks::<LANES>();
+    let (o8, o_tail) = o.as_chunks_mut::<LANES>();
+    let (zero, one) = (V::zero(), V::splat(1.0));
+    for ((gc, uc), oc) in g8.iter().zip(u8s).zip(o8) {
+        let gv = V::load(gc);
+        gv.div(one.add(zero.sub(gv).exp()))
+            .mul(V::load(uc))
+            .store_narrow(dt, oc);
+    }
+    for ((ov, &gv), &uv) in o_tail.iter_mut().zip(g_tail).zip(u_tail) {
+        *ov = dt.from_f32(gv / (1.0 + (-gv).exp()) * uv);
+    }
 }
 
 /// Outputs per task of [`silu_mul`].
@@ -456,3 +523,101 @@ pub fn scale_cols(w: &mut CpuBuffer, scale: &CpuBuffer, rows: usize, cols: usize
 
 /// Elements per task of [`fill_random`].
 const FILL_CHUNK: usize = 1 << 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::simd::Portable;
+    use crate::dtype::random_bits;
+
+    fn wide(dt: DType, b: &[u16]) -> Vec<f64> {
+        b.iter().map(|&x| dt.to_f32(x) as f64).collect()
+    }
+
+    /// One rounding of the 16-bit type, relative, plus a little for the f32 arithmetic.
+    fn close(dt: DType, got: u16, want: f64) -> bool {
+        let ulp = match dt {
+            DType::F16 => 1.0 / 1024.0,
+            DType::Bf16 => 1.0 / 128.0,
+        };
+        (dt.to_f32(got) as f64 - want).abs() <= ulp * want.abs() + 1e-6
+    }
+
+    #[test]
+    fn rms_row_matches_f64_at_odd_sizes_in_every_build() {
+        for dt in [DType::F16, DType::Bf16] {
+            for (i, h) in [1usize, 7, 8, 13, 64, 577].into_iter().enumerate() {
+                let seed = 40 + i as u64;
+                let res0 = random_bits(dt, h, 2.0, seed);
+                let delta = random_bits(dt, h, 1.0, seed + 100);
+                let wb = random_bits(dt, h, 1.5, seed + 200);
+                let mut w = vec![0f32; h];
+                dt.widen(&wb, &mut w);
+                let eps = 1e-5;
+                for with_delta in [false, true] {
+                    // The stored residual: the sum rounded once (or the input as it was).
+                    let stored: Vec<u16> = if with_delta {
+                        res0.iter()
+                            .zip(&delta)
+                            .map(|(&a, &b)| dt.from_f32(dt.to_f32(a) + dt.to_f32(b)))
+                            .collect()
+                    } else {
+                        res0.clone()
+                    };
+                    let x = wide(dt, &stored);
+                    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps as f64).sqrt();
+                    for portable in [false, true] {
+                        let mut res = res0.clone();
+                        let mut out = vec![dt.poison(); h];
+                        let mut scratch = vec![f32::NAN; h];
+                        let d = with_delta.then_some(delta.as_slice());
+                        if portable {
+                            rms_row_generic::<Portable>(dt, eps, &mut res, d, &w, &mut scratch, &mut out);
+                        } else {
+                            rms_row(dt, eps, &mut res, d, &w, &mut scratch, &mut out);
+                        }
+                        assert_eq!(res, stored, "{dt} h {h} residual");
+                        for (j, &o) in out.iter().enumerate() {
+                            let want = x[j] * inv * w[j] as f64;
+                            assert!(
+                                close(dt, o, want),
+                                "{dt} h {h} delta {with_delta} portable {portable} [{j}]: {} vs {want}",
+                                dt.to_f32(o)
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_run_matches_f64_at_odd_sizes_in_every_build() {
+        for dt in [DType::F16, DType::Bf16] {
+            for (i, n) in [1usize, 9, 16, 23, 1537].into_iter().enumerate() {
+                let gb = random_bits(dt, n, 12.0, 70 + i as u64);
+                let ub = random_bits(dt, n, 3.0, 80 + i as u64);
+                let (mut g, mut u) = (vec![0f32; n], vec![0f32; n]);
+                dt.widen(&gb, &mut g);
+                dt.widen(&ub, &mut u);
+                for portable in [false, true] {
+                    let mut out = vec![dt.poison(); n];
+                    if portable {
+                        silu_mul_run_generic::<Portable>(dt, &g, &u, &mut out);
+                    } else {
+                        silu_mul_run(dt, &g, &u, &mut out);
+                    }
+                    for (j, &o) in out.iter().enumerate() {
+                        let (gv, uv) = (g[j] as f64, u[j] as f64);
+                        let want = gv / (1.0 + (-gv).exp()) * uv;
+                        assert!(
+                            close(dt, o, want),
+                            "{dt} n {n} portable {portable} [{j}]: {} vs {want}",
+                            dt.to_f32(o)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
