@@ -240,12 +240,26 @@ __device__ __forceinline__ void tc_step(TcPart& p, const uint4 (&qf)[TC_KC], con
     }
 }
 
+// Steps of the team whose first key is b0 over keys [t0, t1). At d256 every team takes as many
+// steps as team 0 (the first keys, so the most), the extra one masked: its keys lie past t1, so
+// tc_page reads row t1 − 1 again and the scores are −inf. The partners' named barriers then pair
+// up in every warp of the block the same number of times: with teams one exchange apart,
+// compute-sanitizer's racecheck reported hazards between tc_store's writes and block_sum's reads
+// across the __syncthreads between them (H200, session 14: only where the teams' counts
+// differed, and no check case ever failed), and the masked step costs no time (team 0 is still
+// on its last step).
+template <int STEP>
+__device__ __forceinline__ int tc_steps(int b0, int t0, int t1) {
+    const int from = TC_SPLIT > 1 ? t0 : b0;
+    return from < t1 ? (t1 - from + STEP - 1) / STEP : 0;
+}
+
 // Keys [t0, t1) into the warp's state: team w (the warp, or at d256 a pair of warps) takes keys
 // t0 + 16w + 16·teams·i. AHEAD (the latency path): the page ids of the warp's next step are
 // requested while this step's K/V rows are in flight, one dependent round trip per step instead
 // of two; else (the bandwidth path) a page id, then K/V, per step. The trip count is uniform
-// within a team (shuffles and mma need whole warps, the exchange both warps of a team); teams
-// may differ.
+// within a team (shuffles and mma need whole warps, the exchange both warps of a team); at d64
+// and d128 teams may differ, at d256 they don't (tc_steps).
 template <int NT, bool AHEAD>
 __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
@@ -259,14 +273,15 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
     const size_t row_elems = (size_t)G * D;
     const u16* kb = kp + (size_t)kvh * D + TC_DW * tc_half() + 8 * t;
     const u16* vb = vp + (size_t)kvh * D + TC_DW * tc_half() + 8 * t;
-    int base = t0 + 16 * tc_team();
+    const int b0 = t0 + 16 * tc_team(), n = tc_steps<STEP>(b0, t0, t1);
     int parity = 0;
     int pa = 0, sa = 0, pb = 0, sb = 0;
-    if (AHEAD && base < t1) {
-        tc_page(pa, sa, pages, page_size, base + g, t1);
-        tc_page(pb, sb, pages, page_size, base + g + 8, t1);
+    if (AHEAD && n > 0) {
+        tc_page(pa, sa, pages, page_size, b0 + g, t1);
+        tc_page(pb, sb, pages, page_size, b0 + g + 8, t1);
     }
-    for (; base < t1; base += STEP) {
+    for (int i = 0; i < n; ++i) {
+        const int base = b0 + i * STEP;
         const bool oka = base + g < t1, okb = base + g + 8 < t1;
         if (!AHEAD) {
             tc_page(pa, sa, pages, page_size, base + g, t1);
@@ -275,7 +290,7 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
         uint4 ka[TC_KC], va[TC_KC], kb2[TC_KC], vb2[TC_KC];
         tc_load_row(ka, va, kb, vb, pa, sa, page_size, row_elems);
         tc_load_row(kb2, vb2, kb, vb, pb, sb, page_size, row_elems);
-        if (AHEAD && base + STEP < t1) {
+        if (AHEAD && i + 1 < n) {
             tc_page(pa, sa, pages, page_size, base + STEP + g, t1);
             tc_page(pb, sb, pages, page_size, base + STEP + g + 8, t1);
         }
@@ -480,8 +495,7 @@ __device__ __forceinline__ void tcs_accumulate(TcPart& p, const u32 (&qn)[TC_DW 
     const size_t row_elems = (size_t)G * D;
     const u16* kb = kp + (size_t)kvh * D + TC_DW * tc_half();
     const u16* vb = vp + (size_t)kvh * D + TC_DW * tc_half();
-    const int b0 = t0 + 16 * tc_team();
-    const int n = b0 < t1 ? (t1 - b0 + STEP - 1) / STEP : 0;
+    const int b0 = t0 + 16 * tc_team(), n = tc_steps<STEP>(b0, t0, t1);
     // Page and slot of keys g, g + 8 of the next step to copy, looked up a step early.
     int pa = 0, sa = 0, pb = 0, sb = 0;
     if (n > 0) {

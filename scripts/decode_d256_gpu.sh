@@ -4,7 +4,8 @@
 #   a. Correctness: `fdpp check --backend cuda --op attention` (the full list: every ratio of the
 #      tensor-core pass at d64/d128/d256, odd kv_lens, ragged batches, forced recomputes, long
 #      contexts), then the d256 cases again with `decode_tc=1` (ratio 1 on the tensor-core pass
-#      too) and with fresh inputs (another seed). Outputs are poisoned with a guard behind them.
+#      too), with `decode_tc=0` (the CUDA-core pass) and with fresh inputs (another seed).
+#      Outputs are poisoned with a guard behind them.
 #   b. compute-sanitizer memcheck, racecheck and synccheck on small reference-checked bench calls
 #      that run the d256 tensor-core entries: the latency path (batch 1-3, short splits, async),
 #      the bandwidth path at 4 and 8 heads per block, ratio 5 (a partial chunk of the team), both
@@ -55,6 +56,12 @@ if has check; then
         echo "check --case d256 decode_tc=1: FAILED"; fail=1
     fi
     tail -n 3 "$OUT/check-d256-tc1.err"
+    stamp "== (a) the d256 cases with decode_tc=0 (the CUDA-core pass, which auto no longer takes for GQA)"
+    if ! timeout 600 "$FDPP" check --backend cuda --op attention --case d256 --set decode_tc=0 --format csv \
+        >"$OUT/check-d256-tc0.csv" 2>"$OUT/check-d256-tc0.err"; then
+        echo "check --case d256 decode_tc=0: FAILED"; fail=1
+    fi
+    tail -n 3 "$OUT/check-d256-tc0.err"
     SEED2=$(( (RANDOM << 15) | RANDOM ))
     stamp "== (a) the d256 cases with fresh inputs (seed $SEED2)"
     if ! timeout 600 "$FDPP" check --backend cuda --op attention --case d256 --seed "$SEED2" --set decode_tc=1 --format csv \

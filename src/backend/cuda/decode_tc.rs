@@ -5,10 +5,10 @@
 //! and the CUDA-core pass is issue-bound above two heads per block (reports/NOTES.md, sessions 9
 //! and 10). So by default (`decode_tc=auto`) grouped decode at head_dim ≤ 128 takes the
 //! tensor-core pass with up to 8 heads per block, and MHA (one head per block, where the
-//! CUDA-core kernel streams at ~3 TB/s) keeps the CUDA-core pass. At head_dim 256 the pass exists
-//! since session 13 (two warps per key step, one per half of the dims; the CUDA-core pass there
-//! ran at 165 registers and 0.74-0.86x SDPA) but runs only with `decode_tc=1` until it has run on
-//! a GPU ([`TC_AUTO_MAX_HEAD_DIM`]). `decode_tc=0`
+//! CUDA-core kernel streams at ~3 TB/s) keeps the CUDA-core pass. Since session 14 that includes
+//! head_dim 256 (two warps per key step, one per half of the dims): on the H200 it ran GQA 32/8 and
+//! 16/4 at 1.19-1.32x SDPA where the CUDA-core pass ran at 0.67-0.82x (reports/NOTES.md, session
+//! 14). `decode_tc=0`
 //! is the CUDA-core pass with at most 4 heads per block (the kernels of session 10), `decode_tc=1`
 //! the tensor-core pass wherever it exists (also at one head per block), so that one binary can
 //! time both.
@@ -38,11 +38,6 @@ fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
         )),
     }
 }
-
-/// The largest head_dim `decode_tc=auto` runs on the tensor-core pass. The pass is built up to
-/// [`TC_MAX_HEAD_DIM`] (256 since session 13), but at 256 it has not run on a GPU yet: until
-/// `scripts/decode_d256_gpu.sh` has checked and timed it, d256 takes it only with `decode_tc=1`.
-const TC_AUTO_MAX_HEAD_DIM: usize = 128;
 
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,8 +72,7 @@ impl TcMode {
     pub fn max_heads_per_block(self, head_dim: usize) -> usize {
         let tc = match self {
             TcMode::Off => false,
-            TcMode::On => head_dim <= TC_MAX_HEAD_DIM,
-            TcMode::Auto => head_dim <= TC_AUTO_MAX_HEAD_DIM,
+            TcMode::On | TcMode::Auto => head_dim <= TC_MAX_HEAD_DIM,
         };
         if tc {
             TC_MAX_HEADS_PER_BLOCK
@@ -94,7 +88,7 @@ impl TcMode {
             && match self {
                 TcMode::Off => false,
                 TcMode::On => true,
-                TcMode::Auto => hg >= 2 && head_dim <= TC_AUTO_MAX_HEAD_DIM,
+                TcMode::Auto => hg >= 2,
             }
     }
 }
@@ -161,16 +155,16 @@ mod tests {
                 "group {group}"
             );
         }
-        // head_dim 256 runs the pass only when asked for until the GPU has checked it.
-        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && !auto.uses_tc(256, 4) && !auto.uses_tc(256, 1));
+        // head_dim 256 takes the pass by default too (session 14), MHA still the CUDA-core one.
+        assert!(!auto.uses_tc(128, 1) && auto.uses_tc(64, 2) && auto.uses_tc(256, 4) && !auto.uses_tc(256, 1));
         assert!(TcMode::On.uses_tc(128, 1) && TcMode::On.uses_tc(256, 1) && !TcMode::Off.uses_tc(128, 8));
         assert!(!TcMode::Off.uses_tc(256, 4));
         assert_eq!(TcMode::Off.max_heads_per_block(128), 4);
         assert_eq!(TcMode::Off.max_heads_per_block(256), 4);
-        // head_dim 256 (session 13) with the pass asked for: ratios 5-8 in one block, as at 64
-        // and 128; under auto, session 12's CUDA-core blocks of at most 4.
+        // head_dim 256 on the pass (asked for, or by default since session 14): ratios 5-8 in one
+        // block, as at 64 and 128.
         assert_eq!(TcMode::On.max_heads_per_block(256), 8);
         assert_eq!(attn_heads_per_block_max(8, TcMode::On.max_heads_per_block(256)), 8);
-        assert_eq!(auto.max_heads_per_block(256), 4);
+        assert_eq!(auto.max_heads_per_block(256), 8);
     }
 }
