@@ -10,12 +10,13 @@
 #      --tp each rank draws its own shard.
 #   3. A rank made to fail mid-run (`--set tp_fail_at=1:40`): every rank must stop with its
 #      error, well inside the timeout (no rank left waiting in NCCL).
-#   4. The opt-in fast paths at --tp $TP: `--set tp_graphs=1` (the all-reduces captured in the
-#      decode graph), `--set tp_fused=1` (the fused decode layer, the residual all-reduced), both,
-#      and `tp_vocab=0` (the head replicated): tokens against --tp 1 on llama-gqa.
+#   4. The default fast paths turned off at --tp $TP: `--set tp_graphs=0` (the all-reduces run
+#      eagerly, no decode graph), `--set tp_fused=0` (the unfused decode layer), both, and
+#      `tp_vocab=0` (the head replicated): tokens against --tp 1 on llama-gqa. (Step 2 runs the
+#      defaults: graphs with the collectives captured, the fused layer, the vocabulary split.)
 #   5. Speed: `bench e2e` on $BENCH_MODEL (default llama2-13b) with random fp16 weights, batch 1
 #      and 32, at --tp 1 (unless BENCH_TP1=0: a model one GPU cannot hold) and --tp $TP, then
-#      --tp $TP with tp_graphs=1 tp_fused=1. Each bench's exit status and seconds are printed.
+#      --tp $TP with tp_graphs=0 tp_fused=0 (eager). Each bench's exit status and seconds are printed.
 #      BENCH=0 skips the benches. TUNE=1 first runs `fdpp tune --model $BENCH_MODEL --tp $TP`
 #      (the per-rank shapes, one GPU) and adds a bench at --tp $TP with that profile.
 #
@@ -94,7 +95,7 @@ else
 fi
 
 echo "== --tp $TP switches: tokens against --tp 1 (llama-gqa)"
-for sets in "tp_graphs=1" "tp_fused=1" "tp_graphs=1 tp_fused=1" "tp_vocab=0"; do
+for sets in "tp_graphs=0" "tp_fused=0" "tp_graphs=0 tp_fused=0" "tp_vocab=0"; do
     tag="${sets// /_}"; tag="${tag//=/}"
     args=(); for kv in $sets; do args+=(--set "$kv"); done
     if gen llama-gqa "$TP" "$tag" "${args[@]}"; then
@@ -119,7 +120,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     echo "== bench e2e $BENCH_MODEL random fp16, batch 1 and 32"
     [ "${BENCH_TP1:-1}" = 1 ] && bench tp1 1
     bench "tp$TP" "$TP"
-    bench "tp$TP-fast" "$TP" --set tp_graphs=1 --set tp_fused=1
+    bench "tp$TP-eager" "$TP" --set tp_graphs=0 --set tp_fused=0
     if [ "${TUNE:-0}" = 1 ]; then
         t0=$(date +%s)
         timeout "${TUNE_TIMEOUT:-400}" "$FDPP" tune --model "$BENCH_MODEL" --tp "$TP" --backend cuda \

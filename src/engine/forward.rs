@@ -31,8 +31,9 @@
 //! slice of the vocabulary (Megatron's vocabulary-parallel layers): the lookup is all-reduced
 //! (zeros from the ranks without the id) and the slices' logits all-gathered, so every rank
 //! samples from the same full row (`tp_vocab=0`, or a vocabulary the ranks do not divide: both
-//! are replicated and rank 0's logits broadcast). The fused layer and the decode graphs stay off
-//! with tp unless `tp_fused` / `tp_graphs` turn them on ([`Model::set_comm`]).
+//! are replicated and rank 0's logits broadcast). With tp the fused layer and the decode graphs
+//! (the collectives captured) are on by default since session 14; `tp_fused=0` / `tp_graphs=0`
+//! turn them off ([`Model::set_comm`]).
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -277,9 +278,10 @@ impl<'b, B: Backend> Model<'b, B> {
         let tables = self.block_tables(kv, seqs, graphs)?;
         let gemms = self.linears.step(t, inp.wanted_rows.len().max(1));
         // The fused layer adds O and FFN2 into the residual inside the GEMV. With tp that needs
-        // the residual itself all-reduced (`residual_out`), which `tp_fused` turns on; else
-        // the layers run unfused and the O/FFN2 outputs are reduced before the norm's add.
-        let tp_fused = self.comm.is_none() || crate::run_config::get().set_on(Key::TpFused);
+        // the residual itself all-reduced (`residual_out`), as `tp_fused` (default on since
+        // session 14) does; with tp_fused=0 the layers run unfused and the O/FFN2 outputs are
+        // reduced before the norm's add.
+        let tp_fused = self.comm.is_none() || crate::run_config::get().on(Key::TpFused);
         let fused = self.folded && tp_fused && self.fusable(&gemms, t);
         self.op_times.start(self.b, kind.tag())?;
         self.embed(&inp, want, acts)?;
@@ -313,9 +315,9 @@ impl<'b, B: Backend> Model<'b, B> {
             && self.score_stats.borrow().is_none()
             && !self.op_times.on()
             && self.b.graph_counts().is_some()
-            // With tp the collectives run eagerly between layers unless `tp_graphs` captures
-            // them too (NCCL ops are capturable; the capture is thread-local per rank).
-            && (self.comm.is_none() || crate::run_config::get().set_on(Key::TpGraphs))
+            // With tp the graph captures the collectives too (NCCL ops are capturable; the
+            // capture is thread-local per rank), unless tp_graphs=0 runs them eagerly.
+            && (self.comm.is_none() || crate::run_config::get().on(Key::TpGraphs))
     }
 
     /// The step's block tables; in a graph-replayed step the stride is rounded up (it is a

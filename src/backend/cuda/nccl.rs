@@ -12,10 +12,11 @@
 //! communicator is made, whatever the environment said (the device machines' KINDS.md: NVLS
 //! needs the fabric manager's multicast objects, which these machines do not lend).
 //!
-//! The collectives run eagerly: `Model` keeps CUDA graphs off when tp > 1, unless
-//! `--set tp_graphs=1` (FDPP_TP_GRAPHS=1), which lets the decode graph capture layers 1..'s
-//! all-reduces with their kernels (issue #22 item 2; NCCL supports stream capture, and the
-//! backend's capture mode is thread-local, so ranks capture at the same time). Not yet run.
+//! The decode graph captures layers 1..'s all-reduces with their kernels (issue #22 item 2; NCCL
+//! supports stream capture, and the backend's capture mode is thread-local, so ranks capture at
+//! the same time); `--set tp_graphs=0` (FDPP_TP_GRAPHS=0) runs the collectives eagerly with
+//! graphs off. On by default since session 14, after 4 × H200 gave --tp 1's tokens with it at 2
+//! and 4 ranks and every run exited cleanly (reports/NOTES.md).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
