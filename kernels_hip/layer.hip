@@ -224,15 +224,18 @@ template <> struct Vec<4> { typedef u32x2 T; };
 template <> struct Vec<2> { typedef u32 T; };
 template <> struct Vec<1> { typedef u16 T; };
 
+// Row r of dst = row rows[r] of src; a negative row id gives a zero row (an embedding id that
+// another tensor-parallel rank's vocabulary slice holds: the all-reduce after the lookup adds
+// that rank's row).
 template <int V>
 __device__ __forceinline__ void gather(const u16* __restrict__ src, u16* __restrict__ dst,
                                        const int* __restrict__ rows, int width) {
     typedef typename Vec<V>::T T;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (c >= width) return;
-    const size_t from = (size_t)rows[blockIdx.x] * width + c;
+    const int row = rows[blockIdx.x];
     const size_t to = (size_t)blockIdx.x * width + c;
-    *reinterpret_cast<T*>(dst + to) = *reinterpret_cast<const T*>(src + from);
+    *reinterpret_cast<T*>(dst + to) = row < 0 ? T{} : *reinterpret_cast<const T*>(src + (size_t)row * width + c);
 }
 
 template <int V>

@@ -46,11 +46,26 @@ pub fn run(a: DevicesArgs) -> anyhow::Result<()> {
             Err(e) => println!("cuda peer access: unknown ({e})"),
         }
     }
-    // Tensor parallelism on CUDA needs NCCL (loaded at run time, like the CUDA libraries).
-    match crate::backend::cuda::nccl::Nccl::load() {
-        Ok(n) => println!("nccl: available: {} (for --tp on CUDA)", n.describe()),
-        Err(crate::error::FdppError::BackendUnavailable { reason, .. }) => println!("nccl: unavailable: {reason}"),
-        Err(e) => println!("nccl: unavailable: {e}"),
+    // Tensor parallelism needs NCCL on CUDA and RCCL on ROCm (loaded at run time, like the
+    // vendor libraries). RCCL is looked for only where a ROCm device is.
+    use crate::tp::ccl::{Flavor, Nccl};
+    let rocm = all
+        .iter()
+        .any(|s| s.backend == crate::backend::BackendKind::Rocm && s.reason.is_none());
+    let flavors: &[(Flavor, &str)] = if rocm {
+        &[(Flavor::Nccl, "CUDA"), (Flavor::Rccl, "ROCm")]
+    } else {
+        &[(Flavor::Nccl, "CUDA")]
+    };
+    for &(flavor, vendor) in flavors {
+        let name = flavor.name();
+        match Nccl::load_flavor(flavor) {
+            Ok(n) => println!("{name}: available: {} (for --tp on {vendor})", n.describe()),
+            Err(crate::error::FdppError::BackendUnavailable { reason, .. }) => {
+                println!("{name}: unavailable: {reason}")
+            }
+            Err(e) => println!("{name}: unavailable: {e}"),
+        }
     }
     Ok(())
 }

@@ -1,17 +1,19 @@
 //! `--tp N [--devices 0,1,…]` of `generate` and `bench e2e` (issue #22 item 5): the checks
 //! that need no device, then one thread per rank, each with its own backend (a CPU backend
-//! over the shared core pool with the in-process communicator, or a CUDA device with NCCL).
+//! over the shared core pool with the in-process communicator, a CUDA device with NCCL, or a
+//! ROCm device with RCCL).
 
 use std::sync::Arc;
 
 use anyhow::bail;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::nccl::{Group, Nccl, NcclRank};
 use crate::backend::cuda::CudaBackend;
+use crate::backend::rocm::RocmBackend;
 use crate::backend::{Backend, BackendChoice};
 use crate::error::FdppError;
 use crate::model::ModelConfig;
+use crate::tp::ccl::{Group, Nccl};
 use crate::tp::fault::{FailAt, Failing};
 use crate::tp::ranks::run_ranks;
 use crate::tp::{Communicator, HostComm};
@@ -21,23 +23,24 @@ use crate::tp::{Communicator, HostComm};
 pub enum TpKind {
     Cpu,
     Cuda,
+    Rocm,
 }
 
-/// The ranks' backend for `--backend`: ROCm waits for RCCL.
-pub fn tp_kind(choice: BackendChoice) -> anyhow::Result<TpKind> {
-    let rocm = || bail!("--tp on ROCm needs RCCL, which fdpp does not load yet; run --tp on CUDA or --backend cpu");
+/// The ranks' backend for `--backend` (auto: CUDA, else ROCm, else the CPU, as for one device).
+pub fn tp_kind(choice: BackendChoice) -> TpKind {
     match choice {
-        BackendChoice::Cpu => Ok(TpKind::Cpu),
-        BackendChoice::Cuda => Ok(TpKind::Cuda),
-        BackendChoice::Rocm => rocm(),
-        BackendChoice::Auto if crate::backend::cuda::probe().available => Ok(TpKind::Cuda),
-        BackendChoice::Auto if crate::backend::rocm::probe().available => rocm(),
-        BackendChoice::Auto => Ok(TpKind::Cpu),
+        BackendChoice::Cpu => TpKind::Cpu,
+        BackendChoice::Cuda => TpKind::Cuda,
+        BackendChoice::Rocm => TpKind::Rocm,
+        BackendChoice::Auto if crate::backend::cuda::probe().available => TpKind::Cuda,
+        BackendChoice::Auto if crate::backend::rocm::probe().available => TpKind::Rocm,
+        BackendChoice::Auto => TpKind::Cpu,
     }
 }
 
-/// `--devices` as ordinals, one per rank, checked against `visible` GPUs.
-pub fn check_devices(arg: Option<&str>, world: usize, visible: usize) -> anyhow::Result<Vec<usize>> {
+/// `--devices` as ordinals, one per rank, checked against the `visible` GPUs of `vendor`
+/// ("CUDA", "ROCm").
+pub fn check_devices(arg: Option<&str>, world: usize, visible: usize, vendor: &str) -> anyhow::Result<Vec<usize>> {
     let ids: Vec<usize> = match arg {
         None => (0..world).collect(),
         Some(s) => s
@@ -62,9 +65,14 @@ pub fn check_devices(arg: Option<&str>, world: usize, visible: usize) -> anyhow:
     }
     if let Some(d) = ids.iter().find(|&&d| d >= visible) {
         bail!(
-            "--tp {world} on GPU(s) {}: GPU {d} is not visible, this machine shows {visible} CUDA device(s) \
-             (CUDA_VISIBLE_DEVICES may hide others); lower --tp or pick visible --devices",
-            ids.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+            "--tp {world} on GPU(s) {}: GPU {d} is not visible, this machine shows {visible} {vendor} device(s) \
+             ({} may hide others); lower --tp or pick visible --devices",
+            ids.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","),
+            if vendor == "ROCm" {
+                "HIP_VISIBLE_DEVICES"
+            } else {
+                "CUDA_VISIBLE_DEVICES"
+            }
         );
     }
     Ok(ids)
@@ -84,7 +92,7 @@ pub fn prepare(
     choice: BackendChoice,
 ) -> anyhow::Result<(TpKind, Vec<usize>)> {
     crate::tp::check(cfg, world)?;
-    let kind = tp_kind(choice)?;
+    let kind = tp_kind(choice);
     let devices = match kind {
         TpKind::Cpu if devices.is_some() => {
             bail!("--devices picks GPUs; on the CPU every rank runs on the shared cores (drop --devices)")
@@ -92,7 +100,11 @@ pub fn prepare(
         TpKind::Cpu => vec![0; world],
         TpKind::Cuda => {
             let visible = crate::backend::cuda::probe::device_count()?;
-            check_devices(devices, world, visible)?
+            check_devices(devices, world, visible, "CUDA")?
+        }
+        TpKind::Rocm => {
+            let visible = crate::backend::rocm::probe::device_count()?;
+            check_devices(devices, world, visible, "ROCm")?
         }
     };
     Ok((kind, devices))
@@ -154,13 +166,43 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
             run_ranks(world, &abort, |rank| {
                 let b = CudaBackend::open(devices[rank])?;
                 gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
-                let comm = NcclRank::init(nccl.clone(), group.clone(), &b, id, (rank, world), gate[rank].clone())?;
+                let comm = crate::backend::cuda::nccl::init_rank(
+                    nccl.clone(),
+                    group.clone(),
+                    &b,
+                    id,
+                    (rank, world),
+                    gate[rank].clone(),
+                )?;
                 let comm = with_fault(Arc::new(comm), fail_at);
                 let ran = job.run(&b, comm.clone()).map_err(|e| to_fdpp(rank, e));
                 // The decode graphs go before the communicator (backend/cuda/graph.rs `release`).
                 let released = crate::backend::cuda::graph::release(&b);
                 drop(comm);
                 ran.and_then(|v| released.map(|()| v))
+            })?;
+        }
+        TpKind::Rocm => {
+            let rccl = Nccl::load_rccl()?;
+            eprintln!(
+                "tensor parallel: {world} ranks on ROCm devices {devices:?}, RCCL {}",
+                rccl.describe()
+            );
+            let id = rccl.unique_id()?;
+            let group = Group::new();
+            // As on CUDA: the ranks meet at a host barrier once their device is open, so that a
+            // rank that cannot open its GPU stops the others before ncclCommInitRank.
+            let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
+            let abort = |r: usize, why: &str| {
+                gate[r].fail(why);
+                group.abort(&rccl, r, why);
+            };
+            run_ranks(world, &abort, |rank| {
+                let b = RocmBackend::open(devices[rank])?;
+                gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
+                let comm = crate::backend::rocm::rccl::init_rank(rccl.clone(), group.clone(), &b, id, (rank, world))?;
+                let comm = with_fault(Arc::new(comm), fail_at);
+                job.run(&b, comm).map_err(|e| to_fdpp(rank, e))
             })?;
         }
     }
@@ -173,15 +215,20 @@ mod tests {
 
     #[test]
     fn devices_are_one_per_rank_distinct_and_visible() {
-        assert_eq!(check_devices(None, 2, 4).unwrap(), vec![0, 1]);
-        assert_eq!(check_devices(Some("3, 1"), 2, 4).unwrap(), vec![3, 1]);
-        let e = check_devices(Some("0,1,2"), 2, 4).unwrap_err().to_string();
+        assert_eq!(check_devices(None, 2, 4, "CUDA").unwrap(), vec![0, 1]);
+        assert_eq!(check_devices(Some("3, 1"), 2, 4, "CUDA").unwrap(), vec![3, 1]);
+        let e = check_devices(Some("0,1,2"), 2, 4, "CUDA").unwrap_err().to_string();
         assert!(e.contains("3 GPU(s) for --tp 2"), "{e}");
-        let e = check_devices(Some("1,1"), 2, 4).unwrap_err().to_string();
+        let e = check_devices(Some("1,1"), 2, 4, "CUDA").unwrap_err().to_string();
         assert!(e.contains("GPU 1 twice"), "{e}");
-        let e = check_devices(None, 4, 2).unwrap_err().to_string();
+        let e = check_devices(None, 4, 2, "CUDA").unwrap_err().to_string();
         assert!(e.contains("shows 2 CUDA device(s)") && e.contains("--tp 4"), "{e}");
-        let e = check_devices(Some("0,x"), 2, 4).unwrap_err().to_string();
+        let e = check_devices(None, 4, 2, "ROCm").unwrap_err().to_string();
+        assert!(
+            e.contains("shows 2 ROCm device(s)") && e.contains("HIP_VISIBLE_DEVICES"),
+            "{e}"
+        );
+        let e = check_devices(Some("0,x"), 2, 4, "CUDA").unwrap_err().to_string();
         assert!(e.contains("'x' is not a device ordinal"), "{e}");
     }
 }

@@ -4,7 +4,8 @@
 //!   config the engine runs; every `--tp` the model cannot take is refused there.
 //! - [`source`]: a rank's slices of a checkpoint under the checkpoint's own names.
 //! - [`comm`]: the collectives a rank needs; [`host`]: ranks as threads of one process (the
-//!   CPU backend, CI); NCCL on CUDA lives in `backend/cuda/nccl.rs`.
+//!   CPU backend, CI); [`ccl`]: NCCL (CUDA) and RCCL (ROCm) loaded at run time, bound to a
+//!   device by `backend/cuda/nccl.rs` and `backend/rocm/rccl.rs`.
 //! - [`ranks`]: one thread per rank, each with its own backend, every rank stopped by the
 //!   first failure; [`fault`]: a rank made to fail, to check that.
 //!
@@ -14,6 +15,7 @@
 //! not divide the vocabulary or `tp_vocab=0`, both are replicated and rank 0's logits
 //! broadcast), so every rank feeds the same tokens to the next step.
 
+pub mod ccl;
 pub mod comm;
 pub mod fault;
 pub mod host;

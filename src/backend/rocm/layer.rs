@@ -376,13 +376,8 @@ fn gather(
 pub fn embedding(b: &RocmBackend, p: &EmbeddingParams, table: &RocmBuffer, out: &mut RocmBuffer) -> Result<()> {
     p.validate(table.len(), out.len())?;
     check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
-    if p.held.is_some() {
-        // A vocabulary slice exists only under --tp, which ROCm does not run (no RCCL yet).
-        return Err(FdppError::InvalidArgument(
-            "embedding of a vocabulary slice on ROCm (tensor parallelism runs on CUDA and the CPU)".into(),
-        ));
-    }
-    gather(b, p.dtype, &p.ids, p.hidden, table, out, "launch embedding")
+    // A rank's vocabulary slice (--tp): ids of other ranks' slices as -1, zero rows.
+    gather(b, p.dtype, &p.local_rows(), p.hidden, table, out, "launch embedding")
 }
 
 pub fn gather_rows(b: &RocmBackend, p: &GatherParams, src: &RocmBuffer, dst: &mut RocmBuffer) -> Result<()> {

@@ -14,6 +14,7 @@ pub mod launch;
 pub mod layer;
 pub mod loader;
 pub mod probe;
+pub mod rccl;
 pub mod sources;
 
 use std::cell::RefCell;
