@@ -13,7 +13,7 @@ use crate::backend::rocm::RocmBackend;
 use crate::backend::{Backend, BackendChoice};
 use crate::error::FdppError;
 use crate::model::ModelConfig;
-use crate::tp::ccl::{Group, Nccl};
+use crate::tp::ccl::{CclBackend, CclRank, Group, Nccl, UniqueId};
 use crate::tp::fault::{FailAt, Failing};
 use crate::tp::ranks::run_ranks;
 use crate::tp::{Communicator, HostComm};
@@ -153,34 +153,20 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
                 "tensor parallel: {world} ranks on CUDA devices {devices:?}, NCCL {} (NCCL_NVLS_ENABLE=0)",
                 nccl.describe()
             );
-            let id = nccl.unique_id()?;
-            let group = Group::new();
-            // ncclCommInitRank waits for every rank and has no timeout: the ranks first meet at a
-            // host barrier once their device is open, so a rank that cannot open its GPU stops
-            // the others there instead of leaving them in NCCL's init.
-            let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
-            let abort = |r: usize, why: &str| {
-                gate[r].fail(why);
-                group.abort(&nccl, r, why);
+            let open = |rank: usize| CudaBackend::open(devices[rank]);
+            let bind = |b: &CudaBackend, g: Arc<Group>, id, rank, gate: &HostComm| {
+                crate::backend::cuda::nccl::init_rank(nccl.clone(), g, b, id, (rank, world), gate.clone())
             };
-            run_ranks(world, &abort, |rank| {
-                let b = CudaBackend::open(devices[rank])?;
-                gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
-                let comm = crate::backend::cuda::nccl::init_rank(
-                    nccl.clone(),
-                    group.clone(),
-                    &b,
-                    id,
-                    (rank, world),
-                    gate[rank].clone(),
-                )?;
-                let comm = with_fault(Arc::new(comm), fail_at);
-                let ran = job.run(&b, comm.clone()).map_err(|e| to_fdpp(rank, e));
-                // The decode graphs go before the communicator (backend/cuda/graph.rs `release`).
-                let released = crate::backend::cuda::graph::release(&b);
-                drop(comm);
-                ran.and_then(|v| released.map(|()| v))
-            })?;
+            // The decode graphs go before the communicator (backend/cuda/graph.rs `release`).
+            run_gpu_ranks(
+                &nccl,
+                world,
+                job,
+                fail_at,
+                open,
+                bind,
+                crate::backend::cuda::graph::release,
+            )?;
         }
         TpKind::Rocm => {
             let rccl = Nccl::load_rccl()?;
@@ -188,24 +174,55 @@ pub fn run<J: RankJob>(kind: TpKind, devices: &[usize], job: &J) -> anyhow::Resu
                 "tensor parallel: {world} ranks on ROCm devices {devices:?}, RCCL {}",
                 rccl.describe()
             );
-            let id = rccl.unique_id()?;
-            let group = Group::new();
-            // As on CUDA: the ranks meet at a host barrier once their device is open, so that a
-            // rank that cannot open its GPU stops the others before ncclCommInitRank.
-            let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
-            let abort = |r: usize, why: &str| {
-                gate[r].fail(why);
-                group.abort(&rccl, r, why);
+            let open = |rank: usize| RocmBackend::open(devices[rank]);
+            let bind = |b: &RocmBackend, g: Arc<Group>, id, rank, _: &HostComm| {
+                crate::backend::rocm::rccl::init_rank(rccl.clone(), g, b, id, (rank, world))
             };
-            run_ranks(world, &abort, |rank| {
-                let b = RocmBackend::open(devices[rank])?;
-                gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
-                let comm = crate::backend::rocm::rccl::init_rank(rccl.clone(), group.clone(), &b, id, (rank, world))?;
-                let comm = with_fault(Arc::new(comm), fail_at);
-                job.run(&b, comm).map_err(|e| to_fdpp(rank, e))
-            })?;
+            // ROCm has no decode graphs: nothing to release before the communicator.
+            run_gpu_ranks(&rccl, world, job, fail_at, open, bind, |_: &RocmBackend| Ok(()))?;
         }
     }
+    Ok(())
+}
+
+/// The GPU ranks of one NCCL/RCCL group: `open` a rank's backend on its thread, meet the other
+/// ranks at a host barrier, `bind` the communicator, run the job, then `release` what must go
+/// before the communicator. ncclCommInitRank waits for every rank and has no timeout: the
+/// barrier first means that a rank that cannot open its GPU stops the others there instead of
+/// leaving them in the library's init.
+fn run_gpu_ranks<B, J, O, I, R>(
+    lib: &Arc<Nccl>,
+    world: usize,
+    job: &J,
+    fail_at: Option<FailAt>,
+    open: O,
+    bind: I,
+    release: R,
+) -> anyhow::Result<()>
+where
+    B: CclBackend + 'static,
+    J: RankJob,
+    O: Fn(usize) -> crate::error::Result<B> + Sync,
+    I: Fn(&B, Arc<Group>, UniqueId, usize, &HostComm) -> crate::error::Result<CclRank> + Sync,
+    R: Fn(&B) -> crate::error::Result<()> + Sync,
+{
+    let id = lib.unique_id()?;
+    let group = Group::new();
+    let gate = HostComm::group(world, crate::tp::host::timeout_from_env()?);
+    let abort = |r: usize, why: &str| {
+        gate[r].fail(why);
+        group.abort(lib, r, why);
+    };
+    run_ranks(world, &abort, |rank| {
+        let b = open(rank)?;
+        gate[rank].all_reduce_bits(crate::dtype::DType::F16, &mut [0])?;
+        let comm: Arc<dyn Communicator<B>> =
+            with_fault(Arc::new(bind(&b, group.clone(), id, rank, &gate[rank])?), fail_at);
+        let ran = job.run(&b, comm.clone()).map_err(|e| to_fdpp(rank, e));
+        let released = release(&b);
+        drop(comm);
+        ran.and_then(|v| released.map(|()| v))
+    })?;
     Ok(())
 }
 
