@@ -324,6 +324,17 @@ fn bench_attention<B: Backend>(b: &B, a: &AttnBenchArgs, p: &AttnPlan, peer: Vec
     if let Ok(style) = ProgressStyle::with_template("{bar:32} {pos}/{len} [{elapsed_precise}] {msg}") {
         pb.set_style(style);
     }
+    // `hopper_diag=1|2` builds the Hopper prefill without its K/V loads or its exponentials: the
+    // bounds of what loads and softmax cost (reports/NOTES.md, session 7). Its output is garbage
+    // by design, so its variants are timed without the reference check, and the run says so.
+    let diag = crate::run_config::get()
+        .get(crate::run_config::Key::HopperDiag)
+        .is_some_and(|v| v.trim() != "0");
+    if diag {
+        eprintln!(
+            "hopper_diag is set: a diagnostic build whose results are wrong by design; timed without the reference check (no NMSE)"
+        );
+    }
     let mut records: Vec<AttnRecord> = Vec::new();
     let mut rejected: Vec<Rejected> = Vec::new();
     for (ci, (case, &n_copies)) in cases.iter().zip(&copies).enumerate() {
@@ -348,7 +359,12 @@ fn bench_attention<B: Backend>(b: &B, a: &AttnBenchArgs, p: &AttnPlan, peer: Vec
         let mut passed = Vec::new();
         for run in runs {
             pb.set_message(format!("{} {}", case.label(), run.variant.name()));
-            match inputs.check(b, &run) {
+            let checked = if diag {
+                inputs.run_unchecked(b, &run)
+            } else {
+                inputs.check(b, &run)
+            };
+            match checked {
                 Ok(c) => passed.push((run, c)),
                 Err(e) => rejected.push(Rejected {
                     what: format!("{} at {}", run.variant.name(), case.label()),
