@@ -193,6 +193,30 @@ fn prefill_bench_reports_tflops_against_the_nominal_peak() {
     assert!(dir.path().join("attention-prefill.svg").is_file());
 }
 
+/// `hopper_diag=1|2` builds the Hopper prefill without its loads or its exponentials (output
+/// garbage by design): its variants are timed without the reference check, the run says so, and
+/// the rows carry no NMSE. (The CPU ignores the switch; the unchecked path is the same.)
+#[test]
+fn a_diagnostic_build_is_timed_without_the_check_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--phase", "prefill", "--batch", "1", "--kv-len", "33", "--reps", "1", "--warmup", "0",
+    ];
+    let mut diag = args.to_vec();
+    diag.extend(["--set", "hopper_diag=2"]);
+    let (rows, stderr) = run_ok(&diag, dir.path());
+    assert!(stderr.contains("timed without the reference check"), "{stderr}");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r.nmse, None, "{r:?}");
+        assert!(finite_pos(r.median_us) && finite_pos(r.tflops), "{r:?}");
+    }
+    // Without the switch the same run is checked.
+    let (rows, stderr) = run_ok(&args, dir.path());
+    assert!(!stderr.contains("reference check"), "{stderr}");
+    assert!(rows.iter().all(|r| r.nmse.is_some()), "{rows:?}");
+}
+
 #[test]
 fn a_window_that_every_score_leaves_recomputes_every_async_row() {
     let dir = tempfile::tempdir().unwrap();
