@@ -202,13 +202,32 @@ fn task_tiles_generic<V: Vf32>(dt: DType, xp: &Packed, w_rows: &[u16], wf: &mut 
         let xb = xp.block(k0, kc);
         let mut r0 = 0;
         while r0 < rows {
-            // Widen up to WB rows of this K-block, row after row at stride kc.
+            // Widen up to WB rows of this K-block, at a constant stride of KC_MAX (so that the
+            // tile's six broadcasts address one base register plus constant offsets; at a
+            // stride of kc the compiler ran out of registers for six row pointers and reloaded
+            // two of them from the stack in every step).
             let wb = WB.min(rows - r0);
-            for (i, dst) in wf[..wb * kc].chunks_exact_mut(kc).enumerate() {
+            for (i, dst) in wf[..wb * KC_MAX].chunks_exact_mut(KC_MAX).enumerate() {
                 let at = (r0 + i) * k + k0;
-                V::widen(dt, &w_rows[at..at + kc], dst);
+                V::widen(dt, &w_rows[at..at + kc], &mut dst[..kc]);
             }
+            // The next chunk's rows of W (the next WB rows of this K-block, or the first WB of
+            // the next K-block), NR rows per x panel, one prefetch per 64-byte line: fetched
+            // from memory while this chunk's tiles run, so that its widening above does not
+            // wait on them (in a whole-model prefill W comes from DRAM, and the burst of 48
+            // rows still waited there: ~15 % of the task's samples were in the widening).
+            let (next_r0, next_k0) = if r0 + wb < rows { (r0 + wb, k0) } else { (0, k0 + kc) };
+            let next_kc = xp.kc.min(k.saturating_sub(next_k0));
             for (mb, panel) in xb.chunks_exact(kc * MR).enumerate() {
+                let ahead = next_r0 + mb * NR;
+                if next_kc > 0 && mb * NR < WB {
+                    for i in ahead..(ahead + NR).min(rows).min(next_r0 + WB) {
+                        let at = i * k + next_k0;
+                        for c in (0..next_kc).step_by(32) {
+                            V::prefetch(w_rows[at + c..].as_ptr());
+                        }
+                    }
+                }
                 let t = Tile {
                     kc,
                     mp,
@@ -218,7 +237,7 @@ fn task_tiles_generic<V: Vf32>(dt: DType, xp: &Packed, w_rows: &[u16], wf: &mut 
                 let mut r = 0;
                 while r < wb {
                     let nr = NR.min(wb - r);
-                    let strip = &wf[r * kc..(r + nr) * kc];
+                    let strip = &wf[r * KC_MAX..(r + nr) * KC_MAX];
                     let out_rows = &mut out[(r0 + r) * mp..(r0 + r + nr) * mp];
                     match nr {
                         6 => tile::<V, 6>(t, panel, strip, out_rows),
@@ -247,13 +266,13 @@ struct Tile {
     first: bool,
 }
 
-/// The R × 16 register tile over one K-block: `wf` holds R widened rows of W at stride kc,
+/// The R × 16 register tile over one K-block: `wf` holds R widened rows of W at stride KC_MAX,
 /// `panel` the K-block's 16-wide x panel, `out` the R rows of the yᵀ block.
 #[inline(always)]
 fn tile<V: Vf32, const R: usize>(t: Tile, panel: &[f32], wf: &[f32], out: &mut [f32]) {
     let kc = t.kc;
     let (p16, _) = panel.as_chunks::<MR>();
-    let w: [&[f32]; R] = std::array::from_fn(|i| &wf[i * kc..(i + 1) * kc]);
+    let w: [&[f32]; R] = std::array::from_fn(|i| &wf[i * KC_MAX..i * KC_MAX + kc]);
     // Bounds the compiler can see, so that the loop below runs without checks.
     assert!(p16.len() >= kc && w.iter().all(|r| r.len() >= kc));
     let mut c = [[V::zero(); 2]; R];
