@@ -59,10 +59,10 @@ fn k_block(k: usize) -> usize {
 /// y [M, N] = narrow(x · Wᵀ); `x` holds at least M·K values, `w` at least N·K.
 ///
 /// Each task computes its rows of W into a task-local yᵀ block ([rows, ⌈M/16⌉·16] f32, still
-/// in L2 when it ends), rounds it transposed into a task-local [M, rows] block, and a last
-/// parallel pass copies each row of y together from the blocks. Rounding a whole [N, M] yᵀ
-/// transposed afterwards read it column-wise from L3 (FFN1 at M = 512: 6 MiB) and took ~11 %
-/// of prefill.
+/// in L2 when it ends) and rounds it transposed straight into its own columns of y. (Rounding a
+/// whole [N, M] yᵀ transposed afterwards read it column-wise from L3 and took ~11 % of a
+/// 512-token prefill; rounding into task-local [M, rows] blocks and copying the rows of y
+/// together in another parallel pass cost a third phase per call and a copy of y.)
 pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], w: &[u16], y: &mut [u16], block_rows: usize) {
     let (m, n, k) = (d.m, d.n, d.k);
     let y = &mut y[..m * n];
@@ -76,50 +76,97 @@ pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], w: &[u16], y: &mut [u16], 
     let xp = Packed::new(dt, m, k, &x[..m * k]);
     let block_rows = block_rows.max(1);
     let mp = xp.mp;
-    let blocks: Vec<Vec<u16>> = (0..n.div_ceil(block_rows))
+    let y_all = YBase::new(y, m, n);
+    (0..n.div_ceil(block_rows))
         .into_par_iter()
         .with_max_len(1)
-        .map_init(
+        .for_each_init(
             || vec![0f32; WF_LEN],
             |wf, task| {
                 let n0 = task * block_rows;
                 let rows = block_rows.min(n - n0);
                 let mut out = vec![0f32; rows * mp];
                 task_tiles(dt, &xp, &w[n0 * k..(n0 + rows) * k], wf, &mut out);
-                let mut yt = vec![0u16; m * rows];
-                narrow_block(dt, m, &out, &mut yt);
-                yt
+                // SAFETY: task `task` alone takes columns n0..n0 + rows (the tasks' runs of
+                // rows of W are disjoint), and nothing else touches y until the loop ends.
+                let mut cols = unsafe { y_all.cols(n0, rows) };
+                narrow_block(dt, m, &out, &mut cols);
             },
-        )
-        .collect();
-    y.par_chunks_mut(n).enumerate().for_each(|(i, y_row)| {
-        for (task, yt) in blocks.iter().enumerate() {
-            let n0 = task * block_rows;
-            let rows = yt.len() / m;
-            y_row[n0..n0 + rows].copy_from_slice(&yt[i * rows..(i + 1) * rows]);
-        }
-    });
+        );
 }
 
-/// yt [M, rows] = narrow(out [rows, mp]ᵀ), 16 rows of yt at a time: each line of `out` (16
-/// columns of one row) is read once and scattered into a [16, rows] f32 block, whose rows are
-/// then rounded with the vector narrowing. Gathering one row of yt at a time read `out` at a
-/// stride of mp · 4 bytes (512 at M = 128), which maps to 8 of L1's 64 sets (that gather was
-/// ~10 % of an FFN1 task on one thread; this version was not measurably faster in the noisy
-/// runs of session 14, but reads each line once).
-fn narrow_block(dt: DType, m: usize, out: &[f32], yt: &mut [u16]) {
-    let rows = yt.len() / m.max(1);
+/// y ([M, N], borrowed mutably for the whole parallel loop) shared by the tasks, each of which
+/// writes only its own run of columns of every row.
+struct YBase<'y> {
+    ptr: *mut u16,
+    m: usize,
+    n: usize,
+    _y: std::marker::PhantomData<&'y mut [u16]>,
+}
+
+// SAFETY: a YBase only hands out column runs through the `unsafe` [`YBase::cols`], whose
+// callers guarantee that no two live runs overlap; u16 is Send.
+unsafe impl Send for YBase<'_> {}
+unsafe impl Sync for YBase<'_> {}
+
+impl<'y> YBase<'y> {
+    fn new(y: &'y mut [u16], m: usize, n: usize) -> Self {
+        assert!(y.len() >= m * n);
+        YBase {
+            ptr: y.as_mut_ptr(),
+            m,
+            n,
+            _y: std::marker::PhantomData,
+        }
+    }
+
+    /// Columns n0..n0 + rows of every row.
+    ///
+    /// # Safety
+    /// No two [`YCols`] alive at the same time may share a column.
+    unsafe fn cols(&self, n0: usize, rows: usize) -> YCols<'_> {
+        assert!(n0 + rows <= self.n);
+        YCols { y: self, n0, rows }
+    }
+}
+
+/// One task's columns of y.
+struct YCols<'a> {
+    y: &'a YBase<'a>,
+    n0: usize,
+    rows: usize,
+}
+
+impl YCols<'_> {
+    /// Row i's run of the columns.
+    fn row(&mut self, i: usize) -> &mut [u16] {
+        assert!(i < self.y.m);
+        // SAFETY: i < M and n0 + rows ≤ N (checked in `cols`), so the run lies inside y, which
+        // outlives `self`; no other YCols shares these columns (the contract of `cols`), and
+        // `&mut self` keeps two runs of this one from being alive together.
+        unsafe { std::slice::from_raw_parts_mut(self.y.ptr.add(i * self.y.n + self.n0), self.rows) }
+    }
+}
+
+/// Columns of y = narrow(out [rows, mp]ᵀ) for the M rows, 16 rows of y at a time: each line of
+/// `out` (16 columns of one row) is read once and scattered into a [16, rows] f32 block, whose
+/// rows are then rounded with the vector narrowing. Gathering one row of y at a time read `out`
+/// at a stride of mp · 4 bytes (512 at M = 128), which maps to 8 of L1's 64 sets (that gather
+/// was ~10 % of an FFN1 task on one thread).
+fn narrow_block(dt: DType, m: usize, out: &[f32], y: &mut YCols) {
+    let rows = y.rows;
     let mp = out.len() / rows.max(1);
     let mut tmp = vec![0f32; MR * rows];
-    for (ib, yt_rows) in yt.chunks_mut(MR * rows).enumerate() {
-        let i0 = ib * MR;
-        let cols = yt_rows.len() / rows;
+    for i0 in (0..m).step_by(MR) {
+        let cols = MR.min(m - i0);
         for (r, line) in out.chunks_exact(mp).enumerate() {
             for (j, &v) in line[i0..i0 + cols].iter().enumerate() {
                 tmp[j * rows + r] = v;
             }
         }
-        narrow(dt, &tmp[..cols * rows], yt_rows);
+        for (j, t) in tmp.chunks_exact(rows).take(cols).enumerate() {
+            narrow(dt, t, y.row(i0 + j));
+        }
     }
 }
 
