@@ -33,7 +33,7 @@ pub struct TuneArgs {
     pub device: usize,
     #[arg(long, value_enum, default_value_t = DType::F16)]
     pub dtype: DType,
-    /// Largest M (rows) to tune for [default: 2048 on a GPU, 64 on the CPU].
+    /// Largest M (rows) to tune for [default: 2048 on a GPU, 128 on the CPU].
     #[arg(long)]
     pub m_max: Option<usize>,
     /// Timed runs per candidate and M [default: 30 on a GPU, 3 on the CPU].

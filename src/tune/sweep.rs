@@ -342,7 +342,7 @@ mod tests {
         assert!(SweepOpts::for_backend(BackendKind::Cpu, DType::F16, Some(0), None).is_err());
         assert!(SweepOpts::for_backend(BackendKind::Cpu, DType::F16, None, Some(0)).is_err());
         let o = SweepOpts::for_backend(BackendKind::Cpu, DType::Bf16, None, None).unwrap();
-        assert_eq!(*o.m_grid.last().unwrap(), 64);
+        assert_eq!(*o.m_grid.last().unwrap(), 128);
         assert_eq!(o.timing.reps, 3);
         let o = SweepOpts::for_backend(BackendKind::Cuda, DType::F16, None, Some(7)).unwrap();
         assert_eq!(*o.m_grid.last().unwrap(), 2048);

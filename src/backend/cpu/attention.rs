@@ -166,13 +166,22 @@ fn accumulate_generic<'a, V: Vf32>(
                     p.over |= tile_max - phi > b;
                 }
             }
-            // Weights in place, eight lanes at a time; the lanes past nj are never read.
+            // Weights in place, eight lanes at a time; the lanes past nj are never read. Their
+            // sum in a vector over the whole chunks (a scalar sum of the tile's weights, one
+            // dependent add per key, was ~8 % of attention in a 512-token prefill's profile),
+            // the keys of a last partial chunk one at a time.
             let m = V::splat(p.m);
+            let whole = nj / LANES;
             let (x8, _) = x[..nj.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
-            for c in x8 {
-                V::load(c).sub(m).exp().store(c);
+            let mut sum = V::zero();
+            for (ci, c) in x8.iter_mut().enumerate() {
+                let e = V::load(c).sub(m).exp();
+                e.store(c);
+                if ci < whole {
+                    sum = sum.add(e);
+                }
             }
-            p.l += x[..nj].iter().sum::<f32>();
+            p.l += sum.hsum() + x[whole * LANES..nj].iter().sum::<f32>();
         }
         for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, val(t), &mut rows[i * rw..(i + 1) * rw]);

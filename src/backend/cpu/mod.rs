@@ -489,15 +489,16 @@ fn block_rows(spec: &GemmSpec, dims: GemmDims) -> Result<usize> {
 /// y[..M·N] = narrow(x · Wᵀ) with the implementation the spec names; lengths already checked.
 fn run_gemm(spec: &GemmSpec, d: GemmDims, block: usize, x: &[u16], w: &[u16], y: &mut [u16]) {
     let dt = spec.dtype;
-    let mut xf = vec![0f32; d.m * d.k];
-    simd::widen(dt, &x[..d.m * d.k], &mut xf);
+    let x = &x[..d.m * d.k];
     let w = &w[..d.n * d.k];
     let y = &mut y[..d.m * d.n];
     match spec.imp {
-        // The GEMM rounds into y itself (see gemm.rs).
-        GemmImpl::Gemm => gemm::gemm(dt, d, &xf, w, y, block),
-        // The GEMV and flat GEMM write yᵀ in f32 ([N, M]), rounded here.
+        // The GEMM widens x while it packs it and rounds into y itself (see gemm.rs).
+        GemmImpl::Gemm => gemm::gemm(dt, d, x, w, y, block),
+        // The GEMV and flat GEMM read x widened and write yᵀ in f32 ([N, M]), rounded here.
         GemmImpl::Gemv | GemmImpl::FlatGemm => {
+            let mut xf = vec![0f32; d.m * d.k];
+            simd::widen(dt, x, &mut xf);
             let mut out_t = vec![0f32; d.n * d.m];
             if spec.imp == GemmImpl::Gemv {
                 gemv::gemv(dt, d, &xf, w, &mut out_t, block);
