@@ -118,6 +118,16 @@ struct TcPart {
     float l[2];
 };
 
+// A warp's state before its first key: O^T zero, no max yet, empty sums.
+__device__ __forceinline__ void tc_init(TcPart& p) {
+#pragma unroll
+    for (int j = 0; j < TC_MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p.o[j][i] = 0.f;
+    p.m[0] = p.m[1] = -FDPP_INF;
+    p.l[0] = p.l[1] = 0.f;
+}
+
 // Scale head 2t's sums (O^T columns 0 and 2 of each tile, l[0]) by f0 and head 2t + 1's by f1.
 __device__ __forceinline__ void tc_scale(TcPart& p, float f0, float f1) {
 #pragma unroll
@@ -356,12 +366,7 @@ __device__ __forceinline__ void tc_block_pass(Smem<Shape<NT, U>::NW>& sm, float 
     uint4 qf[TC_KC];
     tc_load_q(qf, q, row0, nh);
     TcPart p;
-#pragma unroll
-    for (int j = 0; j < TC_MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p.o[j][i] = 0.f;
-    p.m[0] = p.m[1] = -FDPP_INF;
-    p.l[0] = p.l[1] = 0.f;
+    tc_init(p);
     tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
     tc_store<ASYNC>(sm, p, phi2, b2);
     block_sum<ASYNC, NT, U>(sm, a);
@@ -546,12 +551,7 @@ __device__ __forceinline__ void tcs_block_pass(Smem<Shape<NT, U>::NW>& sm, float
     u32 qn[TC_DW / 16][2];
     tcs_load_q(qn, q, row0, nh);
     TcPart p;
-#pragma unroll
-    for (int j = 0; j < TC_MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p.o[j][i] = 0.f;
-    p.m[0] = p.m[1] = -FDPP_INF;
-    p.l[0] = p.l[1] = 0.f;
+    tc_init(p);
     tcs_accumulate<NT, ST>(p, qn, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
     tc_store<ASYNC, Shape<NT, U>::NW, true>(sm, p, phi2, b2);
     block_sum<ASYNC, NT, U>(sm, a);

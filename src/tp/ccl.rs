@@ -75,6 +75,14 @@ impl Flavor {
         }
     }
 
+    /// The library file's name, what the loader is asked for first.
+    fn lib_name(self) -> &'static str {
+        match self {
+            Flavor::Nccl => "libnccl.so.2",
+            Flavor::Rccl => "librccl.so.1",
+        }
+    }
+
     /// The variable that names the library file.
     fn env(self) -> &'static str {
         match self {
@@ -104,11 +112,11 @@ impl Flavor {
         }
         match self {
             Flavor::Nccl => {
-                c.push("libnccl.so.2".into());
+                c.push(self.lib_name().into());
                 c.extend(nccl_wheel_candidates().into_iter().map(|p| p.display().to_string()));
             }
             Flavor::Rccl => {
-                c.push("librccl.so.1".into());
+                c.push(self.lib_name().into());
                 c.push("librccl.so".into());
                 let mut roots: Vec<PathBuf> = std::env::var_os("ROCM_PATH").map(PathBuf::from).into_iter().collect();
                 roots.push(PathBuf::from("/opt/rocm"));
@@ -240,7 +248,7 @@ impl Nccl {
             flavor,
             format!(
                 "{} not found; tried {}. {}",
-                candidates_head(flavor),
+                flavor.lib_name(),
                 tried.join(", "),
                 flavor.advice()
             ),
@@ -306,14 +314,6 @@ impl Nccl {
         // SAFETY: writes the 128-byte id.
         self.check("ncclGetUniqueId", unsafe { (self.get_unique_id)(&mut id) })?;
         Ok(id)
-    }
-}
-
-/// The file name a flavor is first looked for under, for messages.
-fn candidates_head(flavor: Flavor) -> &'static str {
-    match flavor {
-        Flavor::Nccl => "libnccl.so.2",
-        Flavor::Rccl => "librccl.so.1",
     }
 }
 
