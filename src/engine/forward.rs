@@ -44,7 +44,7 @@ use crate::backend::{Backend, DeviceBuffer};
 use crate::dtype::DType;
 use crate::engine::activations::Activations;
 use crate::engine::kv::KvCache;
-use crate::engine::linear::{LinearPlanner, StepGemms};
+use crate::engine::linear::{gemm_or_fallback, LinearPlanner, StepGemms};
 use crate::error::{FdppError, Result};
 use crate::kv::{BlockTable, FlatBlockTables};
 use crate::model::arch::{Arch, Mlp, NormKind, Positions};
@@ -146,20 +146,14 @@ impl<'b, B: Backend> Model<'b, B> {
     }
 
     /// Run as one rank of a tensor-parallel group (its weights already its shard,
-    /// [`crate::tp::source`]). The biases after O and FFN2 are added by rank 0 only: the
-    /// all-reduce that follows them sums every rank's partial output, so they count once.
+    /// [`crate::tp::source`]). Every rank adds the whole bias after O and FFN2 once their
+    /// partial products are summed, as one device adds it to the whole product.
     /// The embedding and the LM head are cut to the rank's rows of the vocabulary.
     /// A group of one changes nothing.
     pub fn set_comm(&mut self, comm: Arc<dyn Communicator<B> + 'b>) -> Result<()> {
         let (rank, world) = (comm.rank(), comm.world());
         if world <= 1 {
             return Ok(());
-        }
-        if rank != 0 {
-            for l in &mut self.weights.layers {
-                l.o_bias = None;
-                l.ffn2_bias = None;
-            }
         }
         let vocab = self.arch.vocab;
         if crate::run_config::get().on(Key::TpVocab) && vocab.is_multiple_of(world) {
@@ -489,7 +483,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let dims = GemmDims::new(rows, cols, a.embed_dim)?;
         {
             let [x, y] = acts.many([src, g.logits])?;
-            run_gemm(b, &la.gemms.lm_head, dims, x, self.weights.lm_head(), y)?;
+            gemm_or_fallback(b, &la.gemms.lm_head, dims, x, self.weights.lm_head(), y)?;
         }
         self.op_times.lap(b, "gemm lm_head")?;
         match (&self.comm, self.vocab_slice) {
@@ -684,9 +678,8 @@ impl<'b, B: Backend> Model<'b, B> {
         if a.fused {
             self.residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
         } else {
-            self.gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
+            self.row_gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
             self.bias_act(t, h, Activation::None, acts, s.o, w.o_bias.as_ref())?;
-            self.all_reduce(t * h, acts, s.o)?;
         }
         self.op_times.lap(self.b, "gemm o")
     }
@@ -745,9 +738,8 @@ impl<'b, B: Backend> Model<'b, B> {
         if a.fused {
             self.residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
-            self.gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
+            self.row_gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
             self.bias_act(t, h, Activation::None, acts, s.ffn2, w.ffn2_bias.as_ref())?;
-            self.all_reduce(t * h, acts, s.ffn2)?;
         }
         self.op_times.lap(self.b, "gemm ffn2")
     }
@@ -918,7 +910,30 @@ impl<'b, B: Backend> Model<'b, B> {
     ) -> Result<()> {
         let dims = GemmDims::new(m, n, k)?;
         let [x, y] = acts.many([x, y])?;
-        run_gemm(self.b, spec, dims, x, w, y)
+        gemm_or_fallback(self.b, spec, dims, x, w, y)
+    }
+
+    /// y = x · Wᵀ of a row-parallel linear (O, FFN2): with tp, each rank's partial product
+    /// summed over the group ([`Communicator::row_parallel_gemm`]).
+    #[allow(clippy::too_many_arguments)]
+    fn row_gemm(
+        &self,
+        spec: &GemmSpec,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+        y: usize,
+    ) -> Result<()> {
+        let Some(c) = &self.comm else {
+            return self.gemm(spec, m, n, k, acts, x, w, y);
+        };
+        let dims = GemmDims::new(m, n, k)?;
+        let [x, y] = acts.many([x, y])?;
+        c.row_parallel_gemm(self.b, spec, dims, x, w, y)?;
+        self.op_times.lap(self.b, "gemm + all_reduce")
     }
 }
 
@@ -952,20 +967,4 @@ fn fold_norms<B: Backend>(b: &B, a: &Arch, dt: DType, w: &mut ModelWeights<B::Bu
         l.ffn_norm.weight = b.upload(dt, &ones)?;
     }
     Ok(())
-}
-
-fn run_gemm<B: Backend>(
-    b: &B,
-    spec: &GemmSpec,
-    dims: GemmDims,
-    x: &B::Buffer,
-    w: &B::Buffer,
-    y: &mut B::Buffer,
-) -> Result<()> {
-    match b.gemm(spec, dims, x, w, y) {
-        Err(FdppError::Unsupported { .. }) if spec.imp != GemmImpl::Gemm => {
-            b.gemm(&GemmSpec::new(GemmImpl::Gemm, spec.dtype), dims, x, w, y)
-        }
-        other => other,
-    }
 }

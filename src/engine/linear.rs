@@ -3,9 +3,11 @@
 //! the LM head through its profile entry when the profile has its [K, N]; what the profile does
 //! not cover follows the planner's [`Fallback`] (the engine sets the backend's built-in rule).
 
+use crate::backend::Backend;
 use crate::dtype::DType;
+use crate::error::{FdppError, Result};
 use crate::model::{LinearKind, LinearShape, ModelConfig, ModelShapes};
-use crate::ops::gemm::GemmSpec;
+use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
 use crate::profile::Profile;
 use crate::select::{select_in, select_or, Fallback, Plan};
 
@@ -168,6 +170,24 @@ impl LinearPlanner {
                 format!("  {} at M={m}: {} ({})", op.name(), p.spec(self.dtype), p.reason)
             })
             .collect()
+    }
+}
+
+/// y = x · Wᵀ with `spec`; an implementation the backend lacks for this shape falls back to
+/// its GEMM.
+pub fn gemm_or_fallback<B: Backend>(
+    b: &B,
+    spec: &GemmSpec,
+    dims: GemmDims,
+    x: &B::Buffer,
+    w: &B::Buffer,
+    y: &mut B::Buffer,
+) -> Result<()> {
+    match b.gemm(spec, dims, x, w, y) {
+        Err(FdppError::Unsupported { .. }) if spec.imp != GemmImpl::Gemm => {
+            b.gemm(&GemmSpec::new(GemmImpl::Gemm, spec.dtype), dims, x, w, y)
+        }
+        other => other,
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::comm::Communicator;
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
+use crate::ops::gemm::{GemmDims, GemmSpec};
 
 /// Which rank fails, and before which of its collectives (0 = the first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +74,19 @@ impl<B: Backend> Communicator<B> for Failing<B> {
     fn all_reduce_sum(&self, b: &B, buf: &mut B::Buffer, elems: usize) -> Result<()> {
         self.tick()?;
         self.inner.all_reduce_sum(b, buf, elems)
+    }
+
+    fn row_parallel_gemm(
+        &self,
+        b: &B,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &B::Buffer,
+        w: &B::Buffer,
+        y: &mut B::Buffer,
+    ) -> Result<()> {
+        self.tick()?;
+        self.inner.row_parallel_gemm(b, spec, dims, x, w, y)
     }
 
     fn broadcast(&self, b: &B, buf: &mut B::Buffer, elems: usize, root: usize) -> Result<()> {

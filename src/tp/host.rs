@@ -14,6 +14,7 @@ use super::comm::Communicator;
 use crate::backend::cpu::{CpuBackend, CpuBuffer};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
+use crate::ops::gemm::{GemmDims, GemmSpec};
 
 /// How long a rank waits for the others at a collective unless told otherwise
 /// (`FDPP_TP_TIMEOUT_S`): ranks run in lockstep, so a wait this long means a rank is stuck.
@@ -35,6 +36,9 @@ pub fn timeout_from_env() -> Result<Duration> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
     Sum,
+    /// f32 values, each carried as two 16-bit halves (low first), summed in f32 and not
+    /// rounded further: a row-parallel GEMM's partial products.
+    SumF32,
     Broadcast(usize),
     /// Every rank's contribution, one after the other in rank order.
     Gather,
@@ -211,6 +215,23 @@ impl HostComm {
         self.collective(Op::Sum, dtype, &mine, bits)
     }
 
+    /// In-place sum over the group of f32 values (Σ in rank order, in f32).
+    pub fn all_reduce_f32(&self, dtype: DType, v: &mut [f32]) -> Result<()> {
+        let bits: Vec<u16> = v
+            .iter()
+            .flat_map(|x| {
+                let b = x.to_bits();
+                [b as u16, (b >> 16) as u16]
+            })
+            .collect();
+        let mut out = bits.clone();
+        self.collective(Op::SumF32, dtype, &bits, &mut out)?;
+        for (x, pair) in v.iter_mut().zip(out.chunks_exact(2)) {
+            *x = f32_of(pair);
+        }
+        Ok(())
+    }
+
     /// `out` = every rank's `bits`, in rank order (`out` holds world × bits.len()).
     pub fn all_gather_bits(&self, dtype: DType, bits: &[u16], out: &mut [u16]) -> Result<()> {
         if out.len() != bits.len() * self.shared.world {
@@ -249,7 +270,25 @@ fn combine(op: Op, dtype: DType, slots: &[Vec<u16>]) -> Vec<u16> {
                 .map(|i| dtype.from_f32(slots.iter().map(|s| dtype.to_f32(s[i])).sum()))
                 .collect()
         }
+        Op::SumF32 => {
+            let n = slots.first().map_or(0, Vec::len) / 2;
+            (0..n)
+                .flat_map(|i| {
+                    let b = slots
+                        .iter()
+                        .map(|s| f32_of(&s[2 * i..2 * i + 2]))
+                        .sum::<f32>()
+                        .to_bits();
+                    [b as u16, (b >> 16) as u16]
+                })
+                .collect()
+        }
     }
+}
+
+/// The f32 carried as two 16-bit halves, low first.
+fn f32_of(pair: &[u16]) -> f32 {
+    f32::from_bits(u32::from(pair[0]) | (u32::from(pair[1]) << 16))
 }
 
 fn prefix<'a>(comm: &HostComm, buf: &'a mut CpuBuffer, elems: usize) -> Result<&'a mut [u16]> {
@@ -271,6 +310,23 @@ impl Communicator<CpuBackend> for HostComm {
     fn all_reduce_sum(&self, _b: &CpuBackend, buf: &mut CpuBuffer, elems: usize) -> Result<()> {
         let dtype = buf.dtype;
         self.all_reduce_bits(dtype, prefix(self, buf, elems)?)
+    }
+
+    /// The partial products stay in f32 through the sum and are rounded once, so the result
+    /// is one device's up to the order of an f32 sum (issue #22 item 4: logits within 1e-3
+    /// of `--tp 1`; 16-bit partials gave up to 5e-3 in bf16).
+    fn row_parallel_gemm(
+        &self,
+        b: &CpuBackend,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &CpuBuffer,
+        w: &CpuBuffer,
+        y: &mut CpuBuffer,
+    ) -> Result<()> {
+        let mut part = b.gemm_partial(spec, dims, x, w, y)?;
+        self.all_reduce_f32(y.dtype, &mut part)?;
+        b.narrow_partial(dims, &part, y)
     }
 
     fn broadcast(&self, _b: &CpuBackend, buf: &mut CpuBuffer, elems: usize, root: usize) -> Result<()> {

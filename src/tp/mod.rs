@@ -9,8 +9,9 @@
 //! - [`ranks`]: one thread per rank, each with its own backend, every rank stopped by the
 //!   first failure; [`fault`]: a rank made to fail, to check that.
 //!
-//! The engine ([`crate::engine::forward`]) all-reduces the O and FFN2 outputs (their biases on
-//! rank 0 only) before the residual add. The embedding and the LM head are split by
+//! The engine ([`crate::engine::forward`]) sums the O and FFN2 partial products over the ranks
+//! ([`Communicator::row_parallel_gemm`]: 16-bit on NCCL/RCCL, f32 in the in-process group),
+//! then every rank adds the whole bias, before the residual add. The embedding and the LM head are split by
 //! vocabulary: the lookup is all-reduced and the logits all-gathered (or, where the ranks do
 //! not divide the vocabulary or `tp_vocab=0`, both are replicated and rank 0's logits
 //! broadcast), so every rank feeds the same tokens to the next step.

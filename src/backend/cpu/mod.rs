@@ -81,6 +81,68 @@ impl CpuBackend {
             greedy: Default::default(),
         }
     }
+
+    /// x · Wᵀ in f32, not rounded, transposed ([N, M]): one rank's partial product of a
+    /// row-parallel linear, which the in-process communicator sums over the ranks and rounds
+    /// once ([`crate::tp::host`]), as one device rounds the whole product once. `y` is only
+    /// checked (its dtype and length), for [`CpuBackend::narrow_partial`] to write. The Gemm
+    /// implementation rounds inside its tile loop, so the flat GEMM stands in for it here.
+    pub fn gemm_partial(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        x: &CpuBuffer,
+        w: &CpuBuffer,
+        y: &CpuBuffer,
+    ) -> Result<Vec<f32>> {
+        check_gemm_buffers(spec, dims, x, w, y)?;
+        let wide = match spec.imp {
+            GemmImpl::Gemm => GemmSpec::new(GemmImpl::FlatGemm, spec.dtype),
+            _ => *spec,
+        };
+        let block = block_rows(&wide, dims)?;
+        let dt = spec.dtype;
+        let mut xf = vec![0f32; dims.m * dims.k];
+        simd::widen(dt, &x.data[..dims.m * dims.k], &mut xf);
+        let w = &w.data[..dims.n * dims.k];
+        let mut out_t = vec![0f32; dims.n * dims.m];
+        if wide.imp == GemmImpl::Gemv {
+            gemv::gemv(dt, dims, &xf, w, &mut out_t, block);
+        } else {
+            flat_gemm::flat_gemm(dt, dims, &xf, w, &mut out_t, block);
+        }
+        Ok(out_t)
+    }
+
+    /// y[..M·N] = the [N, M] f32 `out_t` transposed and rounded to y's dtype.
+    pub fn narrow_partial(&self, dims: GemmDims, out_t: &[f32], y: &mut CpuBuffer) -> Result<()> {
+        let need = dims.m * dims.n;
+        if out_t.len() != need || y.data.len() < need {
+            return Err(FdppError::Shape {
+                what: format!("a row-parallel GEMM's summed partials at {}", dims.label()),
+                expected: format!("{need} values into a buffer of at least {need}"),
+                found: format!("{} values into {}", out_t.len(), y.data.len()),
+            });
+        }
+        narrow_transposed(y.dtype, dims, out_t, &mut y.data[..need]);
+        Ok(())
+    }
+}
+
+/// A GEMM's buffers: long enough for `dims` and all of the spec's dtype.
+fn check_gemm_buffers(spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &CpuBuffer) -> Result<()> {
+    dims.check_lens(spec, x.len(), w.len(), y.len())?;
+    if x.dtype != spec.dtype || w.dtype != spec.dtype || y.dtype != spec.dtype {
+        return Err(FdppError::InvalidArgument(format!(
+            "{spec} at {}: buffers are x {}, w {}, y {}; all must be {}",
+            dims.label(),
+            x.dtype,
+            w.dtype,
+            y.dtype,
+            spec.dtype
+        )));
+    }
+    Ok(())
 }
 
 pub fn probe() -> BackendStatus {
@@ -136,17 +198,7 @@ impl Backend for CpuBackend {
     }
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
-        dims.check_lens(spec, x.len(), w.len(), y.len())?;
-        if x.dtype != spec.dtype || w.dtype != spec.dtype || y.dtype != spec.dtype {
-            return Err(FdppError::InvalidArgument(format!(
-                "{spec} at {}: buffers are x {}, w {}, y {}; all must be {}",
-                dims.label(),
-                x.dtype,
-                w.dtype,
-                y.dtype,
-                spec.dtype
-            )));
-        }
+        check_gemm_buffers(spec, dims, x, w, y)?;
         let block = block_rows(spec, dims)?;
         run_gemm(spec, dims, block, &x.data, &w.data, &mut y.data);
         Ok(())
