@@ -37,3 +37,27 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #endif
     return r;
 }
+
+// The query tile and head of a prefill block. The launch is one-dimensional, tiles × H blocks,
+// and blocks start in index order: the H / GS KV groups (GS query heads each) go in `nsec`
+// sections of consecutive groups, sizes differing by at most one (the first ones larger), as
+// many groups per section as keep its K/V in a share of the L2 cache (attn_plan.rs's
+// prefill_sections); within a section the host's tiles, longest first, with the section's heads
+// side by side. So every head of a section starts its longest tile before any shorter one (at
+// 1024 tokens, 8 tiles × 32 heads, head by head left the last wave's blocks running alone) while
+// the blocks running at once read the K/V of few enough heads to hit in L2 (FlashAttention-3's
+// causal tile order sections the heads by L2 size the same way). Equal sections: a last small
+// one would start its longest tiles with little work left beside them.
+struct TileHead {
+    int tile, head;
+};
+__device__ __forceinline__ TileHead tile_head(int H, int G, int nsec) {
+    const int gs = H / G, ntiles = (int)(gridDim.x / (unsigned)H);
+    const int q = G / nsec, r = G % nsec;  // r sections of q + 1 groups, then q groups
+    const int big = (q + 1) * gs * ntiles, small = q * gs * ntiles;
+    const int b = (int)blockIdx.x;
+    const int sec = b < r * big ? b / big : r + (b - r * big) / small;
+    const int rem = b - (sec < r ? sec * big : r * big + (sec - r) * small);
+    const int h0 = (sec * q + min(sec, r)) * gs, hs = (q + (sec < r ? 1 : 0)) * gs;
+    return {rem / hs, h0 + rem % hs};
+}

@@ -275,10 +275,12 @@ __device__ __forceinline__ void store(const Ctx& c, const Rows& st, u16* __restr
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                        int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                         u16* __restrict__ out) {
     extern __shared__ __align__(128) u16 smem[];
-    const int4 tv = tiles[blockIdx.x];
+    // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
+    const TileHead th = tile_head(H, G, nsec);
+    const int4 tv = tiles[th.tile];
     Ctx c;
     c.t = Tile{tv.x, tv.y, tv.z, tv.w};
     c.q = q;
@@ -288,7 +290,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = blockIdx.y;
+    c.h = th.head;
     c.kvh = c.h / (H / G);
     c.kv_end = c.t.pos0 + c.t.rows;
     c.sq = smem;
@@ -334,14 +336,14 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_prefill_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                   const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size, int H,
-                  int G, float scale2, u16* __restrict__ out) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, 0.f, 0.f, 0.f, nullptr, out);
+                  int G, int nsec, float scale2, u16* __restrict__ out) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 attn_prefill_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                    const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size, int H,
-                   int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                   int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                    u16* __restrict__ out) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, phi2, a2, b2, recomputed, out);
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out);
 }

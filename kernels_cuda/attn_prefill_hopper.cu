@@ -672,10 +672,12 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                        int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                         u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const int4 tv = tiles[blockIdx.x];
+    // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
+    const TileHead th = tile_head(H, G, nsec);
+    const int4 tv = tiles[th.tile];
     Ctx c;
     c.q = q;
     c.kp = kp;
@@ -687,7 +689,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = blockIdx.y;
+    c.h = th.head;
     c.kvh = c.h / (H / G);
     c.row0 = tv.y;
     c.pos0 = tv.z;
@@ -777,18 +779,18 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
+                         int H, int G, int nsec, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
                          const __grid_constant__ TmaMap vmap, int tma_rows) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
                    tma_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                          int H, int G, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                          int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                           u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
                           int tma_rows) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
                   tma_rows);
 }

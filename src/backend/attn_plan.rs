@@ -240,6 +240,25 @@ pub fn prefill_tiles(p: &PrefillParams, bm: usize) -> Result<Vec<[i32; 4]>> {
     Ok(tiles)
 }
 
+/// Sections of a prefill launch (attn_common.cuh's tile_head): the fewest that keep each one's
+/// K and V (every block of it reads its KV heads' keys, each sequence's up to its end) within
+/// 5/8 of the L2 cache (FlashAttention-3 budgets 32 MB of the H100's 50), at most one per KV
+/// head. Measured on the H100 (reports/NOTES.md, session 15): one section for all 32 heads
+/// gained 19 % at batch 1 · 1024 tokens and lost 5 % at 1 · 16384 and 16-24 % at batch 8
+/// (MHA; GQA, whose heads share K/V, lost 2-3 %); sections of 15, 15 and 2 heads at 1 · 4096
+/// lost 2 % to the head-by-head order where one section gained 6 %: the small last section's
+/// longest tiles ran alone at the end, hence sections of equal size.
+pub fn prefill_sections(p: &PrefillParams, l2_bytes: u64) -> usize {
+    let g = p.geom;
+    let kv_head_bytes: u64 = p
+        .spans()
+        .iter()
+        .map(|&(_, prefix, n)| ((prefix + n) * g.head_dim * 2 * 2) as u64)
+        .sum();
+    let fit = ((l2_bytes * 5 / 8 / kv_head_bytes.max(1)) as usize).max(1);
+    g.num_kv_heads.div_ceil(fit).clamp(1, g.num_kv_heads.max(1))
+}
+
 /// The block table and the tile list of a prefill launch as one i32 upload: the table, padding
 /// (-1) to a multiple of 4 ints (int4 loads of the tiles want 16-byte alignment), then the tiles
 /// at the returned index.
@@ -504,6 +523,78 @@ mod tests {
         assert_eq!(at, p.tables.block_table.len());
         assert_eq!(&host[at..], &[17, 40]);
         assert_eq!(&host[..at], p.tables.block_table.as_slice());
+    }
+
+    #[test]
+    fn prefill_sections_are_the_fewest_that_fit_the_l2_share() {
+        // 8 heads over 2 KV heads, d64: a KV head's K and V over 1000 keys is
+        // 1000 · 64 · 2 · 2 = 256000 bytes.
+        let p = prefill(&[1000], &[1000]);
+        assert_eq!(prefill_sections(&p, 50 << 20), 1, "both KV heads fit 5/8 of 50 MiB");
+        assert_eq!(prefill_sections(&p, 900_000), 1, "562500 bytes hold 2 KV heads");
+        assert_eq!(prefill_sections(&p, 600_000), 2, "375000 bytes hold 1");
+        assert_eq!(prefill_sections(&p, 1000), 2, "never more than one per KV head");
+        // Every sequence's K/V counts, each up to its end (prefix included).
+        let two = prefill(&[1000, 700], &[1000, 100]);
+        assert_eq!(
+            prefill_sections(&two, 900_000),
+            2,
+            "(1000 + 700) keys: 435200 bytes a KV head"
+        );
+    }
+
+    /// attn_common.cuh's tile_head(), written out.
+    fn tile_head(blocks: usize, heads: usize, groups: usize, nsec: usize, b: usize) -> (usize, usize) {
+        let (gs, ntiles) = (heads / groups, blocks / heads);
+        let (q, r) = (groups / nsec, groups % nsec);
+        let (big, small) = ((q + 1) * gs * ntiles, q * gs * ntiles);
+        let sec = if b < r * big {
+            b / big
+        } else {
+            r + (b - r * big) / small
+        };
+        let rem = b - if sec < r {
+            sec * big
+        } else {
+            r * big + (sec - r) * small
+        };
+        let h0 = (sec * q + sec.min(r)) * gs;
+        let hs = (q + usize::from(sec < r)) * gs;
+        (rem / hs, h0 + rem % hs)
+    }
+
+    #[test]
+    fn the_kernels_block_order_is_sections_of_whole_groups_tiles_first() {
+        // (tiles, heads, KV heads, sections)
+        for (ntiles, heads, groups, nsec) in [
+            (8, 32, 32, 1),
+            (32, 32, 32, 3),
+            (8, 32, 32, 5),
+            (5, 12, 4, 3),
+            (1, 7, 7, 7),
+            (3, 28, 4, 3),
+            (9, 6, 6, 4),
+        ] {
+            // The order built directly: sections of consecutive KV groups, sizes differing by at
+            // most one (larger first); in each, tile by tile with the section's heads side by side.
+            let gs = heads / groups;
+            let mut want = Vec::new();
+            let mut g0 = 0;
+            for sec in 0..nsec {
+                let size = groups / nsec + usize::from(sec < groups % nsec);
+                for t in 0..ntiles {
+                    want.extend((g0 * gs..(g0 + size) * gs).map(|h| (t, h)));
+                }
+                g0 += size;
+            }
+            assert_eq!(g0, groups);
+            let blocks = ntiles * heads;
+            let got: Vec<(usize, usize)> = (0..blocks).map(|b| tile_head(blocks, heads, groups, nsec, b)).collect();
+            assert_eq!(
+                got, want,
+                "{ntiles} tiles x {heads} heads / {groups} KV heads in {nsec} sections"
+            );
+        }
     }
 
     #[test]

@@ -504,13 +504,24 @@ pub(super) fn launch_prefill(
     );
     let (h32, g32) = (i32_of(g.num_heads, "heads")?, i32_of(g.num_kv_heads, "kv heads")?);
     let scale2 = g.scale() * LOG2E;
+    let what = format!("{} at {} new tokens of {} sequences", k.uri, p.tokens(), p.batch());
+    // One block per (tile, head), in the order of attn_common.cuh's tile_head().
+    let blocks = u32::try_from(tiles.len() * g.num_heads).map_err(|_| {
+        FdppError::InvalidArgument(format!(
+            "{what}: {} query tiles of {} rows × {} heads exceed one launch; prefill the prompt in chunks \
+             (generate --chunk-size)",
+            tiles.len(),
+            k.tile_rows,
+            g.num_heads
+        ))
+    })?;
+    let nsec = i32_of(attn_plan::prefill_sections(p, b.info().l2_bytes), "sections")?;
     let cfg = LaunchConfig {
-        grid_dim: (tiles.len() as u32, g.num_heads as u32, 1),
+        grid_dim: (blocks, 1, 1),
         block_dim: (k.threads, 1, 1),
         shared_mem_bytes: k.smem,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let what = format!("{} at {} new tokens of {} sequences", k.uri, p.tokens(), p.batch());
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
@@ -520,6 +531,7 @@ pub(super) fn launch_prefill(
                 .arg(&page_size)
                 .arg(&h32)
                 .arg(&g32)
+                .arg(&nsec)
                 .arg(&scale2)
                 .arg(&op);
             if let Some(t) = k.tma {
@@ -536,7 +548,12 @@ pub(super) fn launch_prefill(
             let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&scale2);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&nsec)
+                .arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
             if let Some(t) = k.tma {
                 l.arg(&t.k).arg(&t.v).arg(&t.rows);
