@@ -33,7 +33,7 @@ const MR: usize = 2 * LANES;
 const NR: usize = 6;
 /// The longest K-block: a 16 × 256 panel of x is 16 KiB (L1 is 32 KiB), the 6 × 256 strip of
 /// W 6 KiB.
-const KC_MAX: usize = 256;
+pub(super) const KC_MAX: usize = 256;
 
 /// The most rows of W per task (a multiple of [`NR`]).
 pub(super) const DEFAULT_BLOCK_ROWS: usize = 42 * NR;

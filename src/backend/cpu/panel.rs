@@ -25,7 +25,7 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{k_block, YBase, YCols};
+use super::gemm::{k_block, YBase, YCols, KC_MAX};
 use super::simd::{multiversion, narrow_generic, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
@@ -76,16 +76,29 @@ pub(super) fn unpack(p: &[u16], n: usize, k: usize) -> Vec<u16> {
     w
 }
 
+/// f32 scratch a task passes to [`panel_run`] for `xp`: the panel's sums ([mp, 16]) and, where
+/// W is reused over several tiles (M > 6), one widened K-block of the panel ([KC_MAX, 16]).
+/// Allocated (and zeroed) per task: at M = 1 the 16 KiB block was ~0.8 MB of memset per FFN1
+/// call of ~0.2 ms, so it is left out there.
+fn scratch_len(xp: &XPanels) -> usize {
+    xp.mp * NP + if xp.m > MP { KC_MAX * NP } else { 0 }
+}
+
 /// Rows of W per task for the panel kernel: `rows` rounded up to whole panels.
 pub(super) fn task_rows(rows: usize) -> usize {
     rows.max(1).next_multiple_of(NP)
 }
 
-/// x widened and packed: K-block after K-block, each `[⌈M/6⌉][len][6]`, rows past M zero.
+/// x widened and packed: K-block after K-block, each `[⌈M/lanes⌉][len][lanes]`, rows past M
+/// zero. Past one tile (M > 6) the lanes are [`MP`] = 6 and K runs in the row-major GEMM's
+/// blocks; at M ≤ 6 (decode) the lanes are M and K is one block: x is then M plain rows
+/// interleaved (at M = 1 the widened row itself, 2.3 KiB at K = 576, in L1), where 6 lanes
+/// would read 6× the bytes of x per step beside W, and K-blocks only stop and restart the
+/// accumulators of a tile that never reuses W.
 pub(super) struct XPanels {
     m: usize,
     k: usize,
-    /// M rounded up to whole panels of [`MP`].
+    /// M rounded up to whole panels.
     mp: usize,
     kc: usize,
     data: Vec<f32>,
@@ -97,27 +110,36 @@ const SERIAL_PACK: usize = 16 << 10;
 
 impl XPanels {
     pub(super) fn new(dt: DType, m: usize, k: usize, x: &[u16]) -> XPanels {
-        let (mp, kc) = (m.next_multiple_of(MP), k_block(k));
+        let (lanes, kc) = if m <= MP {
+            (m.max(1), k.max(1))
+        } else {
+            (MP, k_block(k))
+        };
+        let mp = m.next_multiple_of(lanes);
         let mut data = vec![0f32; mp * k];
-        let mut panels = Vec::with_capacity(k.div_ceil(kc.max(1)) * (mp / MP));
+        let mut panels = Vec::with_capacity(k.div_ceil(kc) * (mp / lanes));
         let mut rest = &mut data[..];
         let mut k0 = 0;
         while k0 < k {
             let len = kc.min(k - k0);
-            for mb in 0..mp / MP {
-                let (panel, tail) = rest.split_at_mut(len * MP);
+            for mb in 0..mp / lanes {
+                let (panel, tail) = rest.split_at_mut(len * lanes);
                 panels.push((k0, mb, panel));
                 rest = tail;
             }
             k0 += len;
         }
         let fill = |row: &mut Vec<f32>, (k0, mb, panel): (usize, usize, &mut [f32])| {
-            let len = panel.len() / MP;
-            for lane in 0..MP.min(m - mb * MP) {
-                let at = (mb * MP + lane) * k + k0;
+            let len = panel.len() / lanes;
+            if lanes == 1 {
+                super::simd::widen(dt, &x[mb * k + k0..mb * k + k0 + len], panel);
+                return;
+            }
+            for lane in 0..lanes.min(m - mb * lanes) {
+                let at = (mb * lanes + lane) * k + k0;
                 super::simd::widen(dt, &x[at..at + len], &mut row[..len]);
                 for (kk, &v) in row[..len].iter().enumerate() {
-                    panel[kk * MP + lane] = v;
+                    panel[kk * lanes + lane] = v;
                 }
             }
         };
@@ -162,7 +184,7 @@ pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], wp: &[u16], y: &mut [u16],
         .into_par_iter()
         .with_max_len(1)
         .for_each_init(
-            || vec![0f32; xp.mp * NP],
+            || vec![0f32; scratch_len(&xp)],
             |acc, task| {
                 for p in task * per..((task + 1) * per).min(n.div_ceil(NP)) {
                     let cols = NP.min(n - p * NP);
@@ -193,7 +215,7 @@ pub(super) fn gemm_wide(dt: DType, d: GemmDims, x: &[u16], wp: &[u16], out_t: &m
         .with_max_len(1)
         .enumerate()
         .for_each_init(
-            || vec![0f32; xp.mp * NP],
+            || vec![0f32; scratch_len(&xp)],
             |acc, (task, out)| {
                 for (i, o) in out.chunks_mut(NP * m).enumerate() {
                     let p = task * rows / NP + i;
@@ -235,8 +257,10 @@ fn panel_run_generic<V: Vf32>(dt: DType, xp: &XPanels, wp: &[u16], acc: &mut [f3
 }
 
 #[inline(always)]
-fn panel_sums<V: Vf32, const BF16: bool>(xp: &XPanels, wp: &[u16], acc: &mut [f32]) {
+fn panel_sums<V: Vf32, const BF16: bool>(xp: &XPanels, wp: &[u16], scratch: &mut [f32]) {
     let (m, k) = (xp.m, xp.k);
+    let (acc, wf) = scratch.split_at_mut(xp.mp * NP);
+    let dt = if BF16 { DType::Bf16 } else { DType::F16 };
     let mut k0 = 0;
     while k0 < k {
         let kc = xp.kc.min(k - k0);
@@ -247,37 +271,48 @@ fn panel_sums<V: Vf32, const BF16: bool>(xp: &XPanels, wp: &[u16], acc: &mut [f3
         // first (a task's panels are contiguous); past the task's end the prefetches are
         // wasted but harmless (`wrapping_add`: the address may lie past `wp`).
         let next = wb.as_ptr().wrapping_add(kc * NP);
+        if m <= MP {
+            // One tile for all of x, W read once: K is also split over interleaved accumulator
+            // sets (see the module comment) and W is prefetched a few KiB ahead inside the
+            // loop (the hardware prefetcher alone left a DRAM-bound GEMV at ~14 GB/s where
+            // the row-major GEMV with its software prefetches streamed ~23: ffn1 at M = 1).
+            let out = &mut acc[..m * NP];
+            let t = (kc, first);
+            match m {
+                6 => tile::<V, BF16, 6, 1>(t, xb, wb, out),
+                5 => tile::<V, BF16, 5, 2>(t, xb, wb, out),
+                4 => tile::<V, BF16, 4, 2>(t, xb, wb, out),
+                3 => tile::<V, BF16, 3, 2>(t, xb, wb, out),
+                2 => tile::<V, BF16, 2, 3>(t, xb, wb, out),
+                _ => tile::<V, BF16, 1, 4>(t, xb, wb, out),
+            }
+            k0 += kc;
+            continue;
+        }
         let tiles = xb.len() / (kc * MP);
-        // Lines of the next block to prefetch per tile when W is reused over several tiles.
+        // Lines of the next block to prefetch per tile: spread over the tiles that reuse this
+        // block.
         let per_tile = (kc * NP / 32).div_ceil(tiles.max(1));
+        // W is reused over several tiles: its block is widened once into L1 and the tiles
+        // read f32 (two plain loads a step). Widening in every tile's loads cost two
+        // `vcvtph2ps` per step, ⌈M/6⌉ times over (22 at M = 128), beside the FMAs.
+        V::widen(dt, wb, &mut wf[..kc * NP]);
+        let wf = &wf[..kc * NP];
         for (mb, panel) in xb.chunks_exact(kc * MP).enumerate() {
             let out = &mut acc[mb * MP * NP..(mb + 1) * MP * NP];
-            // The rows of x in this tile (zero rows past M are not computed). With one tile
-            // for all of x, K is also split over interleaved accumulator sets (see the module
-            // comment) and W, read once, is prefetched a few KiB ahead inside the loop: the
-            // hardware prefetcher alone left a DRAM-bound GEMV at ~14 GB/s where the
-            // row-major GEMV with its software prefetches streamed ~23 (ffn1 at M = 1).
-            // Otherwise one set, the order of the row-major GEMM, and the next block's lines
-            // are prefetched spread over the tiles that reuse this one.
-            if m > MP {
-                for line in mb * per_tile..((mb + 1) * per_tile).min(kc * NP / 32) {
-                    V::prefetch(next.wrapping_add(line * 32));
-                }
+            for line in mb * per_tile..((mb + 1) * per_tile).min(kc * NP / 32) {
+                V::prefetch(next.wrapping_add(line * 32));
             }
+            // The rows of x in this tile (zero rows past M are not computed), one accumulator
+            // set: the order of the row-major GEMM.
             let t = (kc, first);
             match (m - mb * MP).min(MP) {
-                6 if m <= MP => tile::<V, BF16, 6, 1, true>(t, panel, wb, out),
-                6 => tile::<V, BF16, 6, 1, false>(t, panel, wb, out),
-                5 if m <= MP => tile::<V, BF16, 5, 2, true>(t, panel, wb, out),
-                5 => tile::<V, BF16, 5, 1, false>(t, panel, wb, out),
-                4 if m <= MP => tile::<V, BF16, 4, 2, true>(t, panel, wb, out),
-                4 => tile::<V, BF16, 4, 1, false>(t, panel, wb, out),
-                3 if m <= MP => tile::<V, BF16, 3, 2, true>(t, panel, wb, out),
-                3 => tile::<V, BF16, 3, 1, false>(t, panel, wb, out),
-                2 if m <= MP => tile::<V, BF16, 2, 3, true>(t, panel, wb, out),
-                2 => tile::<V, BF16, 2, 1, false>(t, panel, wb, out),
-                _ if m <= MP => tile::<V, BF16, 1, 4, true>(t, panel, wb, out),
-                _ => tile::<V, BF16, 1, 1, false>(t, panel, wb, out),
+                6 => tile_f32::<V, 6>(t, panel, wf, out),
+                5 => tile_f32::<V, 5>(t, panel, wf, out),
+                4 => tile_f32::<V, 4>(t, panel, wf, out),
+                3 => tile_f32::<V, 3>(t, panel, wf, out),
+                2 => tile_f32::<V, 2>(t, panel, wf, out),
+                _ => tile_f32::<V, 1>(t, panel, wf, out),
             }
         }
         k0 += kc;
@@ -297,37 +332,35 @@ fn load_w<V: Vf32, const BF16: bool>(src: &[u16; LANES]) -> V {
     }
 }
 
-/// The R × 16 register tile over one K-block: `panel` the K-block's x panel ([kc][6]), `wb`
-/// the K-block of the W panel ([kc][16]), `out` R rows of the panel's sums ([R][16]; stored
-/// on the first K-block, added to on later ones). U interleaved accumulator sets take k,
-/// k + 1, …, k + U − 1 in turn and are summed in order at the end (U = 1: plain order). PF:
-/// prefetch W [`PF_AHEAD`] values ahead of each step (where W is read once).
+/// The tile of all M = R ≤ 6 rows of x × 16 columns, W widened in the loads: `panel` is x
+/// ([kc][R]), `wb` the W panel ([kc][16]), `out` the panel's sums ([R][16]; stored on the
+/// first K-block, added to on later ones). U interleaved accumulator sets take k, k + 1, …,
+/// k + U − 1 in turn and are summed in order at the end. W is read once here: each step
+/// prefetches it [`PF_AHEAD`] values ahead.
 #[inline(always)]
-fn tile<V: Vf32, const BF16: bool, const R: usize, const U: usize, const PF: bool>(
+fn tile<V: Vf32, const BF16: bool, const R: usize, const U: usize>(
     (kc, first): (usize, bool),
     panel: &[f32],
     wb: &[u16],
     out: &mut [f32],
 ) {
-    let (x6, _) = panel.as_chunks::<MP>();
+    let (xr, _) = panel.as_chunks::<R>();
     let (w8, _) = wb.as_chunks::<LANES>();
     // Bounds the compiler can see, so that the loop below runs without checks.
-    let (x6, w8) = (&x6[..kc], &w8[..2 * kc]);
+    let (xr, w8) = (&xr[..kc], &w8[..2 * kc]);
     let ahead = wb.as_ptr().wrapping_add(PF_AHEAD);
     let mut c = [[[V::zero(); 2]; R]; U];
     let mut kk = 0;
     while kk + U <= kc {
-        if PF {
-            // One prefetch per 32 bytes of W read: two per line (the extra one is cheaper
-            // than a test of the step's alignment).
-            for u in 0..U {
-                V::prefetch(ahead.wrapping_add((kk + u) * NP));
-            }
+        // One prefetch per 64-byte line (two steps of the panel) of the steps just read
+        // (at U = 1, one per step).
+        for u in (0..U).step_by(2) {
+            V::prefetch(ahead.wrapping_add((kk + u) * NP));
         }
         for (u, cu) in c.iter_mut().enumerate() {
             let w0 = load_w::<V, BF16>(&w8[2 * (kk + u)]);
             let w1 = load_w::<V, BF16>(&w8[2 * (kk + u) + 1]);
-            let xs = &x6[kk + u];
+            let xs = &xr[kk + u];
             for (i, ci) in cu.iter_mut().enumerate() {
                 let xv = V::splat(xs[i]);
                 ci[0] = w0.madd(xv, ci[0]);
@@ -336,12 +369,12 @@ fn tile<V: Vf32, const BF16: bool, const R: usize, const U: usize, const PF: boo
         }
         kk += U;
     }
-    // The ragged end of the K-block (only when U > 1), into the first set.
+    // The ragged end (K not a multiple of U), into the first set.
     while kk < kc {
         let w0 = load_w::<V, BF16>(&w8[2 * kk]);
         let w1 = load_w::<V, BF16>(&w8[2 * kk + 1]);
         for i in 0..R {
-            let xv = V::splat(x6[kk][i]);
+            let xv = V::splat(xr[kk][i]);
             c[0][i][0] = w0.madd(xv, c[0][i][0]);
             c[0][i][1] = w1.madd(xv, c[0][i][1]);
         }
@@ -359,6 +392,33 @@ fn tile<V: Vf32, const BF16: bool, const R: usize, const U: usize, const PF: boo
                 v.store(o);
             } else {
                 V::load(o).add(v).store(o);
+            }
+        }
+    }
+}
+
+/// [`tile`] with U = 1 over a K-block of the panel already widened (`wf`, [kc][16] f32).
+#[inline(always)]
+fn tile_f32<V: Vf32, const R: usize>((kc, first): (usize, bool), panel: &[f32], wf: &[f32], out: &mut [f32]) {
+    let (x6, _) = panel.as_chunks::<MP>();
+    let (w16, _) = wf.as_chunks::<NP>();
+    let mut c = [[V::zero(); 2]; R];
+    for (xs, w) in x6[..kc].iter().zip(&w16[..kc]) {
+        let (w8, _) = w.as_chunks::<LANES>();
+        let (w0, w1) = (V::load(&w8[0]), V::load(&w8[1]));
+        for (i, ci) in c.iter_mut().enumerate() {
+            let xv = V::splat(xs[i]);
+            ci[0] = w0.madd(xv, ci[0]);
+            ci[1] = w1.madd(xv, ci[1]);
+        }
+    }
+    for (i, ci) in c.iter().enumerate() {
+        let (o8, _) = out[i * NP..(i + 1) * NP].as_chunks_mut::<LANES>();
+        for (o, v) in o8.iter_mut().zip(ci) {
+            if first {
+                v.store(o);
+            } else {
+                V::load(o).add(*v).store(o);
             }
         }
     }
@@ -411,8 +471,8 @@ mod tests {
         }
     }
 
-    /// Both builds' panel sums (every M-path: tiles of 1-6 rows, with and without the split
-    /// K), against f64 at odd M, N (partial last panel) and K (uneven K-blocks, ragged ends of
+    /// Both builds' panel sums (every M-path: the one-tile paths of 1-6 rows with their split K
+    /// and its ragged ends, and the widened-block tiles past M = 6), against f64 at odd M, N (partial last panel) and K (uneven K-blocks, ragged ends of
     /// the split K), with NaN-poisoned outputs; then the whole op's rounded y, and the wide
     /// (transposed f32) output.
     #[test]
@@ -422,7 +482,9 @@ mod tests {
             for (m, n, k) in [
                 (1, 1, 1),
                 (1, 17, 300),
+                (1, 40, 131),
                 (2, 7, 9),
+                (2, 9, 100),
                 (3, 16, 513),
                 (4, 33, 77),
                 (5, 20, 255),
@@ -441,7 +503,7 @@ mod tests {
                 let xp = XPanels::new(dt, m, k, &xb);
                 for portable in [false, true] {
                     for p in 0..n.div_ceil(NP) {
-                        let mut acc = vec![f32::NAN; xp.mp * NP];
+                        let mut acc = vec![f32::NAN; scratch_len(&xp)];
                         let cols = NP.min(n - p * NP);
                         let mut o = vec![f32::NAN; cols * m];
                         let w = &wp[p * NP * k..(p + 1) * NP * k];
@@ -502,6 +564,69 @@ mod tests {
                 gemm(dt, d, &xb, &wp, &mut a, 32);
                 super::super::gemm::gemm(dt, d, &xb, &wb, &mut b, 12);
                 assert_eq!(a, b, "{dt} m {m} n {n} k {k}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod scratch_bench {
+    use super::*;
+    use crate::dtype::random_bits;
+
+    /// Not a test: decode-like timing of the panel kernel against the row-major GEMV, W of the
+    /// four SmolLM2 linears rotated over 30 layers (from DRAM). Run by hand.
+    #[test]
+    #[ignore]
+    fn time_m1() {
+        let dt = DType::F16;
+        let shapes = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
+        let layers = 30;
+        let mut ws = Vec::new();
+        let mut wps = Vec::new();
+        for l in 0..layers {
+            for (s, &(n, k)) in shapes.iter().enumerate() {
+                let w = random_bits(dt, n * k, 1.0, (l * 10 + s) as u64);
+                let mut p = vec![0u16; packed_len(n, k)];
+                pack(&w, n, k, &mut p);
+                ws.push(w);
+                wps.push(p);
+            }
+        }
+        let m: usize = std::env::var("BM").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+        let x = random_bits(dt, m * 1536, 0.05, 5);
+        for round in 0..6 {
+            for panel in [false, true] {
+                let mut per = [0f64; 4];
+                let t0 = std::time::Instant::now();
+                for l in 0..layers {
+                    for (s, &(n, k)) in shapes.iter().enumerate() {
+                        let d = GemmDims { m, n, k };
+                        let mut y = vec![0u16; m * n];
+                        let t = std::time::Instant::now();
+                        if panel {
+                            let rows = crate::backend::cpu::gemv::default_rows_per_task(n, k);
+                            gemm(dt, d, &x, &wps[l * 4 + s], &mut y, rows);
+                        } else {
+                            let rows = crate::backend::cpu::gemv::default_rows_per_task(n, k);
+                            let mut xf = vec![0f32; m * k];
+                            crate::backend::cpu::simd::widen(dt, &x[..m * k], &mut xf);
+                            let mut out_t = vec![0f32; n * m];
+                            crate::backend::cpu::gemv::gemv(dt, d, &xf, &ws[l * 4 + s], &mut out_t, rows);
+                            crate::backend::cpu::simd::narrow(dt, &out_t, &mut y);
+                        }
+                        per[s] += t.elapsed().as_secs_f64() * 1e3;
+                    }
+                }
+                println!(
+                    "round {round} {} total {:.2} ms  qkv {:.2} o {:.2} ffn1 {:.2} ffn2 {:.2}",
+                    if panel { "panel" } else { "rowm " },
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    per[0],
+                    per[1],
+                    per[2],
+                    per[3]
+                );
             }
         }
     }
