@@ -5,6 +5,11 @@
 //! a GPU. All three share the same frame: x is widened to f32 once, every implementation writes
 //! fp32 sums into y transposed ([N, M], so that a task owning a run of rows of W owns a
 //! contiguous run of the output), and the result is narrowed into y at the end.
+//!
+//! A layer linear's W is prepared once at load ([`Backend::prepare_linear_weight`]) into
+//! panels of 16 rows interleaved along K (`panel.rs`); all three implementations then run the
+//! one panel kernel, which serves every M, and differ only in their task sizes. The row-major
+//! kernels remain for a W that is not prepared (the LM head, which may be the tied embedding).
 
 mod attention;
 mod flat_gemm;

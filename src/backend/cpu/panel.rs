@@ -3,25 +3,26 @@
 //!
 //! Layout: W [N, K] is cut into panels of [`NP`] = 16 rows; panel p holds rows 16p..16p + 16
 //! interleaved along K (`[K][16]`, rows past N zero), so one k of a panel is 32 contiguous
-//! bytes: two vectors of eight 16-bit values, widened in the load (F16C `vcvtph2ps` / a shift
-//! for bf16). The row-major kernels had to widen W into an f32 copy per call (the GEMM, in
-//! bursts of 48 rows: ~7 % of its tile samples, session 14) or read four rows 2K bytes apart
-//! with software prefetches (the GEMV); here a task's W is one sequential 16-bit stream, read
-//! once, whatever M is.
+//! bytes: two vectors of eight 16-bit values. A task's W is then one sequential 16-bit stream
+//! whatever M is. The row-major kernels had to widen W into an f32 copy per call with its rows
+//! fetched 48 at a time (the GEMM: ~7 % of its tile samples after session 14's bursts) or read
+//! four rows 2K bytes apart with software prefetches (the GEMV).
 //!
 //! Kernel: yᵀ's panel of 16 columns × 6 rows of x is a register tile of 12 accumulators; each
 //! step loads the panel's two W vectors of one k and broadcasts 6 values of x against them
-//! (12 FMAs). x is widened and packed per call into panels of 6 rows interleaved along K
-//! (`[K-block][⌈M/6⌉][kc][6]`), so the six broadcasts are one base register plus constant
-//! offsets. K runs in the same equal blocks as the row-major GEMM ([`super::gemm::k_block`]):
-//! the first block's sums are stored, later ones added, in the same order as that GEMM, so at
-//! M > 6 the results are bit-identical to it. A panel's sums for every row of x ([⌈M/6⌉·6,
-//! 16] f32, in L1 at M = 128) are rounded straight into the panel's 16 columns of y (row-major
-//! y: no transposed write-back), or written transposed for the row-parallel partial product
-//! ([`super::CpuBackend::gemm_partial`]).
+//! (12 FMAs). Past M = 6, x is widened and packed per call into panels of 6 rows interleaved
+//! along K (`[K-block][⌈M/6⌉][kc][6]`, the six broadcasts one base register plus constant
+//! offsets), and each K-block of a W panel is widened once into L1 (F16C / a shift for bf16)
+//! for the ⌈M/6⌉ tiles that reuse it. K runs in the row-major GEMM's equal blocks
+//! ([`super::gemm::k_block`]), the first block's sums stored, later ones added, in that GEMM's
+//! order: past M = 6 the results are bit-identical to it. A panel's sums for every row of x
+//! ([⌈M/6⌉·6, 16] f32, in L1 at M = 128) are rounded straight into the panel's 16 columns of
+//! y (row-major y: no transposed write-back), or written transposed for the row-parallel
+//! partial product ([`super::CpuBackend::gemm_partial`]).
 //!
-//! At M ≤ 6 (decode) one tile has too few accumulators to hide the FMA latency (two chains at
-//! M = 1), so K is also split over 2 or 4 interleaved accumulator sets, summed at the end.
+//! At M ≤ 6 (decode) W is read once: it is widened in the loads, prefetched a few KiB ahead,
+//! and since one tile has too few accumulators to hide the FMA latency (two chains at M = 1),
+//! K is also split over 2-4 interleaved accumulator sets, summed at the end.
 
 use rayon::prelude::*;
 
@@ -564,69 +565,6 @@ mod tests {
                 gemm(dt, d, &xb, &wp, &mut a, 32);
                 super::super::gemm::gemm(dt, d, &xb, &wb, &mut b, 12);
                 assert_eq!(a, b, "{dt} m {m} n {n} k {k}");
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod scratch_bench {
-    use super::*;
-    use crate::dtype::random_bits;
-
-    /// Not a test: decode-like timing of the panel kernel against the row-major GEMV, W of the
-    /// four SmolLM2 linears rotated over 30 layers (from DRAM). Run by hand.
-    #[test]
-    #[ignore]
-    fn time_m1() {
-        let dt = DType::F16;
-        let shapes = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
-        let layers = 30;
-        let mut ws = Vec::new();
-        let mut wps = Vec::new();
-        for l in 0..layers {
-            for (s, &(n, k)) in shapes.iter().enumerate() {
-                let w = random_bits(dt, n * k, 1.0, (l * 10 + s) as u64);
-                let mut p = vec![0u16; packed_len(n, k)];
-                pack(&w, n, k, &mut p);
-                ws.push(w);
-                wps.push(p);
-            }
-        }
-        let m: usize = std::env::var("BM").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-        let x = random_bits(dt, m * 1536, 0.05, 5);
-        for round in 0..6 {
-            for panel in [false, true] {
-                let mut per = [0f64; 4];
-                let t0 = std::time::Instant::now();
-                for l in 0..layers {
-                    for (s, &(n, k)) in shapes.iter().enumerate() {
-                        let d = GemmDims { m, n, k };
-                        let mut y = vec![0u16; m * n];
-                        let t = std::time::Instant::now();
-                        if panel {
-                            let rows = crate::backend::cpu::gemv::default_rows_per_task(n, k);
-                            gemm(dt, d, &x, &wps[l * 4 + s], &mut y, rows);
-                        } else {
-                            let rows = crate::backend::cpu::gemv::default_rows_per_task(n, k);
-                            let mut xf = vec![0f32; m * k];
-                            crate::backend::cpu::simd::widen(dt, &x[..m * k], &mut xf);
-                            let mut out_t = vec![0f32; n * m];
-                            crate::backend::cpu::gemv::gemv(dt, d, &xf, &ws[l * 4 + s], &mut out_t, rows);
-                            crate::backend::cpu::simd::narrow(dt, &out_t, &mut y);
-                        }
-                        per[s] += t.elapsed().as_secs_f64() * 1e3;
-                    }
-                }
-                println!(
-                    "round {round} {} total {:.2} ms  qkv {:.2} o {:.2} ffn1 {:.2} ffn2 {:.2}",
-                    if panel { "panel" } else { "rowm " },
-                    t0.elapsed().as_secs_f64() * 1e3,
-                    per[0],
-                    per[1],
-                    per[2],
-                    per[3]
-                );
             }
         }
     }
