@@ -625,6 +625,25 @@ mod tests {
     use crate::backend::cpu::simd::Portable;
     use crate::dtype::random_bits;
 
+    /// The cache hands back the table of exactly these positions and frequencies (bit for
+    /// bit), a new one when either changes, and its values are the per-call ones.
+    #[test]
+    fn rope_cache_follows_the_positions_and_frequencies() {
+        let cache = RopeCache::default();
+        let (f, g) = (vec![1.0f32, 0.01], vec![1.0f32, 0.02]);
+        let a = cache.get(&[0, 1, 2], &f);
+        assert!(std::sync::Arc::ptr_eq(&a, &cache.get(&[0, 1, 2], &f)));
+        for (pos, fr) in [(&[0, 1, 3][..], &f), (&[0, 1][..], &f), (&[0, 1, 2][..], &g)] {
+            let t = cache.get(pos, fr);
+            assert!(!std::sync::Arc::ptr_eq(&a, &t) && t.is_for(pos, fr));
+            let want = RopeTable::new(pos, fr);
+            assert_eq!((t.cos.clone(), t.sin.clone()), (want.cos, want.sin));
+        }
+        assert_eq!(a.cos[2 * 2 + 1], (2.0f32 * 0.01).cos());
+        // No RoPE (no pairs): still one row per token to iterate over.
+        assert_eq!(RopeTable::new(&[5, 6], &[]).cos.len(), 2);
+    }
+
     fn wide(dt: DType, b: &[u16]) -> Vec<f64> {
         b.iter().map(|&x| dt.to_f32(x) as f64).collect()
     }
