@@ -149,6 +149,15 @@ pub trait Backend {
         y: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Put a linear's W ([N, K] row-major, as uploaded) into whatever layout this backend's
+    /// GEMMs read fastest, once at load (issue #21 item 5). Afterwards the buffer is for
+    /// [`gemm`](Self::gemm) at this [N, K] (and `download`, which gives the row-major values
+    /// back); the engine calls it for the layer linears only (the LM head may be the tied
+    /// embedding table, which the embedding op reads by rows). Default: nothing to do.
+    fn prepare_linear_weight(&self, _w: &mut Self::Buffer, _n: usize, _k: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether [`gemm_rms_in`](Self::gemm_rms_in) and
     /// [`gemm_residual_out`](Self::gemm_residual_out) have kernels here (for the gemv
     /// implementation at small M; other cases still return `Unsupported`, and the caller then

@@ -177,7 +177,10 @@ impl<B: Backend> GemmInputs<B> {
             let x = random_bits(dtype, max_m * k, xs_scale, seed.wrapping_add(2 * c as u64));
             let w = random_bits(dtype, n * k, 1.0, seed.wrapping_add(2 * c as u64 + 1));
             xs.push(b.upload(dtype, &x)?);
-            ws.push(b.upload(dtype, &w)?);
+            // W as the engine holds a linear's W: in the backend's prepared layout.
+            let mut wb = b.upload(dtype, &w)?;
+            b.prepare_linear_weight(&mut wb, n, k)?;
+            ws.push(wb);
             if c == 0 {
                 x0 = x;
                 w0 = w;

@@ -96,7 +96,9 @@ pub fn check_gemm<B: Backend>(b: &B, specs: &[GemmSpec], cases: &[GemmCase], see
         let x = random_bits(dt, d.m * d.k, 1.0 / (d.k as f32).sqrt(), splitmix64(case_seed));
         let w = random_bits(dt, d.n * d.k, 1.0, splitmix64(case_seed ^ 1));
         let xb = b.upload(dt, &x)?;
-        let wb = b.upload(dt, &w)?;
+        // W as the engine holds a layer's linear: in the backend's prepared layout.
+        let mut wb = b.upload(dt, &w)?;
+        b.prepare_linear_weight(&mut wb, d.n, d.k)?;
         let mut yb = b.alloc(dt, d.m * d.n + GUARD_ELEMS)?;
         let mut reference: Option<Vec<f64>> = None;
         for spec in specs {

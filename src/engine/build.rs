@@ -226,7 +226,23 @@ fn assemble<'b, B: Backend>(
         opts.scheme,
     )?;
     model.set_layer_schemes(opts.layer_schemes.clone())?;
+    prepare_linears(b, &mut model)?;
     Ok(model)
+}
+
+/// Each layer's four linear weights into the layout the backend's GEMMs read
+/// ([`Backend::prepare_linear_weight`]), once, after anything that rewrites them (the norm
+/// folding in `Model::new`). The LM head is left as loaded: it may be the tied embedding table.
+fn prepare_linears<B: Backend>(b: &B, model: &mut Model<'_, B>) -> Result<()> {
+    let a = &model.arch;
+    let (h, qkv, q, ffn1, inter) = (a.hidden, a.qkv_width(), a.q_width(), a.ffn1_width(), a.inter);
+    for l in model.weights.layers.iter_mut() {
+        b.prepare_linear_weight(&mut l.qkv, qkv, h)?;
+        b.prepare_linear_weight(&mut l.o, h, q)?;
+        b.prepare_linear_weight(&mut l.ffn1, ffn1, h)?;
+        b.prepare_linear_weight(&mut l.ffn2, h, inter)?;
+    }
+    Ok(())
 }
 
 /// `--softmax`: the attention softmax scheme (FlashDecoding++ §3).

@@ -33,7 +33,7 @@ const MR: usize = 2 * LANES;
 const NR: usize = 6;
 /// The longest K-block: a 16 × 256 panel of x is 16 KiB (L1 is 32 KiB), the 6 × 256 strip of
 /// W 6 KiB.
-const KC_MAX: usize = 256;
+pub(super) const KC_MAX: usize = 256;
 
 /// The most rows of W per task (a multiple of [`NR`]).
 pub(super) const DEFAULT_BLOCK_ROWS: usize = 42 * NR;
@@ -51,7 +51,7 @@ pub(super) fn default_block_rows(n: usize) -> usize {
 /// The K-block length for K: the fewest blocks of at most [`KC_MAX`], of equal length rounded
 /// up to a multiple of 8 (still at most [`KC_MAX`], which is one); the last block takes what is
 /// left.
-fn k_block(k: usize) -> usize {
+pub(super) fn k_block(k: usize) -> usize {
     let blocks = k.div_ceil(KC_MAX).max(1);
     k.div_ceil(blocks).next_multiple_of(8).min(KC_MAX)
 }
@@ -97,7 +97,7 @@ pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], w: &[u16], y: &mut [u16], 
 
 /// y ([M, N], borrowed mutably for the whole parallel loop) shared by the tasks, each of which
 /// writes only its own run of columns of every row.
-struct YBase<'y> {
+pub(super) struct YBase<'y> {
     ptr: *mut u16,
     m: usize,
     n: usize,
@@ -110,7 +110,7 @@ unsafe impl Send for YBase<'_> {}
 unsafe impl Sync for YBase<'_> {}
 
 impl<'y> YBase<'y> {
-    fn new(y: &'y mut [u16], m: usize, n: usize) -> Self {
+    pub(super) fn new(y: &'y mut [u16], m: usize, n: usize) -> Self {
         assert!(y.len() >= m * n);
         YBase {
             ptr: y.as_mut_ptr(),
@@ -124,22 +124,23 @@ impl<'y> YBase<'y> {
     ///
     /// # Safety
     /// No two [`YCols`] alive at the same time may share a column.
-    unsafe fn cols(&self, n0: usize, rows: usize) -> YCols<'_> {
+    pub(super) unsafe fn cols(&self, n0: usize, rows: usize) -> YCols<'_> {
         assert!(n0 + rows <= self.n);
         YCols { y: self, n0, rows }
     }
 }
 
 /// One task's columns of y.
-struct YCols<'a> {
+pub(super) struct YCols<'a> {
     y: &'a YBase<'a>,
     n0: usize,
-    rows: usize,
+    /// How many columns (rows of W).
+    pub(super) rows: usize,
 }
 
 impl YCols<'_> {
     /// Row i's run of the columns.
-    fn row(&mut self, i: usize) -> &mut [u16] {
+    pub(super) fn row(&mut self, i: usize) -> &mut [u16] {
         assert!(i < self.y.m);
         // SAFETY: i < M and n0 + rows ≤ N (checked in `cols`), so the run lies inside y, which
         // outlives `self`; no other YCols shares these columns (the contract of `cols`), and

@@ -174,6 +174,94 @@ pub fn qkv_rope(
     k: &mut CpuBuffer,
     v: &mut CpuBuffer,
 ) -> Result<()> {
+    qkv_rope_with(p, &RopeTable::new(&p.positions, &p.inv_freq), qkv, bias, q, k, v)
+}
+
+/// cos and sin of θ = position · inv_freq for every token of a step and every pair, the same
+/// in every layer: the CPU backend keeps the last one ([`RopeCache`]) so that a prefill of 128
+/// tokens computes its 4096 pairs once per step, not once per layer (~3 ms of 30 layers).
+pub struct RopeTable {
+    positions: Vec<i32>,
+    inv_freq: Vec<f32>,
+    /// [tokens, pairs].
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(positions: &[i32], inv_freq: &[f32]) -> RopeTable {
+        let stride = Self::stride(inv_freq.len());
+        let (mut cos, mut sin) = (
+            vec![0f32; positions.len() * stride],
+            vec![0f32; positions.len() * stride],
+        );
+        for (t, &pos) in positions.iter().enumerate() {
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let theta = pos as f32 * f;
+                cos[t * stride + i] = theta.cos();
+                sin[t * stride + i] = theta.sin();
+            }
+        }
+        RopeTable {
+            positions: positions.to_vec(),
+            inv_freq: inv_freq.to_vec(),
+            cos,
+            sin,
+        }
+    }
+
+    /// A token's row in the tables: at least one value, so that a model without RoPE (no
+    /// pairs) still has one row per token to iterate over.
+    fn stride(pairs: usize) -> usize {
+        pairs.max(1)
+    }
+
+    /// Whether this is the table of these positions and frequencies (compared bit for bit).
+    fn is_for(&self, positions: &[i32], inv_freq: &[f32]) -> bool {
+        self.positions == positions
+            && self.inv_freq.len() == inv_freq.len()
+            && self
+                .inv_freq
+                .iter()
+                .zip(inv_freq)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+}
+
+/// The last step's [`RopeTable`], reused while the positions and frequencies stay the same.
+#[derive(Default)]
+pub struct RopeCache(std::sync::Mutex<Option<std::sync::Arc<RopeTable>>>);
+
+impl RopeCache {
+    pub fn get(&self, positions: &[i32], inv_freq: &[f32]) -> std::sync::Arc<RopeTable> {
+        // A poisoned lock only means another call panicked mid-update of the Option: start over.
+        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match &*slot {
+            Some(t) if t.is_for(positions, inv_freq) => t.clone(),
+            _ => {
+                let t = std::sync::Arc::new(RopeTable::new(positions, inv_freq));
+                *slot = Some(t.clone());
+                t
+            }
+        }
+    }
+}
+
+/// [`qkv_rope`] with cos and sin from `table`, which must be of `p`'s positions and inv_freq.
+pub fn qkv_rope_with(
+    p: &RopeParams,
+    table: &RopeTable,
+    qkv: &CpuBuffer,
+    bias: Option<&CpuBuffer>,
+    q: &mut CpuBuffer,
+    k: &mut CpuBuffer,
+    v: &mut CpuBuffer,
+) -> Result<()> {
+    if !table.is_for(&p.positions, &p.inv_freq) {
+        return Err(FdppError::InvalidArgument(
+            "qkv_rope: the cos/sin table is of other positions or frequencies".into(),
+        ));
+    }
     p.validate(
         qkv.data.len(),
         bias.map(|b| b.data.len()),
@@ -200,20 +288,21 @@ pub fn qkv_rope(
         .zip(k.data[..t * kw].par_chunks_mut(kw))
         .zip(v.data[..t * kw].par_chunks_mut(kw))
         .zip(qkv.data[..t * width].par_chunks(width))
-        .zip(p.positions.par_iter())
+        .zip(
+            table
+                .cos
+                .par_chunks(RopeTable::stride(pairs))
+                .zip(table.sin.par_chunks(RopeTable::stride(pairs))),
+        )
         .for_each_init(
-            || (vec![0f32; width], vec![0f32; pairs], vec![0f32; pairs]),
-            |(x, cos, sin), ((((qo, ko), vo), row), &pos)| {
+            || vec![0f32; width],
+            |x, ((((qo, ko), vo), row), (cos, sin))| {
+                let (cos, sin) = (&cos[..pairs], &sin[..pairs]);
                 simd::widen(dt, row, x);
                 if let Some(b) = &bias {
                     for (xv, bv) in x.iter_mut().zip(b) {
                         *xv += bv;
                     }
-                }
-                for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&p.inv_freq) {
-                    let theta = pos as f32 * f;
-                    *c = theta.cos();
-                    *s = theta.sin();
                 }
                 let (xq, rest) = x.split_at_mut(qw);
                 let (xk, xv) = rest.split_at_mut(kw);
@@ -510,6 +599,12 @@ pub fn fill_random(buf: &mut CpuBuffer, seed: u64, scale: f32) -> Result<()> {
 
 /// w[n, k] = round(w[n, k] · scale[k]) (see [`crate::backend::Backend::scale_cols`]).
 pub fn scale_cols(w: &mut CpuBuffer, scale: &CpuBuffer, rows: usize, cols: usize) -> Result<()> {
+    if w.panels.is_some() {
+        // Rows of W are interleaved in panels there; the engine folds norms before preparing.
+        return Err(FdppError::InvalidArgument(
+            "scale_cols: W is already prepared for the GEMMs (panels); scale it before".into(),
+        ));
+    }
     crate::backend::check_scale_cols((w.data.len(), w.dtype), (scale.data.len(), scale.dtype), rows, cols)?;
     let dt = w.dtype;
     let s: Vec<f32> = scale.data.iter().map(|&b| dt.to_f32(b)).collect();
@@ -529,6 +624,25 @@ mod tests {
     use super::*;
     use crate::backend::cpu::simd::Portable;
     use crate::dtype::random_bits;
+
+    /// The cache hands back the table of exactly these positions and frequencies (bit for
+    /// bit), a new one when either changes, and its values are the per-call ones.
+    #[test]
+    fn rope_cache_follows_the_positions_and_frequencies() {
+        let cache = RopeCache::default();
+        let (f, g) = (vec![1.0f32, 0.01], vec![1.0f32, 0.02]);
+        let a = cache.get(&[0, 1, 2], &f);
+        assert!(std::sync::Arc::ptr_eq(&a, &cache.get(&[0, 1, 2], &f)));
+        for (pos, fr) in [(&[0, 1, 3][..], &f), (&[0, 1][..], &f), (&[0, 1, 2][..], &g)] {
+            let t = cache.get(pos, fr);
+            assert!(!std::sync::Arc::ptr_eq(&a, &t) && t.is_for(pos, fr));
+            let want = RopeTable::new(pos, fr);
+            assert_eq!((t.cos.clone(), t.sin.clone()), (want.cos, want.sin));
+        }
+        assert_eq!(a.cos[2 * 2 + 1], (2.0f32 * 0.01).cos());
+        // No RoPE (no pairs): still one row per token to iterate over.
+        assert_eq!(RopeTable::new(&[5, 6], &[]).cos.len(), 2);
+    }
 
     fn wide(dt: DType, b: &[u16]) -> Vec<f64> {
         b.iter().map(|&x| dt.to_f32(x) as f64).collect()

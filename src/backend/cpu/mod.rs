@@ -5,6 +5,11 @@
 //! a GPU. All three share the same frame: x is widened to f32 once, every implementation writes
 //! fp32 sums into y transposed ([N, M], so that a task owning a run of rows of W owns a
 //! contiguous run of the output), and the result is narrowed into y at the end.
+//!
+//! A layer linear's W is prepared once at load ([`Backend::prepare_linear_weight`]) into
+//! panels of 16 rows interleaved along K (`panel.rs`); all three implementations then run the
+//! one panel kernel, which serves every M, and differ only in their task sizes. The row-major
+//! kernels remain for a W that is not prepared (the LM head, which may be the tied embedding).
 
 mod attention;
 mod flat_gemm;
@@ -13,6 +18,7 @@ mod gemv;
 pub mod hooked;
 pub mod info;
 pub mod layer;
+mod panel;
 mod scores;
 mod simd;
 
@@ -34,6 +40,18 @@ use crate::ops::layer::{
 pub struct CpuBuffer {
     pub dtype: DType,
     pub data: Vec<u16>,
+    /// Set once a linear's W has been prepared for the GEMMs
+    /// ([`Backend::prepare_linear_weight`]): `data` then holds W in panels (see `panel.rs`),
+    /// not row-major, and is read only by `gemm` (and `download`, which gives the row-major
+    /// values back).
+    pub panels: Option<PanelShape>,
+}
+
+/// The [N, K] of a W held in panels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PanelShape {
+    pub n: usize,
+    pub k: usize,
 }
 
 impl DeviceBuffer for CpuBuffer {
@@ -53,6 +71,8 @@ pub struct CpuBackend {
     /// `embedding_fed` reads). The CPU chooses at once; the queue gives the engine's pipelined
     /// loop the same behaviour here as on a GPU, where it is tested without one.
     greedy: std::sync::Mutex<CpuGreedy>,
+    /// The last step's RoPE cos/sin, shared by its layers.
+    rope: layer::RopeCache,
 }
 
 #[derive(Default)]
@@ -79,6 +99,7 @@ impl CpuBackend {
             info: info::cpu_info(),
             recomputed: Default::default(),
             greedy: Default::default(),
+            rope: Default::default(),
         }
     }
 
@@ -102,6 +123,12 @@ impl CpuBackend {
         };
         let block = block_rows(&wide, dims)?;
         let dt = spec.dtype;
+        if check_panels(w, dims)? {
+            let mut out_t = vec![0f32; dims.n * dims.m];
+            let rows = panel_rows(spec, dims, block_rows(spec, dims)?);
+            panel::gemm_wide(dt, dims, &x.data[..dims.m * dims.k], &w.data, &mut out_t, rows);
+            return Ok(out_t);
+        }
         let mut xf = vec![0f32; dims.m * dims.k];
         simd::widen(dt, &x.data[..dims.m * dims.k], &mut xf);
         let w = &w.data[..dims.n * dims.k];
@@ -126,6 +153,31 @@ impl CpuBackend {
         }
         narrow_transposed(y.dtype, dims, out_t, &mut y.data[..need]);
         Ok(())
+    }
+}
+
+/// Whether W is held in panels, which must then be of exactly `dims`' [N, K].
+fn check_panels(w: &CpuBuffer, dims: GemmDims) -> Result<bool> {
+    match w.panels {
+        None => Ok(false),
+        Some(p) if p.n == dims.n && p.k == dims.k => Ok(true),
+        Some(p) => Err(FdppError::Shape {
+            what: format!("a GEMM's prepared W at {}", dims.label()),
+            expected: format!("W [{}, {}]", dims.n, dims.k),
+            found: format!("W prepared as [{}, {}]", p.n, p.k),
+        }),
+    }
+}
+
+/// Rows of W per task of the panel kernel. All three implementations run the same kernel on
+/// a prepared W (it serves every M, see `panel.rs`); what still differs is the task size:
+/// the GEMV's (≥ 32 KiB of W a task, ~16 tasks per thread), flat_gemm's B_N and the GEMM's
+/// (~8 tasks per thread), each rounded up to whole panels of 16 rows.
+fn panel_rows(spec: &GemmSpec, dims: GemmDims, block: usize) -> usize {
+    match (spec.imp, spec.block_n) {
+        // The row-major GEMM's default is a multiple of its 6-row tile, capped at 252 rows.
+        (GemmImpl::Gemm, None) => panel::task_rows(dims.n.div_ceil(8 * rayon::current_num_threads().max(1))).min(256),
+        _ => panel::task_rows(block),
     }
 }
 
@@ -168,17 +220,58 @@ impl Backend for CpuBackend {
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
         let mut data = huge_page_vec(len);
         data.resize(len, dtype.poison());
-        Ok(CpuBuffer { dtype, data })
+        Ok(CpuBuffer {
+            dtype,
+            data,
+            panels: None,
+        })
     }
 
     fn upload(&self, dtype: DType, bits: &[u16]) -> Result<CpuBuffer> {
         let mut data = huge_page_vec(bits.len());
         data.extend_from_slice(bits);
-        Ok(CpuBuffer { dtype, data })
+        Ok(CpuBuffer {
+            dtype,
+            data,
+            panels: None,
+        })
     }
 
     fn download(&self, buf: &CpuBuffer) -> Result<Vec<u16>> {
-        Ok(buf.data.clone())
+        Ok(match buf.panels {
+            Some(p) => panel::unpack(&buf.data, p.n, p.k),
+            None => buf.data.clone(),
+        })
+    }
+
+    /// W into panels of 16 rows interleaved along K (`panel.rs`), which every CPU GEMM
+    /// implementation reads at every M: the GEMM no longer widens W per call, the GEMV reads it
+    /// as one sequential stream.
+    fn prepare_linear_weight(&self, w: &mut CpuBuffer, n: usize, k: usize) -> Result<()> {
+        match w.panels {
+            Some(p) if p == (PanelShape { n, k }) => return Ok(()),
+            Some(p) => {
+                return Err(FdppError::InvalidArgument(format!(
+                    "prepare_linear_weight: W is already prepared as [{}, {}], asked for [{n}, {k}]",
+                    p.n, p.k
+                )))
+            }
+            None => {}
+        }
+        if w.data.len() < n * k {
+            return Err(FdppError::Shape {
+                what: "a linear's W to prepare".into(),
+                expected: format!("[{n}, {k}] = {} values", n * k),
+                found: format!("{} values", w.data.len()),
+            });
+        }
+        let len = panel::packed_len(n, k);
+        let mut data = huge_page_vec(len);
+        data.resize(len, 0);
+        panel::pack(&w.data, n, k, &mut data);
+        w.data = data;
+        w.panels = Some(PanelShape { n, k });
+        Ok(())
     }
 
     fn fill(&self, buf: &mut CpuBuffer, bits: u16) -> Result<()> {
@@ -200,7 +293,12 @@ impl Backend for CpuBackend {
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
         check_gemm_buffers(spec, dims, x, w, y)?;
         let block = block_rows(spec, dims)?;
-        run_gemm(spec, dims, block, &x.data, &w.data, &mut y.data);
+        if check_panels(w, dims)? {
+            let (x, y) = (&x.data[..dims.m * dims.k], &mut y.data[..dims.m * dims.n]);
+            panel::gemm(spec.dtype, dims, x, &w.data, y, panel_rows(spec, dims, block));
+        } else {
+            run_gemm(spec, dims, block, &x.data, &w.data, &mut y.data);
+        }
         Ok(())
     }
 
@@ -361,7 +459,8 @@ impl Backend for CpuBackend {
         k: &mut CpuBuffer,
         v: &mut CpuBuffer,
     ) -> Result<()> {
-        layer::qkv_rope(p, qkv, bias, q, k, v)
+        let table = self.rope.get(&p.positions, &p.inv_freq);
+        layer::qkv_rope_with(p, &table, qkv, bias, q, k, v)
     }
 
     fn silu_mul(&self, p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
@@ -509,6 +608,7 @@ fn check_dtypes(op: &str, dtype: DType, bufs: &[&CpuBuffer]) -> Result<()> {
 pub fn kernel_source_hash() -> String {
     let files = [
         ("simd.rs", include_str!("simd.rs")),
+        ("panel.rs", include_str!("panel.rs")),
         ("gemv.rs", include_str!("gemv.rs")),
         ("flat_gemm.rs", include_str!("flat_gemm.rs")),
         ("gemm.rs", include_str!("gemm.rs")),
