@@ -112,8 +112,9 @@ fn block<V: Vf32, const BF16: bool, const NR: usize>(k: usize, m: usize, xf: &[f
     }
 }
 
+/// [`LANES`] 16-bit W values widened to f32 (F16C or the bf16 shift), for both W layouts.
 #[inline(always)]
-fn load_w<V: Vf32, const BF16: bool>(src: &[u16; LANES]) -> V {
+pub(super) fn load_w<V: Vf32, const BF16: bool>(src: &[u16; LANES]) -> V {
     if BF16 {
         V::load_bf16(src)
     } else {

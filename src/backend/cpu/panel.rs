@@ -27,6 +27,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{k_block, YBase, YCols, KC_MAX};
+use super::gemv::load_w;
 use super::simd::{multiversion, narrow_generic, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
@@ -323,15 +324,6 @@ fn panel_sums<V: Vf32, const BF16: bool>(xp: &XPanels, wp: &[u16], scratch: &mut
 /// How far ahead of the step the small-M tiles prefetch W, in 16-bit values: 4 KiB, about
 /// what the row-major GEMV's "next block of 4 rows" was at K = 576.
 const PF_AHEAD: usize = 2048;
-
-#[inline(always)]
-fn load_w<V: Vf32, const BF16: bool>(src: &[u16; LANES]) -> V {
-    if BF16 {
-        V::load_bf16(src)
-    } else {
-        V::load_f16(src)
-    }
-}
 
 /// The tile of all M = R ≤ 6 rows of x × 16 columns, W widened in the loads: `panel` is x
 /// ([kc][R]), `wb` the W panel ([kc][16]), `out` the panel's sums ([R][16]; stored on the
