@@ -106,8 +106,9 @@ impl CpuBackend {
     /// x · Wᵀ in f32, not rounded, transposed ([N, M]): one rank's partial product of a
     /// row-parallel linear, which the in-process communicator sums over the ranks and rounds
     /// once ([`crate::tp::host`]), as one device rounds the whole product once. `y` is only
-    /// checked (its dtype and length), for [`CpuBackend::narrow_partial`] to write. The Gemm
-    /// implementation rounds inside its tile loop, so the flat GEMM stands in for it here.
+    /// checked (its dtype and length), for [`CpuBackend::narrow_partial`] to write. A W laid out
+    /// in panels at load runs the panel kernel's f32 form; a row-major W the GEMV or the flat
+    /// GEMM (the row-major Gemm rounds inside its tile loop, so the flat GEMM stands in for it).
     pub fn gemm_partial(
         &self,
         spec: &GemmSpec,
