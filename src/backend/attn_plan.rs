@@ -161,15 +161,17 @@ impl DecodePath {
     /// Latency for the async scheme when the batch has fewer (sequence, kv head) items than SMs
     /// and every split is at most [`LATENCY_MAX_SPLIT_KEYS`] keys; Bandwidth otherwise (the sync
     /// scheme measured 2-5 % slower on the latency path at batch 1, kv_len 1024-1088).
-    /// `FDPP_DECODE_PATH=latency` or `bandwidth` forces one (read once per process), for
-    /// measuring.
+    /// `--set decode_path=latency|bandwidth` (or `FDPP_DECODE_PATH`) forces one (read once per
+    /// process), for measuring.
     pub fn for_plan(plan: &DecodePlan, scheme: SoftmaxScheme, compute_units: usize) -> Self {
         static FORCED: std::sync::OnceLock<Option<DecodePath>> = std::sync::OnceLock::new();
-        let forced = *FORCED.get_or_init(|| match std::env::var("FDPP_DECODE_PATH").as_deref() {
-            Ok("latency") => Some(DecodePath::Latency),
-            Ok("bandwidth") => Some(DecodePath::Bandwidth),
-            _ => None,
-        });
+        let forced = *FORCED.get_or_init(
+            || match crate::run_config::get().get(crate::run_config::Key::DecodePath) {
+                Some("latency") => Some(DecodePath::Latency),
+                Some("bandwidth") => Some(DecodePath::Bandwidth),
+                _ => None,
+            },
+        );
         forced.unwrap_or_else(|| Self::by_shape(plan, scheme, compute_units))
     }
 

@@ -17,6 +17,7 @@ use crate::backend::Backend;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
 use crate::ops::attention::PrefillParams;
+use crate::run_config::Key;
 
 /// head_dims the Hopper kernel is built for (other head_dims use attn_prefill.cu).
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
@@ -131,13 +132,16 @@ impl Schedule {
         Ok(self)
     }
 
+    /// From the run configuration: `--set hopper_stages=…` etc., else the FDPP_* variables.
+    /// (Read from the environment alone before session 15, which silently ignored the flags.)
     fn from_env() -> Result<Self> {
+        let rc = crate::run_config::get();
         Schedule::parse(
-            std::env::var("FDPP_HOPPER_STAGES").ok().as_deref(),
-            std::env::var("FDPP_HOPPER_OVERLAP").ok().as_deref(),
-            std::env::var("FDPP_HOPPER_PINGPONG").ok().as_deref(),
+            rc.get(Key::HopperStages),
+            rc.get(Key::HopperOverlap),
+            rc.get(Key::HopperPingpong),
         )?
-        .parse_diag(std::env::var("FDPP_HOPPER_DIAG").ok().as_deref())
+        .parse_diag(rc.get(Key::HopperDiag))
     }
 }
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
@@ -179,8 +183,9 @@ impl Choice {
         }
     }
 
+    /// From the run configuration: `--set prefill=…`, else FDPP_PREFILL.
     fn from_env() -> Result<Self> {
-        Choice::parse(std::env::var("FDPP_PREFILL").ok().as_deref())
+        Choice::parse(crate::run_config::get().get(Key::Prefill))
     }
 }
 

@@ -68,9 +68,12 @@ impl PoolMaps {
     }
 }
 
-/// `FDPP_HOPPER_TMA=0|1` (default 1).
+/// `--set hopper_tma=0|1` or `FDPP_HOPPER_TMA` (default 1).
 fn tma_wanted() -> Result<bool> {
-    match std::env::var("FDPP_HOPPER_TMA").ok().as_deref().map(str::trim) {
+    match crate::run_config::get()
+        .get(crate::run_config::Key::HopperTma)
+        .map(str::trim)
+    {
         None | Some("") | Some("1") => Ok(true),
         Some("0") => Ok(false),
         Some(o) => Err(FdppError::InvalidArgument(format!(
