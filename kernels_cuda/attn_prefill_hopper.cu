@@ -100,7 +100,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
+static_assert(4 * STAGES * 8 + 8 + 3 * 4 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote words)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -237,7 +237,8 @@ struct Ctx {
     __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
     __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
-    __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
+    // Three vote words, item j of a persistent block using word j % 3 (see prefill()).
+    __device__ __forceinline__ u32 vote_word(int j) const { return vote_bar() + 8 + 4 * (u32)(j % 3); }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -361,17 +362,25 @@ __device__ void produce(const Ctx& c, int& it) {
     }
 }
 
-// Consumer w loads its 64 rows of Q into the swizzled Q tile.
-__device__ __forceinline__ void load_q(const Ctx& c, int w) {
+// Consumer w starts copying its 64 rows of Q into the swizzled Q tile (only its own
+// wgmmas read them); q_landed() waits for them.
+// The rows of the item are `q.x` (its first row) .. + `q.y`, of head `q.z`.
+__device__ __forceinline__ void issue_q(const Ctx& c, int w, int3 qr) {
     const int t = threadIdx.x % 128;
     for (int i = t; i < WG_ROWS * CH; i += 128) {
         const int row = WG_ROWS * w + i / CH, ch = i % CH;
-        const bool ok = row < c.rows;
-        const size_t at = ok ? ((size_t)(c.row0 + row) * c.H + c.h) * D + ch * 8 : 0;
+        const bool ok = row < qr.y;
+        const size_t at = ok ? ((size_t)(qr.x + row) * c.H + qr.z) * D + ch * 8 : 0;
         cp_async16(c.sq() + swz(row, ch, BM), c.q + at, ok ? 16 : 0);
     }
     cp_async_commit();
+}
+// The copies landed, written through the generic proxy before wgmma reads them through the
+// async one, and every thread of the warpgroup past that point.
+__device__ __forceinline__ void q_landed(int w) {
     cp_async_wait<0>();
+    fence_async_smem();
+    named_sync(1 + w, 128);
 }
 
 // Row state of the two rows a thread holds (16·warp + g and + 8 within its warpgroup's 64);
@@ -499,9 +508,14 @@ __device__ __forceinline__ void keep_all(float* x, int n) {
 }
 
 // Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
-// stage uses (the ring's phases continue into the recompute walk).
+// stage uses (the ring's phases continue into the recompute walk and across a persistent
+// block's items). `next`: the Q rows (issue_q) of the item a persistent block takes after this
+// one, none when next.y = 0; this warpgroup starts copying them as soon as its last S = Q·Kᵀ
+// is done, so the copy runs under the last softmax, P·V and the O store. Returns whether it
+// did (never under FDPP_OVERLAP, nor when the warpgroup has no tile).
 template <bool ASYNC>
-__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
+__device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next) {
+    bool q_issued = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
@@ -623,6 +637,12 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         wg_wait<0>();
         keep_all(sc, NT * 4);
         release_k(it);
+        if (next.y > 0 && n == mine - 1) {
+            // Every warp's part of the warpgroup's last read of its Q rows is complete.
+            named_sync(1 + k.w, 128);
+            issue_q(c, k.w, next);
+            q_issued = true;
+        }
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -649,6 +669,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
     }
+    return q_issued;
 }
 
 // Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set.
@@ -669,14 +690,11 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
     }
 }
 
-template <bool ASYNC>
-__device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
-    const TileHead th = tile_head(H, G, nsec);
+// The context of work item v (a query tile of one head; tile_head_of in attn_common.cuh).
+__device__ __forceinline__ Ctx item_ctx(const u16* q, const u16* kp, const u16* vp, const int* table, const int4* tiles,
+                                        int max_pages, int page_size, int H, int G, int nsec, int nwork, int v,
+                                        const TmaMap* kmap, const TmaMap* vmap, int tma_rows, u32 base) {
+    const TileHead th = tile_head_of(H, G, nsec, v, nwork);
     const int4 tv = tiles[th.tile];
     Ctx c;
     c.q = q;
@@ -695,17 +713,49 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.pos0 = tv.z;
     c.rows = tv.w;
     c.kv_end = c.pos0 + c.rows;
+    c.base = base;
+    return c;
+}
+
+// Item r of this block. One block per item (gridDim.x = nwork) takes item blockIdx.x. A
+// persistent launch (gridDim.x < nwork: one block per SM) walks rounds of gridDim.x items, even
+// rounds in block order and odd ones reversed: the items are longest first, so the block that
+// took one of the longest of a round takes one of the shortest of the next (static, and
+// balanced without a global counter). What persistence buys: the producer's ring runs on into
+// the next item's K/V while the consumers finish this one, and a consumer's next Q rows are in
+// flight under its last softmax, P·V and O store (a new block could start none of it before the
+// old one exited: one block fills an SM's registers).
+__device__ __forceinline__ int item_of(int r) {
+    const int g = (int)gridDim.x, i = (int)blockIdx.x;
+    return r * g + ((r & 1) ? g - 1 - i : i);
+}
+
+template <bool ASYNC>
+__device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
+                        int H, int G, int nsec, int nwork, float scale2, float phi2, float a2, float b2,
+                        unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap,
+                        int tma_rows) {
+    extern __shared__ __align__(1024) unsigned char smem[];
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
-    c.base = (smem_addr(smem) + 1023u) & ~1023u;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
-            mbar_init(c.full_v(s), 128);
-            mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
-            mbar_init(c.empty_v(s), CONSUMERS * 4);
+    const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
+    const int rounds = (nwork + (int)gridDim.x - 1) / (int)gridDim.x;
+    auto ctx = [&](int v) {
+        return item_ctx(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, v, kmap, vmap, tma_rows, base);
+    };
+    {
+        Ctx c;
+        c.base = base;
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
+                mbar_init(c.full_v(s), 128);
+                mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
+                mbar_init(c.empty_v(s), CONSUMERS * 4);
+            }
+            mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
+            for (int j = 0; j < 3; ++j) smem_st(c.vote_word(j), 0);
         }
-        mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
-        smem_st(c.vote_word(), 0);
     }
     __syncthreads();
     // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
@@ -714,13 +764,21 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
     // instructions a consumer warp issued per key tile (SASS, session 7).
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+    // `it` counts stage uses over every walk of every item; j counts the block's items (the
+    // vote's phase and word).
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        produce(c, it);
-        if (ASYNC) {
-            mbar_wait(c.vote_bar(), 0);
-            if (smem_ld(c.vote_word())) produce(c, it);
+        for (int r = 0, j = 0; r < rounds; ++r) {
+            const int v = item_of(r);
+            if (v >= nwork) continue;
+            const Ctx c = ctx(v);
+            produce(c, it);
+            if (ASYNC) {
+                mbar_wait(c.vote_bar(), (u32)j & 1u);
+                if (smem_ld(c.vote_word(j))) produce(c, it);
+            }
+            ++j;
         }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
@@ -728,69 +786,91 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int w = wg - 1;
-    load_q(c, w);
-    fence_async_smem();
-    named_sync(1 + w, 128);
-    Walker k;
-    k.w = w;
-    k.lane = threadIdx.x % 32;
-    k.tq = k.lane % 4;
-    k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * ((threadIdx.x % 128) / 32);
-    k.qpos[0] = k.warp_pos0 + k.lane / 4;
-    k.qpos[1] = k.qpos[0] + 8;
-    k.q_at = c.sq() + WG_ROWS * w * 128;
-    k.q_desc = desc_sw128(k.q_at, 16, 1024);
-    k.scale2 = scale2;
-    k.phi2 = phi2;
-    k.b2 = b2;
-    Rows st;
-    walk<ASYNC>(c, k, it, st);
-    if (!ASYNC) {
-        store(c, w, st, out, 3u);
-        return;
-    }
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    unsigned bad = 0;
+    bool q_issued = false;
+    for (int r = 0, j = 0; r < rounds; ++r) {
+        const int v = item_of(r);
+        if (v >= nwork) continue;
+        const Ctx c = ctx(v);
+        if (!q_issued) issue_q(c, w, make_int3(c.row0, c.rows, c.h));
+        q_landed(w);
+        // The next item, whose Q rows the sync walk starts copying early (none: y = 0).
+        int vn = nwork;
+        for (int rn = r + 1; rn < rounds && vn >= nwork; ++rn) vn = item_of(rn);
+        int3 qn = make_int3(0, 0, 0);
+        if (!ASYNC && vn < nwork) {
+            const Ctx cn = ctx(vn);
+            qn = make_int3(cn.row0, cn.rows, cn.h);
+        }
+        Walker k;
+        k.w = w;
+        k.lane = lane;
+        k.tq = k.lane % 4;
+        k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * warp;
+        k.qpos[0] = k.warp_pos0 + k.lane / 4;
+        k.qpos[1] = k.qpos[0] + 8;
+        k.q_at = c.sq() + WG_ROWS * w * 128;
+        k.q_desc = desc_sw128(k.q_at, 16, 1024);
+        k.scale2 = scale2;
+        k.phi2 = phi2;
+        k.b2 = b2;
+        Rows st;
+        // The async walk may be followed by the sync recompute, which reads Q again: only the
+        // walk that ends the item copies the next Q.
+        q_issued = walk<ASYNC>(c, k, it, st, qn);
+        if (!ASYNC) {
+            store(c, w, st, out, 3u);
+            ++j;
+            continue;
+        }
+        unsigned bad = 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        bool fin = st.l[r] > 0.f && finite(st.l[r]);
+        for (int rr = 0; rr < 2; ++rr) {
+            bool fin = st.l[rr] > 0.f && finite(st.l[rr]);
 #pragma unroll
-        for (int j = 0; j < DT; ++j) fin = fin && finite(st.o[4 * j + 2 * r]) && finite(st.o[4 * j + 2 * r + 1]);
-        // The quad shares the row: any lane's view flags it.
-        const bool flag_lane = st.over[r] || st.mx[r] - phi2 < a2 || !fin;
-        const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
-        const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * r < c.rows;
-        if ((quad & 0xfu) && row_ok) bad |= 1u << r;
-    }
-    store(c, w, st, out, ~bad & 3u);
-    // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams the
-    // keys again.
-    if (bad) smem_or(c.vote_word(), 1u);
-    mbar_arrive(c.vote_bar());
-    mbar_wait(c.vote_bar(), 0);
-    if (smem_ld(c.vote_word())) {
-        walk<false>(c, k, it, st);
-        store(c, w, st, out, bad);
-        // One lane per quad counts its rows.
-        if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
+            for (int jj = 0; jj < DT; ++jj) fin = fin && finite(st.o[4 * jj + 2 * rr]) && finite(st.o[4 * jj + 2 * rr + 1]);
+            // The quad shares the row: any lane's view flags it.
+            const bool flag_lane = st.over[rr] || st.mx[rr] - phi2 < a2 || !fin;
+            const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
+            const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * rr < c.rows;
+            if ((quad & 0xfu) && row_ok) bad |= 1u << rr;
+        }
+        store(c, w, st, out, ~bad & 3u);
+        // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams
+        // the keys again. Item j ORs into word j % 3. Word (j + 1) % 3 was item j − 2's: every
+        // consumer read it before arriving at vote j − 1, and the producer before filling item
+        // j − 1's tiles, without which vote j − 1 could not complete; this thread is past vote
+        // j − 1, and nobody ORs into the word before vote j, which waits for this thread's
+        // arrival (release) after the clear.
+        if (w == 0 && threadIdx.x % 128 == 0) smem_st(c.vote_word(j + 1), 0);
+        if (bad) smem_or(c.vote_word(j), 1u);
+        mbar_arrive(c.vote_bar());
+        mbar_wait(c.vote_bar(), (u32)j & 1u);
+        if (smem_ld(c.vote_word(j))) {
+            walk<false>(c, k, it, st, make_int3(0, 0, 0));
+            store(c, w, st, out, bad);
+            // One lane per quad counts its rows.
+            if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
+        }
+        ++j;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, int nsec, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
-                         const __grid_constant__ TmaMap vmap, int tma_rows) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
-                   tma_rows);
+                         int H, int G, int nsec, int nwork, float scale2, u16* __restrict__ out,
+                         const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap,
+                   &vmap, tma_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                          int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                          u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
-                          int tma_rows) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
-                  tma_rows);
+                          int H, int G, int nsec, int nwork, float scale2, float phi2, float a2, float b2,
+                          unsigned* __restrict__ recomputed, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
+                          const __grid_constant__ TmaMap vmap, int tma_rows) {
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, scale2, phi2, a2, b2, recomputed, out, &kmap,
+                  &vmap, tma_rows);
 }

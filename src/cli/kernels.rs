@@ -26,6 +26,10 @@ pub enum KernelsCmd {
         arch: Vec<String>,
         #[arg(long, value_enum, default_value_t = KernelBackend::Cuda)]
         backend: KernelBackend,
+        /// Compile only the CUDA specs whose URI contains this text (e.g. `attn_prefill_hopper`),
+        /// for a quick check of the kernel being edited; fails if none matches.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// List every kernel spec URI and the kernel source hash.
     List {
@@ -75,10 +79,17 @@ pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
         KernelsCmd::Check {
             arch,
             backend: KernelBackend::Cuda,
-        } => check(&or_default(arch, "sm_80,sm_89,sm_90a")),
+            only,
+        } => check(&or_default(arch, "sm_80,sm_89,sm_90a"), only.as_deref()),
+        KernelsCmd::Check {
+            backend: KernelBackend::Rocm,
+            only: Some(_),
+            ..
+        } => bail!("kernels check --only filters the CUDA specs; drop it with --backend rocm"),
         KernelsCmd::Check {
             arch,
             backend: KernelBackend::Rocm,
+            only: None,
         } => rocm_check::check(&or_default(arch, "gfx90a")),
         KernelsCmd::HiprtcChild { arch, uri } => rocm_check::child(&arch, &uri),
     }
@@ -92,7 +103,7 @@ fn or_default(arch: Vec<String>, default: &str) -> Vec<String> {
     }
 }
 
-fn check(archs: &[String]) -> anyhow::Result<()> {
+fn check(archs: &[String], only: Option<&str>) -> anyhow::Result<()> {
     if !jit::nvrtc_present() {
         bail!(
             "NVRTC (libnvrtc.so) not found: install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc==13.0.88` \
@@ -109,7 +120,15 @@ fn check(archs: &[String]) -> anyhow::Result<()> {
     let jobs: Vec<(&String, &sources::KernelSource)> = archs
         .iter()
         .flat_map(|a| srcs.iter().filter(|s| sources::compiles_for(s, a)).map(move |s| (a, s)))
+        .filter(|(_, s)| only.is_none_or(|o| s.uri.contains(o)))
         .collect();
+    if jobs.is_empty() {
+        bail!(
+            "no CUDA kernel spec for {} matches --only {:?}; `fdpp kernels list` shows the URIs",
+            archs.join(","),
+            only.unwrap_or_default()
+        );
+    }
     // NVRTC compiles are independent: one per core.
     let results: Vec<_> = jobs
         .par_iter()

@@ -441,6 +441,7 @@ pub fn prefill(
             tile_rows: PREFILL_BM,
             smem: prefill_smem_bytes(d),
             tma: None,
+            persistent: None,
         },
     )?;
     Ok(AttnStats {
@@ -464,6 +465,9 @@ pub(super) struct PrefillKernel<'a> {
     /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools and the rows of a
     /// box (attn_prefill.cu takes none).
     pub tma: Option<&'a PoolMaps>,
+    /// The Hopper kernel's work count argument (attn_prefill.cu takes none): `Some(true)` launches
+    /// it persistent, one block per SM walking the work items, `Some(false)` one block per item.
+    pub persistent: Option<bool>,
 }
 
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
@@ -516,8 +520,13 @@ pub(super) fn launch_prefill(
         ))
     })?;
     let nsec = i32_of(attn_plan::prefill_sections(p, b.info().l2_bytes), "sections")?;
+    let nwork = i32_of(blocks as usize, "work items")?;
+    let grid = match k.persistent {
+        Some(true) => blocks.min(b.info().compute_units.max(1)),
+        _ => blocks,
+    };
     let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
+        grid_dim: (grid, 1, 1),
         block_dim: (k.threads, 1, 1),
         shared_mem_bytes: k.smem,
     };
@@ -527,13 +536,11 @@ pub(super) fn launch_prefill(
             let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages)
-                .arg(&page_size)
-                .arg(&h32)
-                .arg(&g32)
-                .arg(&nsec)
-                .arg(&scale2)
-                .arg(&op);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&nsec);
+            if k.persistent.is_some() {
+                l.arg(&nwork);
+            }
+            l.arg(&scale2).arg(&op);
             if let Some(t) = k.tma {
                 l.arg(&t.k).arg(&t.v).arg(&t.rows);
             }
@@ -548,12 +555,11 @@ pub(super) fn launch_prefill(
             let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages)
-                .arg(&page_size)
-                .arg(&h32)
-                .arg(&g32)
-                .arg(&nsec)
-                .arg(&scale2);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&nsec);
+            if k.persistent.is_some() {
+                l.arg(&nwork);
+            }
+            l.arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
             if let Some(t) = k.tma {
                 l.arg(&t.k).arg(&t.v).arg(&t.rows);
