@@ -100,7 +100,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 8 + 3 * 4 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote words)");
+static_assert(4 * STAGES * 8 + 8 + 4 * 8 + 5 * 4 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers and words");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -237,8 +237,12 @@ struct Ctx {
     __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
     __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
-    // Three vote words, item j of a persistent block using word j % 3 (see prefill()).
-    __device__ __forceinline__ u32 vote_word(int j) const { return vote_bar() + 8 + 4 * (u32)(j % 3); }
+    // The work item ring (post_item / take_item): two slots, their full and empty barriers.
+    __device__ __forceinline__ u32 item_full(int s) const { return vote_bar() + 8 + 8 * s; }
+    __device__ __forceinline__ u32 item_empty(int s) const { return vote_bar() + 24 + 8 * s; }
+    __device__ __forceinline__ u32 item_slot(int s) const { return vote_bar() + 40 + 4 * s; }
+    // Three vote words, the block's item j using word j % 3 (see prefill()).
+    __device__ __forceinline__ u32 vote_word(int j) const { return vote_bar() + 48 + 4 * (u32)(j % 3); }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -321,7 +325,10 @@ __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, u32 ds
 // first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
 // size does not box) by cp.async from every producer thread. Each of the 128 producer threads
 // arrives once per stage use on each full barrier either way (the count they were made with).
-__device__ void produce(const Ctx& c, int& it) {
+// `fetch()` runs as the loads of the second-to-last tile are issued (the first, for one tile):
+// the persistent kernel asks for its next item there (post_item).
+template <class Fetch>
+__device__ __forceinline__ void produce(const Ctx& c, int& it, Fetch&& fetch) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
@@ -331,6 +338,7 @@ __device__ void produce(const Ctx& c, int& it) {
     // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
     int box = by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0;
     for (int n = 0; n < ntiles; ++n, ++it) {
+        if (n == max(ntiles - 2, 0)) fetch();
         const int s = it % STAGES;
         // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
         // of use u − 1.
@@ -509,13 +517,12 @@ __device__ __forceinline__ void keep_all(float* x, int n) {
 
 // Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
 // stage uses (the ring's phases continue into the recompute walk and across a persistent
-// block's items). `next`: the Q rows (issue_q) of the item a persistent block takes after this
-// one, none when next.y = 0; this warpgroup starts copying them as soon as its last S = Q·Kᵀ
-// is done, so the copy runs under the last softmax, P·V and the O store. Returns whether it
-// did (never under FDPP_OVERLAP, nor when the warpgroup has no tile).
-template <bool ASYNC>
-__device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next) {
-    bool q_issued = false;
+// block's items). `last_qk()` runs once the warpgroup's last S = Q·Kᵀ is done (not under
+// FDPP_OVERLAP, nor when the warpgroup has no tile): the persistent kernel starts copying the
+// next item's Q rows there, under the last softmax, P·V and the O store. Returns whether it ran.
+template <bool ASYNC, class Hook>
+__device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, Hook&& last_qk) {
+    bool hooked = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
@@ -628,8 +635,10 @@ __device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next
         }
     }
 #else
-    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
-    for (int n = 0; n < mine; ++n, ++it) {
+    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps). The
+    // last tile is the same body with the hook after its S (peeled, so that the loop's own
+    // body carries no test for it).
+    auto tile = [&](int n, bool last) {
         mbar_wait(c.full_k(stage(it)), parity(it));
         fence_async_smem();
         wg_fence();
@@ -637,12 +646,7 @@ __device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next
         wg_wait<0>();
         keep_all(sc, NT * 4);
         release_k(it);
-        if (next.y > 0 && n == mine - 1) {
-            // Every warp's part of the warpgroup's last read of its Q rows is complete.
-            named_sync(1 + k.w, 128);
-            issue_q(c, k.w, next);
-            q_issued = true;
-        }
+        if (last) last_qk();  // constant in each (inlined) use
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -653,6 +657,12 @@ __device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next
         wg_wait<0>();
         keep_all(st.o, DT * 4);
         release_v(it);
+        ++it;
+    };
+    for (int n = 0; n < mine - 1; ++n) tile(n, false);
+    if (mine > 0) {
+        tile(mine - 1, true);
+        hooked = true;
     }
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
@@ -669,7 +679,7 @@ __device__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, int3 next
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
     }
-    return q_issued;
+    return hooked;
 }
 
 // Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set.
@@ -717,45 +727,75 @@ __device__ __forceinline__ Ctx item_ctx(const u16* q, const u16* kp, const u16* 
     return c;
 }
 
-// Item r of this block. One block per item (gridDim.x = nwork) takes item blockIdx.x. A
-// persistent launch (gridDim.x < nwork: one block per SM) walks rounds of gridDim.x items, even
-// rounds in block order and odd ones reversed: the items are longest first, so the block that
-// took one of the longest of a round takes one of the shortest of the next (static, and
-// balanced without a global counter). What persistence buys: the producer's ring runs on into
-// the next item's K/V while the consumers finish this one, and a consumer's next Q rows are in
-// flight under its last softmax, P·V and O store (a new block could start none of it before the
-// old one exited: one block fills an SM's registers).
-__device__ __forceinline__ int item_of(int r) {
-    const int g = (int)gridDim.x, i = (int)blockIdx.x;
-    return r * g + ((r & 1) ? g - 1 - i : i);
+// The work items go to the blocks dynamically (FA3's persistent tile scheduler): a block's
+// first item is its index, each further one comes from the launch's counter `work[0]` (plus
+// gridDim.x), in list order, so the items run in the order a block-per-item launch starts
+// them (longest first, by L2 section; tile_head_of) while no block waits on another's long item.
+// A persistent launch has one block per SM; what it buys over a block per item: the producer's
+// ring runs on into the next item's K/V while the consumers finish this one, and a consumer's
+// next Q rows are in flight under its last softmax, P·V and O store (a new block could start
+// none of it before the old one exited: one block fills an SM's registers).
+//
+// The block's item 0 is blockIdx.x, known to every thread without waiting. Producer thread 0
+// posts item j ≥ 1 into slot (j − 1) % 2 once every thread has taken item j − 2 from it; nwork
+// means "no more". Each block fetches until it gets a number past the
+// list, exactly once per block, so the launch makes nwork fetches in all; the last block to
+// fail resets the counter (and the count of failures, work[1]) for the next launch on the
+// stream. (The host zeroes both at allocation and after a failed launch.)
+// `got`: what this thread's fetch (atomicAdd on work[0]) returned.
+__device__ __forceinline__ void post_item(const Ctx& c, unsigned* work, int nwork, int j, unsigned got) {
+    const int s = (j - 1) & 1;
+    if (j >= 3) mbar_wait(c.item_empty(s), (u32)(((j - 1) >> 1) - 1) & 1u);
+    int v = (int)(got + gridDim.x);
+    if (v >= nwork) {
+        v = nwork;
+        if (atomicAdd(work + 1, 1u) == gridDim.x - 1) {
+            atomicExch(work, 0u);
+            atomicExch(work + 1, 0u);
+        }
+    }
+    smem_st(c.item_slot(s), (u32)v);
+    mbar_arrive(c.item_full(s));  // release: the slot's value is visible to whoever waits
+}
+
+// Every thread of the block takes item j and frees the slot (each thread arrives after its
+// own read, so the refill is ordered after every read by the barrier alone).
+__device__ __forceinline__ int take_item(const Ctx& c, int j) {
+    if (j == 0) return (int)blockIdx.x;
+    const int s = (j - 1) & 1;
+    mbar_wait(c.item_full(s), (u32)((j - 1) >> 1) & 1u);
+    const int v = (int)smem_ld(c.item_slot(s));
+    mbar_arrive(c.item_empty(s));
+    return v;
 }
 
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, int nsec, int nwork, float scale2, float phi2, float a2, float b2,
-                        unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap,
-                        int tma_rows) {
+                        int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2, float phi2, float a2,
+                        float b2, unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap,
+                        const TmaMap* vmap, int tma_rows) {
     extern __shared__ __align__(1024) unsigned char smem[];
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
     const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
-    const int rounds = (nwork + (int)gridDim.x - 1) / (int)gridDim.x;
     auto ctx = [&](int v) {
         return item_ctx(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, v, kmap, vmap, tma_rows, base);
     };
-    {
-        Ctx c;
-        c.base = base;
-        if (threadIdx.x == 0) {
-            for (int s = 0; s < STAGES; ++s) {
-                mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
-                mbar_init(c.full_v(s), 128);
-                mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
-                mbar_init(c.empty_v(s), CONSUMERS * 4);
-            }
-            mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
-            for (int j = 0; j < 3; ++j) smem_st(c.vote_word(j), 0);
+    Ctx cb;  // the block's barriers and slots (they depend on `base` alone)
+    cb.base = base;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(cb.full_k(s), 128);  // one (deferred) arrival per producer thread
+            mbar_init(cb.full_v(s), 128);
+            mbar_init(cb.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(cb.empty_v(s), CONSUMERS * 4);
         }
+        mbar_init(cb.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(cb.item_full(s), 1);                     // producer thread 0
+            mbar_init(cb.item_empty(s), THREADS);              // every thread
+        }
+        for (int j = 0; j < 3; ++j) smem_st(cb.vote_word(j), 0);
     }
     __syncthreads();
     // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
@@ -765,20 +805,29 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     // instructions a consumer warp issued per key tile (SASS, session 7).
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     // `it` counts stage uses over every walk of every item; j counts the block's items (the
-    // vote's phase and word).
+    // item ring's and the vote's phases).
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        for (int r = 0, j = 0; r < rounds; ++r) {
-            const int v = item_of(r);
-            if (v >= nwork) continue;
+        for (int j = 0;; ++j) {
+            const int v = take_item(cb, j);
+            if (v >= nwork) break;
             const Ctx c = ctx(v);
-            produce(c, it);
+            // The next item is fetched near this one's end, as the loads of its second-to-last
+            // tile go out, and posted after its last: late enough that a block busy with a long
+            // item does not claim the next one early (fetched at the item's start, the blocks
+            // of 1 · 1024 tokens took their second items at once, and the longest ones got
+            // another: −10 %, H100), early enough that the counter's round trip is hidden (the
+            // thread waits on the result only when it posts it).
+            unsigned got = 0;
+            produce(c, it, [&]() {
+                if (threadIdx.x == 0) got = atomicAdd(work, 1u);
+            });
             if (ASYNC) {
                 mbar_wait(c.vote_bar(), (u32)j & 1u);
-                if (smem_ld(c.vote_word(j))) produce(c, it);
+                if (smem_ld(c.vote_word(j))) produce(c, it, []() {});
             }
-            ++j;
+            if (threadIdx.x == 0) post_item(cb, work, nwork, j + 1, got);
         }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
@@ -787,21 +836,14 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int w = wg - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    int v = take_item(cb, 0);
     bool q_issued = false;
-    for (int r = 0, j = 0; r < rounds; ++r) {
-        const int v = item_of(r);
-        if (v >= nwork) continue;
+    for (int j = 0; v < nwork; ++j) {
         const Ctx c = ctx(v);
         if (!q_issued) issue_q(c, w, make_int3(c.row0, c.rows, c.h));
         q_landed(w);
-        // The next item, whose Q rows the sync walk starts copying early (none: y = 0).
-        int vn = nwork;
-        for (int rn = r + 1; rn < rounds && vn >= nwork; ++rn) vn = item_of(rn);
-        int3 qn = make_int3(0, 0, 0);
-        if (!ASYNC && vn < nwork) {
-            const Ctx cn = ctx(vn);
-            qn = make_int3(cn.row0, cn.rows, cn.h);
-        }
+        q_issued = false;
+        bool taken = false;  // item j + 1 taken (into v) during the walk
         Walker k;
         k.w = w;
         k.lane = lane;
@@ -815,14 +857,24 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         k.phi2 = phi2;
         k.b2 = b2;
         Rows st;
-        // The async walk may be followed by the sync recompute, which reads Q again: only the
-        // walk that ends the item copies the next Q.
-        q_issued = walk<ASYNC>(c, k, it, st, qn);
         if (!ASYNC) {
+            // The sync walk ends the item: at its last S = Q·Kᵀ the warpgroup is done with its Q
+            // rows (every warp's part: the named barrier) and starts copying the next item's.
+            taken = walk<false>(c, k, it, st, [&]() {
+                named_sync(1 + w, 128);
+                v = take_item(cb, j + 1);
+                if (v < nwork) {
+                    const Ctx cn = ctx(v);
+                    issue_q(c, w, make_int3(cn.row0, cn.rows, cn.h));
+                    q_issued = true;
+                }
+            });
             store(c, w, st, out, 3u);
-            ++j;
+            if (!taken) v = take_item(cb, j + 1);
             continue;
         }
+        // The async walk may be followed by the sync recompute, which reads Q again: no early copy.
+        walk<true>(c, k, it, st, []() {});
         unsigned bad = 0;
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
@@ -847,30 +899,31 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         mbar_arrive(c.vote_bar());
         mbar_wait(c.vote_bar(), (u32)j & 1u);
         if (smem_ld(c.vote_word(j))) {
-            walk<false>(c, k, it, st, make_int3(0, 0, 0));
+            walk<false>(c, k, it, st, []() {});
             store(c, w, st, out, bad);
             // One lane per quad counts its rows.
             if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
         }
-        ++j;
+        v = take_item(cb, j + 1);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, int nsec, int nwork, float scale2, u16* __restrict__ out,
-                         const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap,
-                   &vmap, tma_rows);
+                         int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2,
+                         u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
+                         int tma_rows) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, work, scale2, 0.f, 0.f, 0.f, nullptr, out,
+                   &kmap, &vmap, tma_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                          int H, int G, int nsec, int nwork, float scale2, float phi2, float a2, float b2,
-                          unsigned* __restrict__ recomputed, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
-                          const __grid_constant__ TmaMap vmap, int tma_rows) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, scale2, phi2, a2, b2, recomputed, out, &kmap,
-                  &vmap, tma_rows);
+                          int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2, float phi2,
+                          float a2, float b2, unsigned* __restrict__ recomputed, u16* __restrict__ out,
+                          const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows) {
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, work, scale2, phi2, a2, b2, recomputed, out,
+                  &kmap, &vmap, tma_rows);
 }

@@ -599,54 +599,6 @@ mod tests {
         }
     }
 
-    /// attn_prefill_hopper.cu's item_of(): item `r` of block `i` among `grid` persistent blocks.
-    fn item_of(grid: usize, i: usize, r: usize) -> usize {
-        r * grid + if r % 2 == 1 { grid - 1 - i } else { i }
-    }
-
-    #[test]
-    fn persistent_blocks_take_every_item_once_and_balance_the_causal_tiles() {
-        for (nwork, grid) in [
-            (256usize, 132usize),
-            (1024, 132),
-            (131, 132),
-            (7, 3),
-            (1, 1),
-            (1024, 114),
-        ] {
-            let rounds = nwork.div_ceil(grid);
-            let mut seen = vec![0u32; nwork];
-            for i in 0..grid {
-                for r in 0..rounds {
-                    let v = item_of(grid, i, r);
-                    if v < nwork {
-                        seen[v] += 1;
-                    }
-                }
-            }
-            assert!(seen.iter().all(|&n| n == 1), "{nwork} items over {grid} blocks");
-        }
-        // 1024 causal tokens, 32 heads: 256 items longest first (tile t of 8 has t + 1 key tiles),
-        // on 132 SMs. In snake order the busiest block has 9 key tiles (the mean is 8.7); in
-        // block order (round r always i) it would have 12.
-        let (heads, ntiles, grid) = (32, 8, 132);
-        let keys = |v: usize| ntiles - v / heads;
-        let busiest = |snake: bool| {
-            (0..grid)
-                .map(|i| {
-                    (0..2)
-                        .map(|r| if snake { item_of(grid, i, r) } else { r * grid + i })
-                        .filter(|&v| v < ntiles * heads)
-                        .map(keys)
-                        .sum::<usize>()
-                })
-                .max()
-                .unwrap_or(0)
-        };
-        assert_eq!(busiest(true), 9);
-        assert_eq!(busiest(false), 12);
-    }
-
     #[test]
     fn prefill_tiles_cover_every_new_row_once_longest_first() {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(rand::random());

@@ -169,10 +169,10 @@ pub const ARCH: &str = "sm_90a";
 /// (reports/NOTES.md, "Attention prefill").
 pub const DEFAULT_ON: bool = true;
 
-/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
+/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 256 bytes of
 /// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
+    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
