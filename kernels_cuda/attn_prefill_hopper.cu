@@ -766,7 +766,11 @@ __device__ __forceinline__ int take_item(const Ctx& c, int j) {
     mbar_wait(c.item_full(s), (u32)((j - 1) >> 1) & 1u);
     const int v = (int)smem_ld(c.item_slot(s));
     mbar_arrive(c.item_empty(s));
-    return v;
+    // The same value in every lane, said so through a shuffle: ptxas then keeps what derives
+    // from it (tile counts, the ring index, the wgmma descriptors) in the uniform datapath
+    // (from the shared load directly it did not: the async main loop took 646 instructions
+    // per key tile instead of 567, descriptors rebuilt in vector registers and moved over).
+    return __shfl_sync(0xffffffffu, v, 0);
 }
 
 template <bool ASYNC>
@@ -851,7 +855,9 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * warp;
         k.qpos[0] = k.warp_pos0 + k.lane / 4;
         k.qpos[1] = k.qpos[0] + 8;
-        k.q_at = c.sq() + WG_ROWS * w * 128;
+        // Through a shuffle, inside the item loop: computed once for all items, ptxas kept the
+        // descriptor in a vector register and moved it over (R2UR) for every wgmma.
+        k.q_at = __shfl_sync(0xffffffffu, c.sq() + WG_ROWS * w * 128, 0);
         k.q_desc = desc_sw128(k.q_at, 16, 1024);
         k.scale2 = scale2;
         k.phi2 = phi2;
@@ -898,7 +904,10 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         if (bad) smem_or(c.vote_word(j), 1u);
         mbar_arrive(c.vote_bar());
         mbar_wait(c.vote_bar(), (u32)j & 1u);
-        if (smem_ld(c.vote_word(j))) {
+        // Uniform through a shuffle (as take_item's value): a branch on the shared load itself
+        // left `it` non-uniform for the next item, and every descriptor of its main loops was
+        // rebuilt in vector registers (646 instructions per key tile instead of 567).
+        if (__shfl_sync(0xffffffffu, smem_ld(c.vote_word(j)), 0)) {
             walk<false>(c, k, it, st, []() {});
             store(c, w, st, out, bad);
             // One lane per quad counts its rows.
