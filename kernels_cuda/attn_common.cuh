@@ -51,16 +51,13 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 struct TileHead {
     int tile, head;
 };
-// Work item b of nwork = tiles × H (a block's index, or a persistent block's b-th item).
-__device__ __forceinline__ TileHead tile_head_of(int H, int G, int nsec, int b, int nwork) {
-    const int gs = H / G, ntiles = nwork / H;
+__device__ __forceinline__ TileHead tile_head(int H, int G, int nsec) {
+    const int gs = H / G, ntiles = (int)(gridDim.x / (unsigned)H);
     const int q = G / nsec, r = G % nsec;  // r sections of q + 1 groups, then q groups
     const int big = (q + 1) * gs * ntiles, small = q * gs * ntiles;
+    const int b = (int)blockIdx.x;
     const int sec = b < r * big ? b / big : r + (b - r * big) / small;
     const int rem = b - (sec < r ? sec * big : r * big + (sec - r) * small);
     const int h0 = (sec * q + min(sec, r)) * gs, hs = (q + (sec < r ? 1 : 0)) * gs;
     return {rem / hs, h0 + rem % hs};
-}
-__device__ __forceinline__ TileHead tile_head(int H, int G, int nsec) {
-    return tile_head_of(H, G, nsec, (int)blockIdx.x, (int)gridDim.x);
 }

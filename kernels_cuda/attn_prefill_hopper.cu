@@ -100,7 +100,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 8 + 4 * 8 + 5 * 4 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers and words");
+static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -237,12 +237,7 @@ struct Ctx {
     __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
     __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
-    // The work item ring (post_item / take_item): two slots, their full and empty barriers.
-    __device__ __forceinline__ u32 item_full(int s) const { return vote_bar() + 8 + 8 * s; }
-    __device__ __forceinline__ u32 item_empty(int s) const { return vote_bar() + 24 + 8 * s; }
-    __device__ __forceinline__ u32 item_slot(int s) const { return vote_bar() + 40 + 4 * s; }
-    // Three vote words, the block's item j using word j % 3 (see prefill()).
-    __device__ __forceinline__ u32 vote_word(int j) const { return vote_bar() + 48 + 4 * (u32)(j % 3); }
+    __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -325,10 +320,7 @@ __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, u32 ds
 // first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
 // size does not box) by cp.async from every producer thread. Each of the 128 producer threads
 // arrives once per stage use on each full barrier either way (the count they were made with).
-// `fetch()` runs as the loads of the second-to-last tile are issued (the first, for one tile):
-// the persistent kernel asks for its next item there (post_item).
-template <class Fetch>
-__device__ __forceinline__ void produce(const Ctx& c, int& it, Fetch&& fetch) {
+__device__ void produce(const Ctx& c, int& it) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
@@ -338,7 +330,6 @@ __device__ __forceinline__ void produce(const Ctx& c, int& it, Fetch&& fetch) {
     // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
     int box = by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0;
     for (int n = 0; n < ntiles; ++n, ++it) {
-        if (n == max(ntiles - 2, 0)) fetch();
         const int s = it % STAGES;
         // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
         // of use u − 1.
@@ -370,25 +361,17 @@ __device__ __forceinline__ void produce(const Ctx& c, int& it, Fetch&& fetch) {
     }
 }
 
-// Consumer w starts copying its 64 rows of Q into the swizzled Q tile (only its own
-// wgmmas read them); q_landed() waits for them.
-// The rows of the item are `q.x` (its first row) .. + `q.y`, of head `q.z`.
-__device__ __forceinline__ void issue_q(const Ctx& c, int w, int3 qr) {
+// Consumer w loads its 64 rows of Q into the swizzled Q tile.
+__device__ __forceinline__ void load_q(const Ctx& c, int w) {
     const int t = threadIdx.x % 128;
     for (int i = t; i < WG_ROWS * CH; i += 128) {
         const int row = WG_ROWS * w + i / CH, ch = i % CH;
-        const bool ok = row < qr.y;
-        const size_t at = ok ? ((size_t)(qr.x + row) * c.H + qr.z) * D + ch * 8 : 0;
+        const bool ok = row < c.rows;
+        const size_t at = ok ? ((size_t)(c.row0 + row) * c.H + c.h) * D + ch * 8 : 0;
         cp_async16(c.sq() + swz(row, ch, BM), c.q + at, ok ? 16 : 0);
     }
     cp_async_commit();
-}
-// The copies landed, written through the generic proxy before wgmma reads them through the
-// async one, and every thread of the warpgroup past that point.
-__device__ __forceinline__ void q_landed(int w) {
     cp_async_wait<0>();
-    fence_async_smem();
-    named_sync(1 + w, 128);
 }
 
 // Row state of the two rows a thread holds (16·warp + g and + 8 within its warpgroup's 64);
@@ -516,13 +499,9 @@ __device__ __forceinline__ void keep_all(float* x, int n) {
 }
 
 // Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
-// stage uses (the ring's phases continue into the recompute walk and across a persistent
-// block's items). `last_qk()` runs once the warpgroup's last S = Q·Kᵀ is done (not under
-// FDPP_OVERLAP, nor when the warpgroup has no tile): the persistent kernel starts copying the
-// next item's Q rows there, under the last softmax, P·V and the O store. Returns whether it ran.
-template <bool ASYNC, class Hook>
-__device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Rows& st, Hook&& last_qk) {
-    bool hooked = false;
+// stage uses (the ring's phases continue into the recompute walk).
+template <bool ASYNC>
+__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
@@ -635,10 +614,8 @@ __device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Row
         }
     }
 #else
-    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps). The
-    // last tile is the same body with the hook after its S (peeled, so that the loop's own
-    // body carries no test for it).
-    auto tile = [&](int n, bool last) {
+    // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
+    for (int n = 0; n < mine; ++n, ++it) {
         mbar_wait(c.full_k(stage(it)), parity(it));
         fence_async_smem();
         wg_fence();
@@ -646,7 +623,6 @@ __device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Row
         wg_wait<0>();
         keep_all(sc, NT * 4);
         release_k(it);
-        if (last) last_qk();  // constant in each (inlined) use
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
         rescale_o<ASYNC>(st, corr);
@@ -657,12 +633,6 @@ __device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Row
         wg_wait<0>();
         keep_all(st.o, DT * 4);
         release_v(it);
-        ++it;
-    };
-    for (int n = 0; n < mine - 1; ++n) tile(n, false);
-    if (mine > 0) {
-        tile(mine - 1, true);
-        hooked = true;
     }
     // Past this warpgroup's last row (the causal diagonal, or padding rows): nothing to compute,
     // but each stage is released in order, after it was filled, so that the phases stay paired.
@@ -679,7 +649,6 @@ __device__ __forceinline__ bool walk(const Ctx& c, const Walker& k, int& it, Row
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
     }
-    return hooked;
 }
 
 // Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set.
@@ -700,11 +669,14 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
     }
 }
 
-// The context of work item v (a query tile of one head; tile_head_of in attn_common.cuh).
-__device__ __forceinline__ Ctx item_ctx(const u16* q, const u16* kp, const u16* vp, const int* table, const int4* tiles,
-                                        int max_pages, int page_size, int H, int G, int nsec, int nwork, int v,
-                                        const TmaMap* kmap, const TmaMap* vmap, int tma_rows, u32 base) {
-    const TileHead th = tile_head_of(H, G, nsec, v, nwork);
+template <bool ASYNC>
+__device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
+                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
+                        int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
+    const TileHead th = tile_head(H, G, nsec);
     const int4 tv = tiles[th.tile];
     Ctx c;
     c.q = q;
@@ -723,83 +695,17 @@ __device__ __forceinline__ Ctx item_ctx(const u16* q, const u16* kp, const u16* 
     c.pos0 = tv.z;
     c.rows = tv.w;
     c.kv_end = c.pos0 + c.rows;
-    c.base = base;
-    return c;
-}
-
-// The work items go to the blocks dynamically (FA3's persistent tile scheduler): a block's
-// first item is its index, each further one comes from the launch's counter `work[0]` (plus
-// gridDim.x), in list order, so the items run in the order a block-per-item launch starts
-// them (longest first, by L2 section; tile_head_of) while no block waits on another's long item.
-// A persistent launch has one block per SM; what it buys over a block per item: the producer's
-// ring runs on into the next item's K/V while the consumers finish this one, and a consumer's
-// next Q rows are in flight under its last softmax, P·V and O store (a new block could start
-// none of it before the old one exited: one block fills an SM's registers).
-//
-// The block's item 0 is blockIdx.x, known to every thread without waiting. Producer thread 0
-// posts item j ≥ 1 into slot (j − 1) % 2 once every thread has taken item j − 2 from it; nwork
-// means "no more". Each block fetches until it gets a number past the
-// list, exactly once per block, so the launch makes nwork fetches in all; the last block to
-// fail resets the counter (and the count of failures, work[1]) for the next launch on the
-// stream. (The host zeroes both at allocation and after a failed launch.)
-// `got`: what this thread's fetch (atomicAdd on work[0]) returned.
-__device__ __forceinline__ void post_item(const Ctx& c, unsigned* work, int nwork, int j, unsigned got) {
-    const int s = (j - 1) & 1;
-    if (j >= 3) mbar_wait(c.item_empty(s), (u32)(((j - 1) >> 1) - 1) & 1u);
-    int v = (int)(got + gridDim.x);
-    if (v >= nwork) {
-        v = nwork;
-        if (atomicAdd(work + 1, 1u) == gridDim.x - 1) {
-            atomicExch(work, 0u);
-            atomicExch(work + 1, 0u);
-        }
-    }
-    smem_st(c.item_slot(s), (u32)v);
-    mbar_arrive(c.item_full(s));  // release: the slot's value is visible to whoever waits
-}
-
-// Every thread of the block takes item j and frees the slot (each thread arrives after its
-// own read, so the refill is ordered after every read by the barrier alone).
-__device__ __forceinline__ int take_item(const Ctx& c, int j) {
-    if (j == 0) return (int)blockIdx.x;
-    const int s = (j - 1) & 1;
-    mbar_wait(c.item_full(s), (u32)((j - 1) >> 1) & 1u);
-    const int v = (int)smem_ld(c.item_slot(s));
-    mbar_arrive(c.item_empty(s));
-    // The same value in every lane, said so through a shuffle: ptxas then keeps what derives
-    // from it (tile counts, the ring index, the wgmma descriptors) in the uniform datapath
-    // (from the shared load directly it did not: the async main loop took 646 instructions
-    // per key tile instead of 567, descriptors rebuilt in vector registers and moved over).
-    return __shfl_sync(0xffffffffu, v, 0);
-}
-
-template <bool ASYNC>
-__device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2, float phi2, float a2,
-                        float b2, unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap,
-                        const TmaMap* vmap, int tma_rows) {
-    extern __shared__ __align__(1024) unsigned char smem[];
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
-    const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
-    auto ctx = [&](int v) {
-        return item_ctx(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, v, kmap, vmap, tma_rows, base);
-    };
-    Ctx cb;  // the block's barriers and slots (they depend on `base` alone)
-    cb.base = base;
+    c.base = (smem_addr(smem) + 1023u) & ~1023u;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(cb.full_k(s), 128);  // one (deferred) arrival per producer thread
-            mbar_init(cb.full_v(s), 128);
-            mbar_init(cb.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
-            mbar_init(cb.empty_v(s), CONSUMERS * 4);
+            mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
+            mbar_init(c.full_v(s), 128);
+            mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(c.empty_v(s), CONSUMERS * 4);
         }
-        mbar_init(cb.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
-        for (int s = 0; s < 2; ++s) {
-            mbar_init(cb.item_full(s), 1);                     // producer thread 0
-            mbar_init(cb.item_empty(s), THREADS);              // every thread
-        }
-        for (int j = 0; j < 3; ++j) smem_st(cb.vote_word(j), 0);
+        mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
+        smem_st(c.vote_word(), 0);
     }
     __syncthreads();
     // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
@@ -808,30 +714,13 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
     // instructions a consumer warp issued per key tile (SASS, session 7).
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-    // `it` counts stage uses over every walk of every item; j counts the block's items (the
-    // item ring's and the vote's phases).
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        for (int j = 0;; ++j) {
-            const int v = take_item(cb, j);
-            if (v >= nwork) break;
-            const Ctx c = ctx(v);
-            // The next item is fetched near this one's end, as the loads of its second-to-last
-            // tile go out, and posted after its last: late enough that a block busy with a long
-            // item does not claim the next one early (fetched at the item's start, the blocks
-            // of 1 · 1024 tokens took their second items at once, and the longest ones got
-            // another: −10 %, H100), early enough that the counter's round trip is hidden (the
-            // thread waits on the result only when it posts it).
-            unsigned got = 0;
-            produce(c, it, [&]() {
-                if (threadIdx.x == 0) got = atomicAdd(work, 1u);
-            });
-            if (ASYNC) {
-                mbar_wait(c.vote_bar(), (u32)j & 1u);
-                if (smem_ld(c.vote_word(j))) produce(c, it, []() {});
-            }
-            if (threadIdx.x == 0) post_item(cb, work, nwork, j + 1, got);
+        produce(c, it);
+        if (ASYNC) {
+            mbar_wait(c.vote_bar(), 0);
+            if (smem_ld(c.vote_word())) produce(c, it);
         }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
@@ -839,100 +728,69 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int w = wg - 1;
+    load_q(c, w);
+    fence_async_smem();
+    named_sync(1 + w, 128);
+    Walker k;
+    k.w = w;
+    k.lane = threadIdx.x % 32;
+    k.tq = k.lane % 4;
+    k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * ((threadIdx.x % 128) / 32);
+    k.qpos[0] = k.warp_pos0 + k.lane / 4;
+    k.qpos[1] = k.qpos[0] + 8;
+    k.q_at = c.sq() + WG_ROWS * w * 128;
+    k.q_desc = desc_sw128(k.q_at, 16, 1024);
+    k.scale2 = scale2;
+    k.phi2 = phi2;
+    k.b2 = b2;
+    Rows st;
+    walk<ASYNC>(c, k, it, st);
+    if (!ASYNC) {
+        store(c, w, st, out, 3u);
+        return;
+    }
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    int v = take_item(cb, 0);
-    bool q_issued = false;
-    for (int j = 0; v < nwork; ++j) {
-        const Ctx c = ctx(v);
-        if (!q_issued) issue_q(c, w, make_int3(c.row0, c.rows, c.h));
-        q_landed(w);
-        q_issued = false;
-        bool taken = false;  // item j + 1 taken (into v) during the walk
-        Walker k;
-        k.w = w;
-        k.lane = lane;
-        k.tq = k.lane % 4;
-        k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * warp;
-        k.qpos[0] = k.warp_pos0 + k.lane / 4;
-        k.qpos[1] = k.qpos[0] + 8;
-        // Through a shuffle, inside the item loop: computed once for all items, ptxas kept the
-        // descriptor in a vector register and moved it over (R2UR) for every wgmma.
-        k.q_at = __shfl_sync(0xffffffffu, c.sq() + WG_ROWS * w * 128, 0);
-        k.q_desc = desc_sw128(k.q_at, 16, 1024);
-        k.scale2 = scale2;
-        k.phi2 = phi2;
-        k.b2 = b2;
-        Rows st;
-        if (!ASYNC) {
-            // The sync walk ends the item: at its last S = Q·Kᵀ the warpgroup is done with its Q
-            // rows (every warp's part: the named barrier) and starts copying the next item's.
-            taken = walk<false>(c, k, it, st, [&]() {
-                named_sync(1 + w, 128);
-                v = take_item(cb, j + 1);
-                if (v < nwork) {
-                    const Ctx cn = ctx(v);
-                    issue_q(c, w, make_int3(cn.row0, cn.rows, cn.h));
-                    q_issued = true;
-                }
-            });
-            store(c, w, st, out, 3u);
-            if (!taken) v = take_item(cb, j + 1);
-            continue;
-        }
-        // The async walk may be followed by the sync recompute, which reads Q again: no early copy.
-        walk<true>(c, k, it, st, []() {});
-        unsigned bad = 0;
+    unsigned bad = 0;
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            bool fin = st.l[rr] > 0.f && finite(st.l[rr]);
+    for (int r = 0; r < 2; ++r) {
+        bool fin = st.l[r] > 0.f && finite(st.l[r]);
 #pragma unroll
-            for (int jj = 0; jj < DT; ++jj) fin = fin && finite(st.o[4 * jj + 2 * rr]) && finite(st.o[4 * jj + 2 * rr + 1]);
-            // The quad shares the row: any lane's view flags it.
-            const bool flag_lane = st.over[rr] || st.mx[rr] - phi2 < a2 || !fin;
-            const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
-            const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * rr < c.rows;
-            if ((quad & 0xfu) && row_ok) bad |= 1u << rr;
-        }
-        store(c, w, st, out, ~bad & 3u);
-        // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams
-        // the keys again. Item j ORs into word j % 3. Word (j + 1) % 3 was item j − 2's: every
-        // consumer read it before arriving at vote j − 1, and the producer before filling item
-        // j − 1's tiles, without which vote j − 1 could not complete; this thread is past vote
-        // j − 1, and nobody ORs into the word before vote j, which waits for this thread's
-        // arrival (release) after the clear.
-        if (w == 0 && threadIdx.x % 128 == 0) smem_st(c.vote_word(j + 1), 0);
-        if (bad) smem_or(c.vote_word(j), 1u);
-        mbar_arrive(c.vote_bar());
-        mbar_wait(c.vote_bar(), (u32)j & 1u);
-        // Uniform through a shuffle (as take_item's value): a branch on the shared load itself
-        // left `it` non-uniform for the next item, and every descriptor of its main loops was
-        // rebuilt in vector registers (646 instructions per key tile instead of 567).
-        if (__shfl_sync(0xffffffffu, smem_ld(c.vote_word(j)), 0)) {
-            walk<false>(c, k, it, st, []() {});
-            store(c, w, st, out, bad);
-            // One lane per quad counts its rows.
-            if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
-        }
-        v = take_item(cb, j + 1);
+        for (int j = 0; j < DT; ++j) fin = fin && finite(st.o[4 * j + 2 * r]) && finite(st.o[4 * j + 2 * r + 1]);
+        // The quad shares the row: any lane's view flags it.
+        const bool flag_lane = st.over[r] || st.mx[r] - phi2 < a2 || !fin;
+        const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
+        const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * r < c.rows;
+        if ((quad & 0xfu) && row_ok) bad |= 1u << r;
+    }
+    store(c, w, st, out, ~bad & 3u);
+    // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams the
+    // keys again.
+    if (bad) smem_or(c.vote_word(), 1u);
+    mbar_arrive(c.vote_bar());
+    mbar_wait(c.vote_bar(), 0);
+    if (smem_ld(c.vote_word())) {
+        walk<false>(c, k, it, st);
+        store(c, w, st, out, bad);
+        // One lane per quad counts its rows.
+        if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
     }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2,
-                         u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
-                         int tma_rows) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, work, scale2, 0.f, 0.f, 0.f, nullptr, out,
-                   &kmap, &vmap, tma_rows);
+                         int H, int G, int nsec, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
+                         const __grid_constant__ TmaMap vmap, int tma_rows) {
+    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
+                   tma_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                          int H, int G, int nsec, int nwork, unsigned* __restrict__ work, float scale2, float phi2,
-                          float a2, float b2, unsigned* __restrict__ recomputed, u16* __restrict__ out,
-                          const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, nwork, work, scale2, phi2, a2, b2, recomputed, out,
-                  &kmap, &vmap, tma_rows);
+                          int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
+                          u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
+                          int tma_rows) {
+    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
+                  tma_rows);
 }

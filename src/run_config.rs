@@ -30,7 +30,6 @@ pub enum Key {
     HopperOverlap,
     HopperPingpong,
     HopperDiag,
-    HopperPersist,
     OpTimes,
     CpuIsa,
     GraphsDebug,
@@ -240,15 +239,6 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
-    },
-    KeyInfo {
-        key: Key::HopperPersist,
-        name: "hopper_persist",
-        env: "FDPP_HOPPER_PERSIST",
-        values: "1|0",
-        default: "1",
-        kind: Kind::Behaviour,
-        what: "the Hopper prefill as a persistent kernel (one block per SM walking the work), else a block per query tile and head",
     },
     KeyInfo {
         key: Key::GemmFallback,

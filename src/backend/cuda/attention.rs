@@ -42,10 +42,6 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
-    /// The Hopper prefill's work counter and count of finished blocks (attn_prefill_hopper.cu,
-    /// post_item): zero between launches (the kernel's last block resets them); dropped after a
-    /// failed launch, so that the next one starts from a fresh zeroed pair.
-    work: Option<CudaSlice<u32>>,
     /// What is known of each decode entry, keyed by (dtype, head_dim, heads per block, entry) —
     /// the module's parameters, so a lookup on every launch allocates nothing.
     entries: std::collections::HashMap<(DType, usize, usize, &'static str), EntryState>,
@@ -445,7 +441,6 @@ pub fn prefill(
             tile_rows: PREFILL_BM,
             smem: prefill_smem_bytes(d),
             tma: None,
-            persistent: None,
         },
     )?;
     Ok(AttnStats {
@@ -469,18 +464,6 @@ pub(super) struct PrefillKernel<'a> {
     /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools and the rows of a
     /// box (attn_prefill.cu takes none).
     pub tma: Option<&'a PoolMaps>,
-    /// The Hopper kernel's work count argument (attn_prefill.cu takes none): `Some(true)` launches
-    /// it persistent, one block per SM walking the work items, `Some(false)` one block per item.
-    pub persistent: Option<bool>,
-}
-
-/// Blocks of a prefill launch of `items` work items (query tiles × heads): one per item, or for
-/// a persistent launch one per SM (the kernel's one block per SM) and never more than items.
-fn prefill_grid(items: u32, sms: u32, persistent: Option<bool>) -> u32 {
-    match persistent {
-        Some(true) => items.min(sms.max(1)),
-        _ => items,
-    }
 }
 
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
@@ -533,90 +516,54 @@ pub(super) fn launch_prefill(
         ))
     })?;
     let nsec = i32_of(attn_plan::prefill_sections(p, b.info().l2_bytes), "sections")?;
-    let nwork = i32_of(blocks as usize, "work items")?;
-    let work = match k.persistent {
-        Some(_) => {
-            grow(b, &mut sc.work, 2, "work counter")?;
-            ptr_of(b, &sc.work)?
-        }
-        None => 0,
-    };
-    let grid = prefill_grid(blocks, b.info().compute_units, k.persistent);
     let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
+        grid_dim: (blocks, 1, 1),
         block_dim: (k.threads, 1, 1),
         shared_mem_bytes: k.smem,
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
-    let mut launch = || -> Result<usize> {
-        let recomputed = match p.scheme {
-            SoftmaxScheme::Sync => {
-                let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
-                let mut l = b.stream().launch_builder(&f);
-                l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-                l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&nsec);
-                if k.persistent.is_some() {
-                    l.arg(&nwork).arg(&work);
-                }
-                l.arg(&scale2).arg(&op);
-                if let Some(t) = k.tma {
-                    l.arg(&t.k).arg(&t.v).arg(&t.rows);
-                }
-                // SAFETY: the caller validated lengths and tables; the tile list covers every new row
-                // once; the shared memory is what the kernel lays out.
-                unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
-                0
+    let recomputed = match p.scheme {
+        SoftmaxScheme::Sync => {
+            let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&nsec)
+                .arg(&scale2)
+                .arg(&op);
+            if let Some(t) = k.tma {
+                l.arg(&t.k).arg(&t.v).arg(&t.rows);
             }
-            SoftmaxScheme::Async { .. } => {
-                let (phi2, a2, b2) = window(p.scheme);
-                let counter = counter_ptr(b, &mut sc, counting)?;
-                let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
-                let mut l = b.stream().launch_builder(&f);
-                l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-                l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32).arg(&nsec);
-                if k.persistent.is_some() {
-                    l.arg(&nwork).arg(&work);
-                }
-                l.arg(&scale2);
-                l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
-                if let Some(t) = k.tma {
-                    l.arg(&t.k).arg(&t.v).arg(&t.rows);
-                }
-                // SAFETY: as above.
-                unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
-                b.check_launch(&what)?;
-                per_call_count(b, &sc, counting)?
+            // SAFETY: the caller validated lengths and tables; the tile list covers every new row
+            // once; the shared memory is what the kernel lays out.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            0
+        }
+        SoftmaxScheme::Async { .. } => {
+            let (phi2, a2, b2) = window(p.scheme);
+            let counter = counter_ptr(b, &mut sc, counting)?;
+            let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
+            let mut l = b.stream().launch_builder(&f);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
+            l.arg(&max_pages)
+                .arg(&page_size)
+                .arg(&h32)
+                .arg(&g32)
+                .arg(&nsec)
+                .arg(&scale2);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
+            if let Some(t) = k.tma {
+                l.arg(&t.k).arg(&t.v).arg(&t.rows);
             }
-        };
-        b.check_launch(&what)?;
-        Ok(recomputed)
+            // SAFETY: as above.
+            unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
+            b.check_launch(&what)?;
+            per_call_count(b, &sc, counting)?
+        }
     };
-    let outcome = launch();
-    if outcome.is_err() {
-        // The work counter may be left mid-count: start the next launch from a zeroed one.
-        sc.work = None;
-    }
-    outcome
-}
-
-#[cfg(test)]
-mod tests {
-    use super::prefill_grid;
-
-    #[test]
-    fn a_persistent_prefill_launches_one_block_per_sm_at_most_one_per_item() {
-        assert_eq!(prefill_grid(256, 132, Some(true)), 132);
-        assert_eq!(prefill_grid(100, 132, Some(true)), 100);
-        assert_eq!(
-            prefill_grid(256, 0, Some(true)),
-            1,
-            "a device reporting no SMs still runs"
-        );
-        assert_eq!(prefill_grid(256, 132, Some(false)), 256);
-        assert_eq!(
-            prefill_grid(256, 132, None),
-            256,
-            "the mma.sync kernel has no work loop"
-        );
-    }
+    b.check_launch(&what)?;
+    Ok(recomputed)
 }

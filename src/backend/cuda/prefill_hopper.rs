@@ -144,19 +144,6 @@ impl Schedule {
         .parse_diag(rc.get(Key::HopperDiag))
     }
 }
-/// Whether the kernel runs persistent (`--set hopper_persist=0|1`, FDPP_HOPPER_PERSIST; default
-/// on): one block per SM walks the work items, so the producer streams the next item's K/V and
-/// the consumers' next Q rows while the current item ends (attn_prefill_hopper.cu, item_of()).
-fn persistent() -> Result<bool> {
-    match crate::run_config::get().get(Key::HopperPersist).map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(o) => Err(FdppError::InvalidArgument(format!(
-            "hopper_persist={o} (--set or FDPP_HOPPER_PERSIST): expected 0 or 1"
-        ))),
-    }
-}
-
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
 pub const BM: usize = 128;
 pub const BN: usize = 128;
@@ -169,10 +156,10 @@ pub const ARCH: &str = "sm_90a";
 /// (reports/NOTES.md, "Attention prefill").
 pub const DEFAULT_ON: bool = true;
 
-/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 256 bytes of
+/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
 /// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
+    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
@@ -277,7 +264,6 @@ pub fn attend(
             tile_rows: BM,
             smem: smem_bytes(d, sched.stages),
             tma: Some(&maps),
-            persistent: Some(persistent()?),
         },
     )
 }
