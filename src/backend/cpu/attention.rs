@@ -466,6 +466,8 @@ fn runs_group<V: Vf32, const R: usize, const NC: usize>(
         std::array::from_fn(|n| V::load(&a8[c0 + n]))
     });
     let wr: [&[f32]; R] = std::array::from_fn(|r| &w[r * TILE..r * TILE + nj]);
+    // Key i indexes R weight runs and a value row at once; an index reads plainer than R zips.
+    #[allow(clippy::needless_range_loop)]
     for i in 0..nj {
         let ws: [V; R] = std::array::from_fn(|r| V::splat(wr[r][i]));
         let (v8, _) = rows.row(i, d).as_chunks::<LANES>();
