@@ -625,11 +625,13 @@ pub fn decode(
     })
 }
 
-/// o = acc / l rounded, as [`write_row`] computes it (a · (1/l), then the rounding of
-/// DType::from_f32, which simd::narrow matches bit for bit); acc is scaled in place.
+/// o = acc / l rounded, as combine then [`write_row`] compute it for a row of one partial
+/// ((0 + a) · (1/l), then the rounding of DType::from_f32, which simd::narrow matches bit
+/// for bit); acc is scaled in place.
 fn write_acc(dt: DType, l: f32, acc: &mut [f32], o: &mut [u16]) {
     let inv = 1.0 / l;
-    acc.iter_mut().for_each(|a| *a *= inv);
+    // + 0.0 as combine's sum into a zeroed row does: a −0.0 lane leaves it as +0.0.
+    acc.iter_mut().for_each(|a| *a = (*a + 0.0) * inv);
     simd::narrow(dt, acc, o);
 }
 
@@ -709,11 +711,23 @@ pub fn prefill(
             let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
             accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
             for (j, (part, oh)) in parts.iter_mut().zip(o.chunks_exact_mut(d)).enumerate() {
-                if p.scheme == SoftmaxScheme::Sync && part.l > 0.0 {
-                    // A sync row of one partial is its own combine (rescaled by e^0 = 1):
-                    // written straight from its accumulator, without combine's copy of it,
-                    // and rounded eight lanes at a time (the per-element rounding call and
-                    // the copies were ~10 % of a 128-token prefill's attention samples).
+                // A row of one partial that combine would accept is its own combine (sync:
+                // rescaled by e^0 = 1; async: inside the window, summed with nothing):
+                // written straight from its accumulator, without combine's copy of it, and
+                // rounded eight lanes at a time (the per-element rounding call and the copies
+                // were ~10 % of a 128-token prefill's attention samples). The engine runs the
+                // async scheme by default, so both take this path.
+                let direct = match p.scheme {
+                    SoftmaxScheme::Sync => part.l > 0.0,
+                    SoftmaxScheme::Async { phi, a, .. } => {
+                        !part.over
+                            && part.max_x - phi >= a
+                            && part.l.is_finite()
+                            && part.l > 0.0
+                            && part.acc.iter().all(|v| v.is_finite())
+                    }
+                };
+                if direct {
                     write_acc(dt, part.l, &mut part.acc, oh);
                     continue;
                 }
@@ -980,24 +994,40 @@ mod tests {
         }
     }
 
-    /// The prefill's direct write of a sync row rounds as write_row does (acc · (1/l), then
-    /// DType's rounding), bit for bit, at lengths with vector tails, in f16 and bf16, into a
-    /// poisoned row; and against the f64 quotient within half an output ulp.
+    /// The prefill's direct write of a row of one partial rounds as combine then write_row do,
+    /// bit for bit (a −0.0 lane included), in both schemes, at lengths with vector tails, in
+    /// f16 and bf16, into poisoned rows; and against the f64 quotient within half an ulp.
     #[test]
     fn direct_write_rounds_as_write_row() {
         use crate::dtype::random_bits;
         for dt in [DType::F16, DType::Bf16] {
             for (i, d) in [1usize, 7, 8, 20, 64, 72].into_iter().enumerate() {
                 let bits = random_bits(dt, d, 3.0, 90 + i as u64);
-                let acc: Vec<f32> = bits.iter().map(|&b| dt.to_f32(b) * 1.37).collect();
+                let mut acc: Vec<f32> = bits.iter().map(|&b| dt.to_f32(b) * 1.37).collect();
+                // A −0.0 lane: combine's sum into a zeroed row makes it +0.0.
+                acc[d / 2] = -0.0;
                 let l = 2.9f32 + i as f32;
                 let mut want = vec![0xFFFFu16; d];
-                write_row(dt, &(l, acc.clone()), &mut want);
-                let mut got = vec![0xFFFFu16; d];
-                let mut scaled = acc.clone();
-                write_acc(dt, l, &mut scaled, &mut got);
-                assert_eq!(got, want, "{dt:?} d {d}");
-                for (g, a) in got.iter().zip(&acc) {
+                let mut part = Partial::empty(d, 0.5);
+                part.l = l;
+                part.acc = acc.clone();
+                part.max_x = 1.0;
+                for scheme in [
+                    SoftmaxScheme::Sync,
+                    SoftmaxScheme::Async {
+                        phi: 0.5,
+                        a: -20.0,
+                        b: 20.0,
+                    },
+                ] {
+                    let row = combine(scheme, &[&part], d).expect("inside the window");
+                    write_row(dt, &row, &mut want);
+                    let mut got = vec![0xFFFFu16; d];
+                    let mut scaled = acc.clone();
+                    write_acc(dt, l, &mut scaled, &mut got);
+                    assert_eq!(got, want, "{dt:?} d {d} {}", scheme.label());
+                }
+                for (g, a) in want.iter().zip(&acc) {
                     let exact = *a as f64 / l as f64;
                     let ulp = match dt {
                         DType::Bf16 => 2f64.powi(-8),
