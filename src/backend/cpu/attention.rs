@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::simd::{multiversion, Vf32, LANES};
+use super::simd::{self, multiversion, Vf32, LANES};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv::paged::{write_tokens, PagedKvLayout};
@@ -139,65 +139,114 @@ fn accumulate_generic<'a, V: Vf32>(
         for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, key(t), &mut rows[i * rw..(i + 1) * rw]);
         }
-        for (j, (p, x)) in parts.iter_mut().zip(xs.chunks_exact_mut(TILE)).enumerate() {
+        // Parts side by side that read the same kv head's run and take the same keys of this
+        // tile (the query heads of a GQA group for one token) go through the grouped tiles,
+        // which load each key / value row once for all of them.
+        let mut j = 0;
+        while j < g {
             let nj = taken(j);
-            if nj == 0 {
-                continue;
-            }
-            let kv = Strided {
-                rows: &rows[..nj * rw],
-                stride: rw,
-                col: cols[j],
-            };
-            scores::<V>(&qs[j * d..(j + 1) * d], kv, &mut x[..nj]);
-            let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            p.max_x = p.max_x.max(tile_max);
-            match scheme {
-                SoftmaxScheme::Sync => {
-                    if tile_max > p.m {
-                        // The running max grew: rescale what was summed against the old one.
-                        let f = (p.m - tile_max).exp();
-                        p.l *= f;
-                        p.acc.iter_mut().for_each(|a| *a *= f);
-                        p.m = tile_max;
-                    }
+            let r = group_len(j, g, |i| (cols[i], taken(i)));
+            if nj > 0 {
+                let kv = Strided {
+                    rows: &rows[..nj * rw],
+                    stride: rw,
+                    col: cols[j],
+                };
+                let x = &mut xs[j * TILE..(j + r) * TILE];
+                let q = &qs[j * d..(j + r) * d];
+                match r {
+                    3 => scores_group::<V, 3>(q, kv, x, nj),
+                    2 => scores_group::<V, 2>(q, kv, x, nj),
+                    _ => scores::<V>(q, kv, &mut x[..nj]),
                 }
-                SoftmaxScheme::Async { phi, b, .. } => {
-                    p.over |= tile_max - phi > b;
+                for (p, x) in parts[j..j + r].iter_mut().zip(x.chunks_exact_mut(TILE)) {
+                    weigh::<V>(scheme, p, &mut x[..nj]);
                 }
             }
-            // Weights in place, eight lanes at a time; the lanes past nj are never read. Their
-            // sum in a vector over the whole chunks (a scalar sum of the tile's weights, one
-            // dependent add per key, was ~8 % of attention in a 512-token prefill's profile),
-            // the keys of a last partial chunk one at a time.
-            let m = V::splat(p.m);
-            let whole = nj / LANES;
-            let (x8, _) = x[..nj.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
-            let mut sum = V::zero();
-            for (ci, c) in x8.iter_mut().enumerate() {
-                let e = V::load(c).sub(m).exp();
-                e.store(c);
-                if ci < whole {
-                    sum = sum.add(e);
-                }
-            }
-            p.l += sum.hsum() + x[whole * LANES..nj].iter().sum::<f32>();
+            j += r;
         }
         for (i, t) in (t0..t1).enumerate() {
             V::widen(dt, val(t), &mut rows[i * rw..(i + 1) * rw]);
         }
-        for (j, (p, w)) in parts.iter_mut().zip(xs.chunks_exact(TILE)).enumerate() {
+        let mut j = 0;
+        while j < g {
             let nj = taken(j);
+            let r = group_len(j, g, |i| (cols[i], taken(i)));
             let kv = Strided {
                 rows: &rows[..nj * rw],
                 stride: rw,
                 col: cols[j],
             };
-            weighted_rows::<V>(&w[..nj], kv, &mut p.acc);
+            let w = &xs[j * TILE..(j + r) * TILE];
+            match r {
+                3 => weighted_rows_group::<V, 3>(w, nj, kv, &mut parts[j..j + 3]),
+                2 => weighted_rows_group::<V, 2>(w, nj, kv, &mut parts[j..j + 2]),
+                _ => weighted_rows::<V>(&w[..nj], kv, &mut parts[j].acc),
+            }
+            j += r;
         }
         debug_assert!(n <= TILE);
         t0 = t1;
     }
+}
+
+/// Most parts one grouped tile serves: 3 parts × 4 keys (scores) or × 4 runs of eight lanes
+/// (values) are 12 accumulators, which with the 3 q runs / weights and one key / value run
+/// fill AVX2's 16 registers. SmolLM2's GQA groups are 3 heads; larger groups go 3 at a time.
+const GROUP: usize = 3;
+
+/// How many parts from `j` on (at most [`GROUP`]) share `key(j)`: the same kv head's run and
+/// the same keys of the tile.
+#[inline(always)]
+fn group_len<K: PartialEq>(j: usize, g: usize, key: impl Fn(usize) -> K) -> usize {
+    let k = key(j);
+    (1..GROUP.min(g - j))
+        .find(|&r| key(j + r) != k)
+        .unwrap_or(GROUP.min(g - j))
+}
+
+/// One part's scores of a tile, `x`, become its weights e^(x − m) in place (sync: the running
+/// max first grows, and what was summed is rescaled; async: against φ, flagging a score
+/// past b), and their sum joins `p.l`.
+#[inline(always)]
+fn weigh<V: Vf32>(scheme: SoftmaxScheme, p: &mut Partial, x: &mut [f32]) {
+    let tile_max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    p.max_x = p.max_x.max(tile_max);
+    match scheme {
+        SoftmaxScheme::Sync => {
+            if tile_max > p.m {
+                // The running max grew: rescale what was summed against the old one.
+                let f = (p.m - tile_max).exp();
+                p.l *= f;
+                p.acc.iter_mut().for_each(|a| *a *= f);
+                p.m = tile_max;
+            }
+        }
+        SoftmaxScheme::Async { phi, b, .. } => {
+            p.over |= tile_max - phi > b;
+        }
+    }
+    // Eight lanes at a time over the whole chunks; their sum in a vector (a scalar sum of the
+    // tile's weights, one dependent add per key, was ~8 % of attention in a 512-token
+    // prefill's profile), the keys of a last partial chunk one at a time.
+    let m = V::splat(p.m);
+    let (x8, rest) = x.as_chunks_mut::<LANES>();
+    let mut sum = V::zero();
+    for c in x8.iter_mut() {
+        let e = V::load(c).sub(m).exp();
+        e.store(c);
+        sum = sum.add(e);
+    }
+    let mut tail = 0f32;
+    if !rest.is_empty() {
+        let mut c = [0f32; LANES];
+        c[..rest.len()].copy_from_slice(rest);
+        let e = V::load(&c).sub(m).exp();
+        e.store(&mut c);
+        rest.copy_from_slice(&c[..rest.len()]);
+        tail = rest.iter().sum::<f32>();
+    }
+    p.l += sum.hsum() + tail;
 }
 
 /// Rows of `stride` values, of which a part reads the run starting at `col` (its kv head's).
@@ -213,6 +262,15 @@ impl<'r> Strided<'r> {
     fn row(&self, i: usize, d: usize) -> &'r [f32] {
         let at = i * self.stride + self.col;
         &self.rows[at..at + d]
+    }
+
+    /// The rows from row `i` on.
+    #[inline(always)]
+    fn skip(self, i: usize) -> Self {
+        Strided {
+            rows: &self.rows[i * self.stride..],
+            ..self
+        }
     }
 }
 
@@ -309,6 +367,127 @@ fn runs_block<V: Vf32, const NC: usize>(
     NC
 }
 
+/// [`scores`] for R parts that read the same rows: part r's q run is `q[r·d..(r+1)·d]` and its
+/// scores go to `x[r·TILE..r·TILE + nj]`. Four keys at a time × the R parts, so each loaded run
+/// of a key row serves R FMAs (one part at a time loads 9 runs for 8 FMAs); each key's sum is
+/// the same chain of FMAs and the same eight-key reduction as in [`scores`], so the scores
+/// are bit-identical to it.
+#[inline(always)]
+fn scores_group<V: Vf32, const R: usize>(q: &[f32], rows: Strided, x: &mut [f32], nj: usize) {
+    let d = q.len() / R;
+    let qr: [&[f32]; R] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
+    let q8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| qr[r].as_chunks::<LANES>().0);
+    let tail = d % LANES;
+    let dot_tail = |qv: &[f32], row: &[f32]| -> f32 {
+        let mut s = 0f32;
+        for (a, b) in qv[d - tail..].iter().zip(&row[d - tail..]) {
+            s = V::madd1(*a, *b, s);
+        }
+        s
+    };
+    let blocks = nj / LANES;
+    for blk in 0..blocks {
+        let mut sums = [[V::zero(); LANES]; R];
+        for half in 0..2 {
+            let k0 = blk * LANES + half * 4;
+            let r4: [&[[f32; LANES]]; 4] = std::array::from_fn(|i| rows.row(k0 + i, d).as_chunks::<LANES>().0);
+            let mut acc = [[V::zero(); 4]; R];
+            for c in 0..d / LANES {
+                let qv: [V; R] = std::array::from_fn(|r| V::load(&q8[r][c]));
+                for (i, row) in r4.iter().enumerate() {
+                    let kv = V::load(&row[c]);
+                    for r in 0..R {
+                        acc[r][i] = qv[r].madd(kv, acc[r][i]);
+                    }
+                }
+            }
+            for r in 0..R {
+                sums[r][half * 4..half * 4 + 4].copy_from_slice(&acc[r]);
+            }
+        }
+        for r in 0..R {
+            let xb = &mut x[r * TILE + blk * LANES..r * TILE + (blk + 1) * LANES];
+            let xb: &mut [f32; LANES] = xb.try_into().expect("eight lanes");
+            V::hsum8(sums[r]).store(xb);
+            if tail > 0 {
+                for (i, xv) in xb.iter_mut().enumerate() {
+                    *xv += dot_tail(qr[r], rows.row(blk * LANES + i, d));
+                }
+            }
+        }
+    }
+    // The keys past a multiple of eight one part at a time, as [`scores`] takes them.
+    let done = blocks * LANES;
+    if done < nj {
+        for r in 0..R {
+            scores::<V>(qr[r], rows.skip(done), &mut x[r * TILE + done..r * TILE + nj]);
+        }
+    }
+}
+
+/// [`weighted_rows`] for R parts that read the same rows: part r's weights are
+/// `w[r·TILE..r·TILE + nj]`, its accumulator `parts[r].acc`. Four runs of eight lanes × the R
+/// parts in registers, so each loaded run of a value row serves R FMAs; every lane is the same
+/// chain of FMAs over the keys as in [`weighted_rows`], so the sums are bit-identical to it.
+#[inline(always)]
+fn weighted_rows_group<V: Vf32, const R: usize>(w: &[f32], nj: usize, rows: Strided, parts: &mut [Partial]) {
+    let d = parts[0].acc.len();
+    let runs = d / LANES;
+    let mut c0 = 0;
+    while c0 < runs {
+        c0 += match runs - c0 {
+            4.. => runs_group::<V, R, 4>(w, nj, rows, d, c0, parts),
+            2 | 3 => runs_group::<V, R, 2>(w, nj, rows, d, c0, parts),
+            _ => runs_group::<V, R, 1>(w, nj, rows, d, c0, parts),
+        };
+    }
+    let t0 = runs * LANES;
+    for (r, p) in parts.iter_mut().enumerate().take(R) {
+        for (j, a) in p.acc[t0..].iter_mut().enumerate() {
+            for (i, &wi) in w[r * TILE..r * TILE + nj].iter().enumerate() {
+                *a = V::madd1(wi, rows.row(i, d)[t0 + j], *a);
+            }
+        }
+    }
+}
+
+/// NC runs of eight lanes from run c0 on, for R parts (see [`weighted_rows_group`]); returns NC.
+#[inline(always)]
+fn runs_group<V: Vf32, const R: usize, const NC: usize>(
+    w: &[f32],
+    nj: usize,
+    rows: Strided,
+    d: usize,
+    c0: usize,
+    parts: &mut [Partial],
+) -> usize {
+    let mut a: [[V; NC]; R] = std::array::from_fn(|r| {
+        let (a8, _) = parts[r].acc.as_chunks::<LANES>();
+        std::array::from_fn(|n| V::load(&a8[c0 + n]))
+    });
+    let wr: [&[f32]; R] = std::array::from_fn(|r| &w[r * TILE..r * TILE + nj]);
+    // Key i indexes R weight runs and a value row at once; an index reads plainer than R zips.
+    #[allow(clippy::needless_range_loop)]
+    for i in 0..nj {
+        let ws: [V; R] = std::array::from_fn(|r| V::splat(wr[r][i]));
+        let (v8, _) = rows.row(i, d).as_chunks::<LANES>();
+        let v8 = &v8[c0..c0 + NC];
+        for n in 0..NC {
+            let v = V::load(&v8[n]);
+            for r in 0..R {
+                a[r][n] = ws[r].madd(v, a[r][n]);
+            }
+        }
+    }
+    for (r, ar) in a.iter().enumerate() {
+        let (a8, _) = parts[r].acc.as_chunks_mut::<LANES>();
+        for (n, v) in ar.iter().enumerate() {
+            v.store(&mut a8[c0 + n]);
+        }
+    }
+    NC
+}
+
 /// Merges split partials into (l, acc). Sync partials carry their own max and are rescaled to
 /// the largest; async partials share φ and are summed. None: the row is flagged (async only).
 fn combine(scheme: SoftmaxScheme, parts: &[&Partial], d: usize) -> Option<(f32, Vec<f32>)> {
@@ -347,7 +526,9 @@ fn start_of(scheme: SoftmaxScheme) -> f32 {
 /// q rows widened and scaled by 1/√d.
 fn scaled_q(dt: DType, q: &[u16], scale: f32) -> Vec<f32> {
     let mut qf = vec![0f32; q.len()];
-    dt.widen(q, &mut qf);
+    // The vector widening (exact, as DType::widen): the scalar one was ~2 % of a 128-token
+    // prefill's attention samples.
+    simd::widen(dt, q, &mut qf);
     qf.iter_mut().for_each(|v| *v *= scale);
     qf
 }
@@ -444,6 +625,16 @@ pub fn decode(
     })
 }
 
+/// o = acc / l rounded, as combine then [`write_row`] compute it for a row of one partial
+/// ((0 + a) · (1/l), then the rounding of DType::from_f32, which simd::narrow matches bit
+/// for bit); acc is scaled in place.
+fn write_acc(dt: DType, l: f32, acc: &mut [f32], o: &mut [u16]) {
+    let inv = 1.0 / l;
+    // + 0.0 as combine's sum into a zeroed row does: a −0.0 lane leaves it as +0.0.
+    acc.iter_mut().for_each(|a| *a = (*a + 0.0) * inv);
+    simd::narrow(dt, acc, o);
+}
+
 fn write_row(dt: DType, (l, acc): &(f32, Vec<f32>), o: &mut [u16]) {
     let inv = 1.0 / l;
     for (d, &a) in o.iter_mut().zip(acc) {
@@ -519,8 +710,28 @@ pub fn prefill(
             let qs = &qf[a * h * d..z * h * d];
             let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
             accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
-            for (j, (part, oh)) in parts.iter().zip(o.chunks_exact_mut(d)).enumerate() {
-                let res = match combine(p.scheme, &[part], d) {
+            for (j, (part, oh)) in parts.iter_mut().zip(o.chunks_exact_mut(d)).enumerate() {
+                // A row of one partial that combine would accept is its own combine (sync:
+                // rescaled by e^0 = 1; async: inside the window, summed with nothing):
+                // written straight from its accumulator, without combine's copy of it, and
+                // rounded eight lanes at a time (the per-element rounding call and the copies
+                // were ~10 % of a 128-token prefill's attention samples). The engine runs the
+                // async scheme by default, so both take this path.
+                let direct = match p.scheme {
+                    SoftmaxScheme::Sync => part.l > 0.0,
+                    SoftmaxScheme::Async { phi, a, .. } => {
+                        !part.over
+                            && part.max_x - phi >= a
+                            && part.l.is_finite()
+                            && part.l > 0.0
+                            && part.acc.iter().all(|v| v.is_finite())
+                    }
+                };
+                if direct {
+                    write_acc(dt, part.l, &mut part.acc, oh);
+                    continue;
+                }
+                let res = match combine(p.scheme, &[&*part], d) {
                     Some(r) => r,
                     None => {
                         // Flagged by the async scheme: this row again with the sync one.
@@ -601,16 +812,18 @@ mod tests {
 
     /// The grouped accumulate against an f64 softmax, at odd head dims (vector tails), part
     /// counts, key counts (tile tails, the eight-key step's tail), range offsets and per-part
-    /// key ends, over token rows of three kv heads (each part reads its own run), in the AVX2
-    /// and the portable build, with both schemes.
+    /// key ends, over token rows of three kv heads, in the AVX2 and the portable build, with
+    /// both schemes. Parts either each read another kv head's run (`shared` 1) or come in runs
+    /// of `shared` parts with one run and the same keys (a GQA group of one token: the grouped
+    /// tiles, including groups cut at GROUP and a last group cut short).
     #[test]
     fn grouped_accumulate_matches_f64_at_odd_sizes_in_every_build() {
         use crate::backend::cpu::simd::Portable;
         use crate::dtype::random_bits;
         let dt = DType::F16;
         let mut seed = 1;
-        for d in [8, 20, 64] {
-            for g in [1, 3, 5] {
+        for d in [8, 20, 64, 72] {
+            for (g, shared) in [(1, 1), (3, 1), (5, 1), (3, 3), (5, 2), (7, 4), (9, 3)] {
                 for (r0, len) in [(0, 1), (3, 7), (1, 33), (5, 70)] {
                     seed += 1;
                     let total = r0 + len;
@@ -625,12 +838,15 @@ mod tests {
                     q.iter_mut().for_each(|x| *x *= 0.7);
                     let key = |t: usize| &k[t * rw..(t + 1) * rw];
                     let val = |t: usize| &v[t * rw..(t + 1) * rw];
-                    let cols: Vec<usize> = (0..g).map(|h| h % KVH * d).collect();
+                    let cols: Vec<usize> = (0..g).map(|h| h / shared % KVH * d).collect();
+                    // Part h stops early(h) keys before the end (the causal prefill case),
+                    // except the first group, which takes them all (the decode case).
+                    let early = |h: usize| (h / shared).min(len - 1);
                     let wide = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| dt.to_f32(x) as f64).collect() };
                     let want: Vec<Vec<f64>> = (0..g)
                         .map(|h| {
                             let qh = &q[h * d..(h + 1) * d];
-                            let total = total - h.min(len - 1);
+                            let total = total - early(h);
                             let c = cols[h];
                             let xs: Vec<f64> = (r0..total)
                                 .map(|t| wide(&key(t)[c..c + d]).iter().zip(qh).map(|(a, &b)| a * b as f64).sum())
@@ -662,9 +878,7 @@ mod tests {
                             let mut parts: Vec<Partial> = (0..g).map(|_| Partial::empty(d, start_of(scheme))).collect();
                             // Poisoned scratch: nothing may read what the kernel did not write.
                             let mut scratch = vec![f32::NAN; 7];
-                            // Part h stops h keys early (the causal prefill case), except
-                            // part 0, which takes them all (the decode case).
-                            let ends: Vec<usize> = (0..g).map(|h| total - h.min(len - 1)).collect();
+                            let ends: Vec<usize> = (0..g).map(|h| total - early(h)).collect();
                             if portable {
                                 accumulate_generic::<Portable>(
                                     dt,
@@ -686,13 +900,140 @@ mod tests {
                                 for (j, (x, y)) in got.iter().zip(&want[h]).enumerate() {
                                     assert!(
                                         (*x as f64 - y).abs() < 2e-5,
-                                        "d {d} g {g} keys {r0}..{total} {} portable {portable} head {h} dim {j}: {x} vs {y}",
+                                        "d {d} g {g}/{shared} keys {r0}..{total} {} portable {portable} head {h} dim {j}: {x} vs {y}",
                                         scheme.label()
                                     );
                                 }
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The grouped tiles add in the order of the one-part path: a prefill-shaped block (tokens ×
+    /// heads, GQA groups of `grp`) accumulated at once equals each part accumulated alone, bit
+    /// for bit, in both builds and schemes, at head dims with vector tails and key counts with
+    /// tile and eight-key tails; scratch and outputs start poisoned.
+    #[test]
+    fn grouped_tiles_are_bit_identical_to_one_part_at_a_time() {
+        use crate::backend::cpu::simd::Portable;
+        use crate::dtype::random_bits;
+        let dt = DType::F16;
+        let mut seed = 500;
+        for d in [8, 20, 64, 72] {
+            for (h, grp) in [(9, 3), (8, 4), (6, 2), (12, 6)] {
+                for (prefix, nt) in [(0, 1), (0, 5), (29, 3), (61, 8)] {
+                    seed += 1;
+                    let kvh = h / grp;
+                    let rw = kvh * d;
+                    let total = prefix + nt;
+                    let k = random_bits(dt, total * rw, 1.0, seed);
+                    let v = random_bits(dt, total * rw, 1.0, seed + 1000);
+                    let qb = random_bits(dt, nt * h * d, 1.0, seed + 2000);
+                    let mut q = vec![0f32; nt * h * d];
+                    dt.widen(&qb, &mut q);
+                    q.iter_mut().for_each(|x| *x *= 0.3);
+                    let key = |t: usize| &k[t * rw..(t + 1) * rw];
+                    let val = |t: usize| &v[t * rw..(t + 1) * rw];
+                    let ends: Vec<usize> = (0..nt * h).map(|j| prefix + j / h + 1).collect();
+                    let cols: Vec<usize> = (0..nt * h).map(|j| j % h / grp * d).collect();
+                    let schemes = [
+                        SoftmaxScheme::Sync,
+                        SoftmaxScheme::Async {
+                            phi: 0.5,
+                            a: -60.0,
+                            b: 20.0,
+                        },
+                    ];
+                    for scheme in schemes {
+                        for portable in [false, true] {
+                            let run = |qs: &[f32], e: &[usize], c: &[usize]| -> Vec<Partial> {
+                                let mut parts: Vec<Partial> =
+                                    (0..e.len()).map(|_| Partial::empty(d, start_of(scheme))).collect();
+                                let mut scratch = vec![f32::NAN; 3];
+                                if portable {
+                                    accumulate_generic::<Portable>(
+                                        dt,
+                                        scheme,
+                                        qs,
+                                        0,
+                                        e,
+                                        c,
+                                        &key,
+                                        &val,
+                                        &mut parts,
+                                        &mut scratch,
+                                    );
+                                } else {
+                                    accumulate(dt, scheme, qs, 0, e, c, &key, &val, &mut parts, &mut scratch);
+                                }
+                                parts
+                            };
+                            let all = run(&q, &ends, &cols);
+                            for j in 0..nt * h {
+                                let one = run(&q[j * d..(j + 1) * d], &ends[j..j + 1], &cols[j..j + 1]);
+                                let (a, b) = (&all[j], &one[0]);
+                                let same = a.m.to_bits() == b.m.to_bits()
+                                    && a.l.to_bits() == b.l.to_bits()
+                                    && a.max_x.to_bits() == b.max_x.to_bits()
+                                    && a.over == b.over
+                                    && a.acc.iter().zip(&b.acc).all(|(x, y)| x.to_bits() == y.to_bits());
+                                assert!(
+                                    same,
+                                    "d {d} h {h}/{grp} prefix {prefix} tokens {nt} part {j} {} portable {portable}",
+                                    scheme.label()
+                                );
+                                assert!(a.l.is_finite() && a.l > 0.0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The prefill's direct write of a row of one partial rounds as combine then write_row do,
+    /// bit for bit (a −0.0 lane included), in both schemes, at lengths with vector tails, in
+    /// f16 and bf16, into poisoned rows; and against the f64 quotient within half an ulp.
+    #[test]
+    fn direct_write_rounds_as_write_row() {
+        use crate::dtype::random_bits;
+        for dt in [DType::F16, DType::Bf16] {
+            for (i, d) in [1usize, 7, 8, 20, 64, 72].into_iter().enumerate() {
+                let bits = random_bits(dt, d, 3.0, 90 + i as u64);
+                let mut acc: Vec<f32> = bits.iter().map(|&b| dt.to_f32(b) * 1.37).collect();
+                // A −0.0 lane: combine's sum into a zeroed row makes it +0.0.
+                acc[d / 2] = -0.0;
+                let l = 2.9f32 + i as f32;
+                let mut want = vec![0xFFFFu16; d];
+                let mut part = Partial::empty(d, 0.5);
+                part.l = l;
+                part.acc = acc.clone();
+                part.max_x = 1.0;
+                for scheme in [
+                    SoftmaxScheme::Sync,
+                    SoftmaxScheme::Async {
+                        phi: 0.5,
+                        a: -20.0,
+                        b: 20.0,
+                    },
+                ] {
+                    let row = combine(scheme, &[&part], d).expect("inside the window");
+                    write_row(dt, &row, &mut want);
+                    let mut got = vec![0xFFFFu16; d];
+                    let mut scaled = acc.clone();
+                    write_acc(dt, l, &mut scaled, &mut got);
+                    assert_eq!(got, want, "{dt:?} d {d} {}", scheme.label());
+                }
+                for (g, a) in want.iter().zip(&acc) {
+                    let exact = *a as f64 / l as f64;
+                    let ulp = match dt {
+                        DType::Bf16 => 2f64.powi(-8),
+                        _ => 2f64.powi(-11),
+                    } * exact.abs().max(1e-4);
+                    assert!((dt.to_f32(*g) as f64 - exact).abs() <= ulp, "{dt:?} d {d}");
                 }
             }
         }
