@@ -122,11 +122,10 @@ fn check(archs: &[String], only: Option<&str>) -> anyhow::Result<()> {
         .flat_map(|a| srcs.iter().filter(|s| sources::compiles_for(s, a)).map(move |s| (a, s)))
         .filter(|(_, s)| only.is_none_or(|o| s.uri.contains(o)))
         .collect();
-    if jobs.is_empty() {
+    if let (Some(o), true) = (only, jobs.is_empty()) {
         bail!(
-            "no CUDA kernel spec for {} matches --only {:?}; `fdpp kernels list` shows the URIs",
-            archs.join(","),
-            only.unwrap_or_default()
+            "no CUDA kernel spec for {} matches --only {o:?}; `fdpp kernels list` shows the URIs",
+            archs.join(",")
         );
     }
     // NVRTC compiles are independent: one per core.

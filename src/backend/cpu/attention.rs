@@ -160,7 +160,7 @@ fn accumulate_generic<'a, V: Vf32>(
                     _ => scores::<V>(q, kv, &mut x[..nj]),
                 }
                 for (p, x) in parts[j..j + r].iter_mut().zip(x.chunks_exact_mut(TILE)) {
-                    weigh::<V>(scheme, p, &mut x[..nj]);
+                    weigh::<V>(scheme, p, x, nj);
                 }
             }
             j += r;
@@ -205,12 +205,13 @@ fn group_len<K: PartialEq>(j: usize, g: usize, key: impl Fn(usize) -> K) -> usiz
         .unwrap_or(GROUP.min(g - j))
 }
 
-/// One part's scores of a tile, `x`, become its weights e^(x − m) in place (sync: the running
-/// max first grows, and what was summed is rescaled; async: against φ, flagging a score
-/// past b), and their sum joins `p.l`.
+/// One part's scores of a tile, `x[..nj]`, become its weights e^(x − m) in place (sync: the
+/// running max first grows, and what was summed is rescaled; async: against φ, flagging a
+/// score past b), and their sum joins `p.l`. `x` is the part's whole tile chunk: the lanes
+/// past nj up to the next multiple of eight are computed too and never read.
 #[inline(always)]
-fn weigh<V: Vf32>(scheme: SoftmaxScheme, p: &mut Partial, x: &mut [f32]) {
-    let tile_max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+fn weigh<V: Vf32>(scheme: SoftmaxScheme, p: &mut Partial, x: &mut [f32], nj: usize) {
+    let tile_max = x[..nj].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     p.max_x = p.max_x.max(tile_max);
     match scheme {
         SoftmaxScheme::Sync => {
@@ -230,23 +231,17 @@ fn weigh<V: Vf32>(scheme: SoftmaxScheme, p: &mut Partial, x: &mut [f32]) {
     // tile's weights, one dependent add per key, was ~8 % of attention in a 512-token
     // prefill's profile), the keys of a last partial chunk one at a time.
     let m = V::splat(p.m);
-    let (x8, rest) = x.as_chunks_mut::<LANES>();
+    let whole = nj / LANES;
+    let (x8, _) = x[..nj.next_multiple_of(LANES)].as_chunks_mut::<LANES>();
     let mut sum = V::zero();
-    for c in x8.iter_mut() {
+    for (ci, c) in x8.iter_mut().enumerate() {
         let e = V::load(c).sub(m).exp();
         e.store(c);
-        sum = sum.add(e);
+        if ci < whole {
+            sum = sum.add(e);
+        }
     }
-    let mut tail = 0f32;
-    if !rest.is_empty() {
-        let mut c = [0f32; LANES];
-        c[..rest.len()].copy_from_slice(rest);
-        let e = V::load(&c).sub(m).exp();
-        e.store(&mut c);
-        rest.copy_from_slice(&c[..rest.len()]);
-        tail = rest.iter().sum::<f32>();
-    }
-    p.l += sum.hsum() + tail;
+    p.l += sum.hsum() + x[whole * LANES..nj].iter().sum::<f32>();
 }
 
 /// Rows of `stride` values, of which a part reads the run starting at `col` (its kv head's).
@@ -281,13 +276,7 @@ impl<'r> Strided<'r> {
 fn scores<V: Vf32>(q: &[f32], rows: Strided, x: &mut [f32]) {
     let d = q.len();
     let (q8, q_tail) = q.as_chunks::<LANES>();
-    let dot_tail = |row: &[f32]| -> f32 {
-        let mut s = 0f32;
-        for (a, b) in q_tail.iter().zip(&row[d - q_tail.len()..]) {
-            s = V::madd1(*a, *b, s);
-        }
-        s
-    };
+    let dot_tail = |row: &[f32]| dot_tail::<V>(q, row);
     let (x8, x_rest) = x.as_chunks_mut::<LANES>();
     for (blk, xb) in x8.iter_mut().enumerate() {
         let r: [&[f32]; LANES] = std::array::from_fn(|j| rows.row(blk * LANES + j, d));
@@ -318,6 +307,18 @@ fn scores<V: Vf32>(q: &[f32], rows: Strided, x: &mut [f32]) {
     }
 }
 
+/// q · row over the dims past the last multiple of eight (q.len() = d ≤ row.len()), one FMA
+/// chain.
+#[inline(always)]
+fn dot_tail<V: Vf32>(q: &[f32], row: &[f32]) -> f32 {
+    let t0 = q.len() - q.len() % LANES;
+    let mut s = 0f32;
+    for (a, b) in q[t0..].iter().zip(&row[t0..q.len()]) {
+        s = V::madd1(*a, *b, s);
+    }
+    s
+}
+
 /// acc += Σ_i w[i] · row i of `rows` (its run of d = acc.len()): runs of eight lanes of acc
 /// stay in registers over the whole tile, up to eight at once (head_dim 64 in one pass, 128 in
 /// two), each its own chain of FMAs; the block sizes are constants so that the accumulators
@@ -335,6 +336,13 @@ fn weighted_rows<V: Vf32>(w: &[f32], rows: Strided, acc: &mut [f32]) {
             _ => runs_block::<V, 1>(w, rows, d, c0, a8),
         };
     }
+    weighted_tail::<V>(w, rows, d, a_tail);
+}
+
+/// The lanes of acc past the last multiple of eight (`a_tail`, of a run of d): one FMA chain
+/// each over the keys.
+#[inline(always)]
+fn weighted_tail<V: Vf32>(w: &[f32], rows: Strided, d: usize, a_tail: &mut [f32]) {
     let t0 = d - a_tail.len();
     for (j, a) in a_tail.iter_mut().enumerate() {
         for (i, &wi) in w.iter().enumerate() {
@@ -378,13 +386,6 @@ fn scores_group<V: Vf32, const R: usize>(q: &[f32], rows: Strided, x: &mut [f32]
     let qr: [&[f32]; R] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
     let q8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| qr[r].as_chunks::<LANES>().0);
     let tail = d % LANES;
-    let dot_tail = |qv: &[f32], row: &[f32]| -> f32 {
-        let mut s = 0f32;
-        for (a, b) in qv[d - tail..].iter().zip(&row[d - tail..]) {
-            s = V::madd1(*a, *b, s);
-        }
-        s
-    };
     let blocks = nj / LANES;
     for blk in 0..blocks {
         let mut sums = [[V::zero(); LANES]; R];
@@ -411,7 +412,7 @@ fn scores_group<V: Vf32, const R: usize>(q: &[f32], rows: Strided, x: &mut [f32]
             V::hsum8(sums[r]).store(xb);
             if tail > 0 {
                 for (i, xv) in xb.iter_mut().enumerate() {
-                    *xv += dot_tail(qr[r], rows.row(blk * LANES + i, d));
+                    *xv += dot_tail::<V>(qr[r], rows.row(blk * LANES + i, d));
                 }
             }
         }
@@ -441,13 +442,8 @@ fn weighted_rows_group<V: Vf32, const R: usize>(w: &[f32], nj: usize, rows: Stri
             _ => runs_group::<V, R, 1>(w, nj, rows, d, c0, parts),
         };
     }
-    let t0 = runs * LANES;
     for (r, p) in parts.iter_mut().enumerate().take(R) {
-        for (j, a) in p.acc[t0..].iter_mut().enumerate() {
-            for (i, &wi) in w[r * TILE..r * TILE + nj].iter().enumerate() {
-                *a = V::madd1(wi, rows.row(i, d)[t0 + j], *a);
-            }
-        }
+        weighted_tail::<V>(&w[r * TILE..r * TILE + nj], rows, d, &mut p.acc[runs * LANES..]);
     }
 }
 
@@ -510,10 +506,15 @@ fn combine(scheme: SoftmaxScheme, parts: &[&Partial], d: usize) -> Option<(f32, 
             for p in parts {
                 acc.iter_mut().zip(&p.acc).for_each(|(s, &v)| *s += v);
             }
-            let finite = l.is_finite() && l > 0.0 && acc.iter().all(|v| v.is_finite());
-            (!over && max_x - phi >= a && finite).then_some((l, acc))
+            async_accepts(over, max_x - phi, a, l, &acc).then_some((l, acc))
         }
     }
+}
+
+/// Whether an async row stands without the sync recompute (FlashDecoding++ §3): no score past
+/// b, the row's max not below φ + a, and a finite, positive sum. `rise` = max − φ.
+fn async_accepts(over: bool, rise: f32, a: f32, l: f32, acc: &[f32]) -> bool {
+    !over && rise >= a && l.is_finite() && l > 0.0 && acc.iter().all(|v| v.is_finite())
 }
 
 fn start_of(scheme: SoftmaxScheme) -> f32 {
@@ -720,11 +721,7 @@ pub fn prefill(
                 let direct = match p.scheme {
                     SoftmaxScheme::Sync => part.l > 0.0,
                     SoftmaxScheme::Async { phi, a, .. } => {
-                        !part.over
-                            && part.max_x - phi >= a
-                            && part.l.is_finite()
-                            && part.l > 0.0
-                            && part.acc.iter().all(|v| v.is_finite())
+                        async_accepts(part.over, part.max_x - phi, a, part.l, &part.acc)
                     }
                 };
                 if direct {
