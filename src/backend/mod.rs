@@ -610,7 +610,7 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
         BackendChoice::Cpu => cpu_device().map(|_| {
             (
                 AnyBackend::Cpu(cpu::CpuBackend::new()),
-                "backend: cpu (asked for)".into(),
+                format!("backend: cpu (asked for); {}", cpu::pool::describe()),
             )
         }),
         BackendChoice::Cuda => Ok((
@@ -635,7 +635,7 @@ pub fn open(choice: BackendChoice, device: usize) -> Result<(AnyBackend, String)
                     cpu_device()?;
                     Ok((
                         AnyBackend::Cpu(cpu::CpuBackend::new()),
-                        format!("backend: cpu (auto: {cuda_err}; {rocm_err})"),
+                        format!("backend: cpu (auto: {cuda_err}; {rocm_err}); {}", cpu::pool::describe()),
                     ))
                 }
             },

@@ -64,6 +64,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         |v| std::env::var(v).ok(),
         &cli.set,
     )?)?;
+    // The CPU threads' plan is part of the configuration: a bad count fails here, whatever
+    // the command. This thread runs the command, so it takes the plan's first core.
+    crate::backend::cpu::pool::plan().map_err(anyhow::Error::msg)?;
+    crate::backend::cpu::pool::adopt_caller();
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),

@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
+use super::pool;
 
 use super::simd::{self, multiversion, Vf32, LANES};
 use crate::dtype::DType;
@@ -589,19 +589,18 @@ pub fn decode(
     };
     // Splits as the shared rule counts them for (sequence, kv head) items; one CPU task per
     // (sequence, split) serves every head, so that each task reads whole token rows.
-    let tasks: Vec<Vec<Partial>> = (0..bsz * splits)
-        .into_par_iter()
-        .with_max_len(1)
-        .map(|i| run(p.scheme, i / splits, i % splits, 0..h))
-        .collect();
-    // Combine: one task per row.
-    let recomputed: usize = out[..bsz * h * d]
-        .par_chunks_mut(d)
-        .enumerate()
-        .map(|(row, o)| {
+    let tasks: Vec<Vec<Partial>> = pool::map(bsz * splits, |i| run(p.scheme, i / splits, i % splits, 0..h));
+    // Combine: rows in runs, one run per task.
+    let rows = bsz * h;
+    let outs = pool::Rows::new(&mut out[..rows * d], d);
+    let again = std::sync::atomic::AtomicUsize::new(0);
+    pool::for_ranges(rows, |run_rows| {
+        for row in run_rows {
+            // SAFETY: the ranges are disjoint, so output row `row` is this task's alone.
+            let o = unsafe { outs.row(row) };
             let (b, head) = (row / h, row % h);
             let parts: Vec<&Partial> = (0..splits).map(|s| &tasks[b * splits + s][head]).collect();
-            let (res, again) = match combine(p.scheme, &parts, d) {
+            let (res, recount) = match combine(p.scheme, &parts, d) {
                 Some(r) => (r, 0),
                 None => {
                     // Flagged by the async scheme: the whole row again with the sync scheme.
@@ -616,9 +615,10 @@ pub fn decode(
                 }
             };
             write_row(dt, &res, o);
-            again
-        })
-        .sum();
+            again.fetch_add(recount, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    let recomputed = again.into_inner();
     Ok(AttnStats {
         rows: bsz * h,
         recomputed,
@@ -688,63 +688,65 @@ pub fn prefill(
         outs.push(head);
         rest = tail;
     }
-    let recomputed: usize = outs
-        .into_par_iter()
-        .zip(blocks.par_iter())
-        .with_max_len(1)
-        .map(|(o, &(a, z))| {
-            let b = seq_of[a];
-            let (row0, prefix, _) = spans[b];
-            let v = SeqView {
-                layout,
-                pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
+    let slots = pool::Rows::new(&mut outs, 1);
+    let recomputed = std::sync::atomic::AtomicUsize::new(0);
+    // Tasks are claimed in order, so the last blocks (the most keys under the causal mask)
+    // go first and the short ones fill in at the end.
+    pool::for_each(blocks.len(), &|t| {
+        let i = blocks.len() - 1 - t;
+        // SAFETY: block i's output rows are task t's alone.
+        let o: &mut [u16] = unsafe { &mut *slots.row(i)[0] };
+        let (a, z) = blocks[i];
+        let b = seq_of[a];
+        let (row0, prefix, _) = spans[b];
+        let v = SeqView {
+            layout,
+            pages: &tb.block_table[b * tb.max_pages..(b + 1) * tb.max_pages],
+        };
+        let key = |t: usize| v.row(kp, t);
+        let val = |t: usize| v.row(vp, t);
+        let nt = z - a;
+        let mut scratch = Vec::new();
+        let mut again = 0;
+        // Part j = (token a + j / h, head j % h): q and the output row are at j·d of the
+        // block's rows; its keys end after the token's own position.
+        let ends: Vec<usize> = (0..nt * h).map(|j| prefix + (a + j / h - row0) + 1).collect();
+        let cols: Vec<usize> = (0..nt * h).map(|j| j % h / grp * d).collect();
+        let qs = &qf[a * h * d..z * h * d];
+        let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
+        accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
+        for (j, (part, oh)) in parts.iter_mut().zip(o.chunks_exact_mut(d)).enumerate() {
+            // A row of one partial that combine would accept is its own combine (sync:
+            // rescaled by e^0 = 1; async: inside the window, summed with nothing):
+            // written straight from its accumulator, without combine's copy of it, and
+            // rounded eight lanes at a time (the per-element rounding call and the copies
+            // were ~10 % of a 128-token prefill's attention samples). The engine runs the
+            // async scheme by default, so both take this path.
+            let direct = match p.scheme {
+                SoftmaxScheme::Sync => part.l > 0.0,
+                SoftmaxScheme::Async { phi, a, .. } => async_accepts(part.over, part.max_x - phi, a, part.l, &part.acc),
             };
-            let key = |t: usize| v.row(kp, t);
-            let val = |t: usize| v.row(vp, t);
-            let nt = z - a;
-            let mut scratch = Vec::new();
-            let mut again = 0;
-            // Part j = (token a + j / h, head j % h): q and the output row are at j·d of the
-            // block's rows; its keys end after the token's own position.
-            let ends: Vec<usize> = (0..nt * h).map(|j| prefix + (a + j / h - row0) + 1).collect();
-            let cols: Vec<usize> = (0..nt * h).map(|j| j % h / grp * d).collect();
-            let qs = &qf[a * h * d..z * h * d];
-            let mut parts: Vec<Partial> = (0..nt * h).map(|_| Partial::empty(d, start_of(p.scheme))).collect();
-            accumulate(dt, p.scheme, qs, 0, &ends, &cols, &key, &val, &mut parts, &mut scratch);
-            for (j, (part, oh)) in parts.iter_mut().zip(o.chunks_exact_mut(d)).enumerate() {
-                // A row of one partial that combine would accept is its own combine (sync:
-                // rescaled by e^0 = 1; async: inside the window, summed with nothing):
-                // written straight from its accumulator, without combine's copy of it, and
-                // rounded eight lanes at a time (the per-element rounding call and the copies
-                // were ~10 % of a 128-token prefill's attention samples). The engine runs the
-                // async scheme by default, so both take this path.
-                let direct = match p.scheme {
-                    SoftmaxScheme::Sync => part.l > 0.0,
-                    SoftmaxScheme::Async { phi, a, .. } => {
-                        async_accepts(part.over, part.max_x - phi, a, part.l, &part.acc)
-                    }
-                };
-                if direct {
-                    write_acc(dt, part.l, &mut part.acc, oh);
-                    continue;
-                }
-                let res = match combine(p.scheme, &[&*part], d) {
-                    Some(r) => r,
-                    None => {
-                        // Flagged by the async scheme: this row again with the sync one.
-                        again += 1;
-                        let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
-                        let q = &qs[j * d..(j + 1) * d];
-                        let (e, c) = (&ends[j..j + 1], &cols[j..j + 1]);
-                        accumulate(dt, SoftmaxScheme::Sync, q, 0, e, c, &key, &val, &mut redo, &mut scratch);
-                        combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
-                    }
-                };
-                write_row(dt, &res, oh);
+            if direct {
+                write_acc(dt, part.l, &mut part.acc, oh);
+                continue;
             }
-            again
-        })
-        .sum();
+            let res = match combine(p.scheme, &[&*part], d) {
+                Some(r) => r,
+                None => {
+                    // Flagged by the async scheme: this row again with the sync one.
+                    again += 1;
+                    let mut redo = [Partial::empty(d, start_of(SoftmaxScheme::Sync))];
+                    let q = &qs[j * d..(j + 1) * d];
+                    let (e, c) = (&ends[j..j + 1], &cols[j..j + 1]);
+                    accumulate(dt, SoftmaxScheme::Sync, q, 0, e, c, &key, &val, &mut redo, &mut scratch);
+                    combine(SoftmaxScheme::Sync, &[&redo[0]], d).unwrap_or((1.0, vec![f32::NAN; d]))
+                }
+            };
+            write_row(dt, &res, oh);
+        }
+        recomputed.fetch_add(again, std::sync::atomic::Ordering::Relaxed);
+    });
+    let recomputed = recomputed.into_inner();
     Ok(AttnStats {
         rows: tokens * h,
         recomputed,

@@ -4,8 +4,6 @@
 //! register-blocked micro-kernel over MR rows of x × NR rows of W. K runs sequentially inside a
 //! task, so each output is owned by one task and summed in f32 without atomics (§3.2).
 
-use rayon::prelude::*;
-
 use super::simd::{multiversion, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
@@ -34,15 +32,13 @@ pub(super) fn flat_gemm(dt: DType, d: GemmDims, xf: &[f32], w: &[u16], out_t: &m
         dst[..k].copy_from_slice(src);
     }
     let xp = &xp;
-    out_t.par_chunks_mut(block_n * m).enumerate().for_each_init(
-        || (vec![0f32; block_n * bk], vec![0f32; block_n * m * LANES]),
-        |(tile, vacc), (task, out)| {
-            let n0 = task * block_n;
-            let rows = out.len() / m;
-            let slab = &w[n0 * k..(n0 + rows) * k];
-            task_slab(dt, k, bk, xp, slab, tile, &mut vacc[..rows * m * LANES], out);
-        },
-    );
+    super::pool::chunks_mut(out_t, block_n * m, |task, out| {
+        let (mut tile, mut vacc) = (vec![0f32; block_n * bk], vec![0f32; block_n * m * LANES]);
+        let n0 = task * block_n;
+        let rows = out.len() / m;
+        let slab = &w[n0 * k..(n0 + rows) * k];
+        task_slab(dt, k, bk, xp, slab, &mut tile, &mut vacc[..rows * m * LANES], out);
+    });
 }
 
 multiversion! {

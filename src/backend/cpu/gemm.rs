@@ -20,8 +20,6 @@
 //! rows: widening each 6-row strip just before its tiles left the core waiting on its rows'
 //! lines one strip at a time (session 14, reports/NOTES.md).
 
-use rayon::prelude::*;
-
 use super::simd::{multiversion, narrow, widen, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
@@ -42,7 +40,7 @@ pub(super) const DEFAULT_BLOCK_ROWS: usize = 42 * NR;
 /// another process is made up for by the others), a multiple of [`NR`], at most
 /// [`DEFAULT_BLOCK_ROWS`].
 pub(super) fn default_block_rows(n: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::pool::threads();
     n.div_ceil(8 * threads)
         .next_multiple_of(NR)
         .clamp(NR, DEFAULT_BLOCK_ROWS)
@@ -77,22 +75,17 @@ pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], w: &[u16], y: &mut [u16], 
     let block_rows = block_rows.max(1);
     let mp = xp.mp;
     let y_all = YBase::new(y, m, n);
-    (0..n.div_ceil(block_rows))
-        .into_par_iter()
-        .with_max_len(1)
-        .for_each_init(
-            || vec![0f32; WF_LEN],
-            |wf, task| {
-                let n0 = task * block_rows;
-                let rows = block_rows.min(n - n0);
-                let mut out = vec![0f32; rows * mp];
-                task_tiles(dt, &xp, &w[n0 * k..(n0 + rows) * k], wf, &mut out);
-                // SAFETY: task `task` alone takes columns n0..n0 + rows (the tasks' runs of
-                // rows of W are disjoint), and nothing else touches y until the loop ends.
-                let mut cols = unsafe { y_all.cols(n0, rows) };
-                narrow_block(dt, m, &out, &mut cols);
-            },
-        );
+    super::pool::for_each(n.div_ceil(block_rows), &|task| {
+        let mut wf = vec![0f32; WF_LEN];
+        let n0 = task * block_rows;
+        let rows = block_rows.min(n - n0);
+        let mut out = vec![0f32; rows * mp];
+        task_tiles(dt, &xp, &w[n0 * k..(n0 + rows) * k], &mut wf, &mut out);
+        // SAFETY: task `task` alone takes columns n0..n0 + rows (the tasks' runs of rows of W
+        // are disjoint), and nothing else touches y until the loop ends.
+        let mut cols = unsafe { y_all.cols(n0, rows) };
+        narrow_block(dt, m, &out, &mut cols);
+    });
 }
 
 /// y ([M, N], borrowed mutably for the whole parallel loop) shared by the tasks, each of which
@@ -201,9 +194,14 @@ impl Packed {
             }
             k0 += len;
         }
-        panels.into_par_iter().for_each_init(
-            || vec![0f32; kc],
-            |row, (k0, mb, panel)| {
+        let count = panels.len();
+        let slots = super::pool::Rows::new(&mut panels, 1);
+        super::pool::for_ranges(count, |ps| {
+            let mut row = vec![0f32; kc];
+            for i in ps {
+                // SAFETY: the ranges are disjoint, so panel i is this task's alone.
+                let (k0, mb, panel) = unsafe { &mut slots.row(i)[0] };
+                let (k0, mb) = (*k0, *mb);
                 let len = panel.len() / MR;
                 for lane in 0..MR.min(m - mb * MR) {
                     let at = (mb * MR + lane) * k + k0;
@@ -212,8 +210,8 @@ impl Packed {
                         panel[kk * MR + lane] = v;
                     }
                 }
-            },
-        );
+            }
+        });
         Packed { k, mp, kc, data }
     }
 

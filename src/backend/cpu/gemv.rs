@@ -10,13 +10,11 @@
 //! which are then in L1. Each step also prefetches a line of the next 4 rows, so that W arrives
 //! as one sequential stream (see [`dots`]).
 
-use rayon::prelude::*;
-
 use super::simd::{multiversion, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
 
-/// Rows of W per rayon task when the spec names none: see [`default_rows_per_task`].
+/// Rows of W per task when the spec names none: see [`default_rows_per_task`].
 pub(super) const DEFAULT_ROWS_PER_TASK: usize = 64;
 
 /// Rows of W a step of the micro-kernel reads together.
@@ -27,7 +25,7 @@ const C: usize = 4;
 /// of microseconds at M = 1; with 2 tasks per thread one late task decides the op's time), and
 /// at least 32 KiB of W per task so that scheduling stays a small share. A multiple of [`C`].
 pub(super) fn default_rows_per_task(n: usize, k: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::pool::threads();
     let by_balance = n.div_ceil(16 * threads);
     let by_size = (32 << 10) / (2 * k.max(1));
     by_balance
@@ -40,17 +38,12 @@ pub(super) fn default_rows_per_task(n: usize, k: usize) -> usize {
 /// matching contiguous run of `out_t`. `xf` is x widened, [M, K]; `w` holds N·K bits.
 pub(super) fn gemv(dt: DType, d: GemmDims, xf: &[f32], w: &[u16], out_t: &mut [f32], rows_per_task: usize) {
     let (m, k) = (d.m, d.k);
-    // One rayon job per task (no coarser splitting): the tasks are few and even, and a stolen
-    // half of the op would otherwise run on one thread.
-    out_t
-        .par_chunks_mut(rows_per_task * m)
-        .with_max_len(1)
-        .enumerate()
-        .for_each(|(task, out)| {
-            let n0 = task * rows_per_task;
-            let rows = out.len() / m;
-            task_rows(dt, k, xf, &w[n0 * k..(n0 + rows) * k], out);
-        });
+    // One pool task per task of rows: the tasks are few and even.
+    super::pool::chunks_mut(out_t, rows_per_task * m, |task, out| {
+        let n0 = task * rows_per_task;
+        let rows = out.len() / m;
+        task_rows(dt, k, xf, &w[n0 * k..(n0 + rows) * k], out);
+    });
 }
 
 multiversion! {

@@ -10,7 +10,7 @@ use crate::backend::{slugify, BackendKind, DeviceInfo};
 pub(super) const FALLBACK_LLC_BYTES: u64 = 32 << 20;
 
 pub(super) fn cpu_info() -> DeviceInfo {
-    let threads = rayon::current_num_threads() as u32;
+    let threads = super::pool::threads() as u32;
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| model_name(&s));

@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use super::pool::{self, Rows};
 use super::simd::{self, load16, multiversion, Vf32, LANES};
 use super::CpuBuffer;
 use crate::dtype::DType;
@@ -34,16 +35,18 @@ pub fn embedding(p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) ->
     check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
     let h = p.hidden;
     let rows = p.local_rows();
-    out.data[..p.ids.len() * h]
-        .par_chunks_mut(h)
-        .zip(rows.par_iter())
-        .for_each(|(o, &r)| {
+    let outs = Rows::new(&mut out.data[..p.ids.len() * h], h);
+    pool::for_ranges(rows.len(), |rs| {
+        for t in rs {
+            // SAFETY: the ranges are disjoint, so row t is this task's alone.
+            let o = unsafe { outs.row(t) };
             // Validated: 0 <= id < vocab; a row of the table, or -1 for another rank's slice.
-            match usize::try_from(r) {
+            match usize::try_from(rows[t]) {
                 Ok(r) => o.copy_from_slice(&table.data[r * h..(r + 1) * h]),
                 Err(_) => o.fill(0),
             }
-        });
+        }
+    });
     Ok(())
 }
 
@@ -74,17 +77,16 @@ pub fn add_rmsnorm(
     let mut w = vec![0f32; h];
     simd::widen(dt, &weight.data[..h], &mut w);
     let delta = delta.map(|d| &d.data[..n]);
-    residual.data[..n]
-        .par_chunks_mut(h)
-        .zip(out.data[..n].par_chunks_mut(h))
-        .enumerate()
-        .for_each_init(
-            || vec![0f32; h],
-            |x, (r, (res, o))| {
-                let d = delta.map(|d| &d[r * h..(r + 1) * h]);
-                rms_row(dt, p.eps, res, d, &w, x, o);
-            },
-        );
+    let (ress, outs) = (Rows::new(&mut residual.data[..n], h), Rows::new(&mut out.data[..n], h));
+    pool::for_ranges(p.rows, |rs| {
+        let mut x = vec![0f32; h];
+        for r in rs {
+            // SAFETY: the ranges are disjoint, so row r is this task's alone.
+            let (res, o) = unsafe { (ress.row(r), outs.row(r)) };
+            let d = delta.map(|d| &d[r * h..(r + 1) * h]);
+            rms_row(dt, p.eps, res, d, &w, &mut x, o);
+        }
+    });
     Ok(())
 }
 
@@ -283,36 +285,34 @@ pub fn qkv_rope_with(
         simd::widen(dt, &b.data[..width], &mut f);
         f
     });
-    q.data[..t * qw]
-        .par_chunks_mut(qw)
-        .zip(k.data[..t * kw].par_chunks_mut(kw))
-        .zip(v.data[..t * kw].par_chunks_mut(kw))
-        .zip(qkv.data[..t * width].par_chunks(width))
-        .zip(
-            table
-                .cos
-                .par_chunks(RopeTable::stride(pairs))
-                .zip(table.sin.par_chunks(RopeTable::stride(pairs))),
-        )
-        .for_each_init(
-            || vec![0f32; width],
-            |x, ((((qo, ko), vo), row), (cos, sin))| {
-                let (cos, sin) = (&cos[..pairs], &sin[..pairs]);
-                simd::widen(dt, row, x);
-                if let Some(b) = &bias {
-                    for (xv, bv) in x.iter_mut().zip(b) {
-                        *xv += bv;
-                    }
+    let (qs, ks, vs) = (
+        Rows::new(&mut q.data[..t * qw], qw),
+        Rows::new(&mut k.data[..t * kw], kw),
+        Rows::new(&mut v.data[..t * kw], kw),
+    );
+    let stride = RopeTable::stride(pairs);
+    pool::for_ranges(t, |rs| {
+        let mut x = vec![0f32; width];
+        for r in rs {
+            // SAFETY: the ranges are disjoint, so token r's rows are this task's alone.
+            let (qo, ko, vo) = unsafe { (qs.row(r), ks.row(r), vs.row(r)) };
+            let cos = &table.cos[r * stride..r * stride + pairs];
+            let sin = &table.sin[r * stride..r * stride + pairs];
+            simd::widen(dt, &qkv.data[r * width..(r + 1) * width], &mut x);
+            if let Some(b) = &bias {
+                for (xv, bv) in x.iter_mut().zip(b) {
+                    *xv += bv;
                 }
-                let (xq, rest) = x.split_at_mut(qw);
-                let (xk, xv) = rest.split_at_mut(kw);
-                rotate_heads(p.layout, d, xq, cos, sin);
-                rotate_heads(p.layout, d, xk, cos, sin);
-                simd::narrow(dt, xq, qo);
-                simd::narrow(dt, xk, ko);
-                simd::narrow(dt, xv, vo);
-            },
-        );
+            }
+            let (xq, rest) = x.split_at_mut(qw);
+            let (xk, xv) = rest.split_at_mut(kw);
+            rotate_heads(p.layout, d, xq, cos, sin);
+            rotate_heads(p.layout, d, xk, cos, sin);
+            simd::narrow(dt, xq, qo);
+            simd::narrow(dt, xk, ko);
+            simd::narrow(dt, xv, vo);
+        }
+    });
     Ok(())
 }
 
@@ -342,21 +342,24 @@ pub fn silu_mul(p: &SiluMulParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> 
     let (dt, inter) = (p.dtype, p.inter);
     // Chunks of at most SILU_CHUNK outputs, so that one long row (decode: rows = 1) is still
     // spread over the threads.
-    let chunk = inter.min(SILU_CHUNK);
-    out.data[..p.rows * inter]
-        .par_chunks_mut(inter)
-        .enumerate()
-        .flat_map(|(r, o)| o.par_chunks_mut(chunk).enumerate().map(move |(c, oc)| (r, c, oc)))
-        .for_each_init(
-            || (vec![0f32; chunk], vec![0f32; chunk]),
-            |(gf, uf), (r, c, oc)| {
-                let at = r * 2 * inter + c * chunk;
-                let n = oc.len();
-                simd::widen(dt, &gate_up.data[at..at + n], &mut gf[..n]);
-                simd::widen(dt, &gate_up.data[at + inter..at + inter + n], &mut uf[..n]);
-                silu_mul_run(dt, &gf[..n], &uf[..n], oc);
-            },
-        );
+    let chunk = inter.clamp(1, SILU_CHUNK);
+    let per_row = inter.div_ceil(chunk);
+    let outs = Rows::new(&mut out.data[..p.rows * inter], inter);
+    // Items (row, chunk) in row order; a task takes a run of them.
+    pool::for_ranges(p.rows * per_row, |items| {
+        let (mut gf, mut uf) = (vec![0f32; chunk], vec![0f32; chunk]);
+        for item in items {
+            let (r, c) = (item / per_row, item % per_row);
+            let (a, z) = (c * chunk, ((c + 1) * chunk).min(inter));
+            // SAFETY: the ranges are disjoint, so chunk c of row r is this task's alone.
+            let oc = unsafe { outs.span(r * inter + a, r * inter + z) };
+            let at = r * 2 * inter + a;
+            let n = z - a;
+            simd::widen(dt, &gate_up.data[at..at + n], &mut gf[..n]);
+            simd::widen(dt, &gate_up.data[at + inter..at + inter + n], &mut uf[..n]);
+            silu_mul_run(dt, &gf[..n], &uf[..n], oc);
+        }
+    });
     Ok(())
 }
 
@@ -420,31 +423,31 @@ pub fn add_layernorm(
     simd::widen(dt, &weight.data[..h], &mut w);
     simd::widen(dt, &bias.data[..h], &mut bf);
     let delta = delta.map(|d| &d.data[..n]);
-    residual.data[..n]
-        .par_chunks_mut(h)
-        .zip(out.data[..n].par_chunks_mut(h))
-        .enumerate()
-        .for_each_init(
-            || (vec![0f32; h], vec![0f32; h]),
-            |(x, dx), (r, (res, o))| {
-                simd::widen(dt, res, x);
-                if let Some(d) = delta {
-                    simd::widen(dt, &d[r * h..(r + 1) * h], dx);
-                    for ((xv, &dv), rv) in x.iter_mut().zip(dx.iter()).zip(res.iter_mut()) {
-                        *rv = dt.from_f32(*xv + dv);
-                        *xv = dt.to_f32(*rv);
-                    }
+    let (ress, outs) = (Rows::new(&mut residual.data[..n], h), Rows::new(&mut out.data[..n], h));
+    pool::for_ranges(p.rows, |rs| {
+        let (mut x, mut dx) = (vec![0f32; h], vec![0f32; h]);
+        for r in rs {
+            // SAFETY: the ranges are disjoint, so row r is this task's alone.
+            let (res, o) = unsafe { (ress.row(r), outs.row(r)) };
+            let (x, dx) = (&mut x, &mut dx);
+            simd::widen(dt, res, x);
+            if let Some(d) = delta {
+                simd::widen(dt, &d[r * h..(r + 1) * h], dx);
+                for ((xv, &dv), rv) in x.iter_mut().zip(dx.iter()).zip(res.iter_mut()) {
+                    *rv = dt.from_f32(*xv + dv);
+                    *xv = dt.to_f32(*rv);
                 }
-                let mean = x.iter().sum::<f32>() / h as f32;
-                for v in x.iter_mut() {
-                    *v -= mean;
-                }
-                let inv = 1.0 / (sum_squares(x) / h as f32 + p.eps).sqrt();
-                for (((ov, &xv), &wv), &bv) in o.iter_mut().zip(x.iter()).zip(&w).zip(&bf) {
-                    *ov = dt.from_f32(xv * inv * wv + bv);
-                }
-            },
-        );
+            }
+            let mean = x.iter().sum::<f32>() / h as f32;
+            for v in x.iter_mut() {
+                *v -= mean;
+            }
+            let inv = 1.0 / (sum_squares(x) / h as f32 + p.eps).sqrt();
+            for (((ov, &xv), &wv), &bv) in o.iter_mut().zip(x.iter()).zip(&w).zip(&bf) {
+                *ov = dt.from_f32(xv * inv * wv + bv);
+            }
+        }
+    });
     Ok(())
 }
 
@@ -478,15 +481,18 @@ pub fn bias_act(p: &BiasActParams, x: &mut CpuBuffer, bias: Option<&CpuBuffer>) 
     if let Some(b) = bias {
         simd::widen(dt, &b.data[..w], &mut bf);
     }
-    x.data[..p.rows * w].par_chunks_mut(w).for_each_init(
-        || vec![0f32; w],
-        |xf, row| {
-            simd::widen(dt, row, xf);
+    let xs = Rows::new(&mut x.data[..p.rows * w], w);
+    pool::for_ranges(p.rows, |rs| {
+        let mut xf = vec![0f32; w];
+        for r in rs {
+            // SAFETY: the ranges are disjoint, so row r is this task's alone.
+            let row = unsafe { xs.row(r) };
+            simd::widen(dt, row, &mut xf);
             for ((o, &v), &b) in row.iter_mut().zip(xf.iter()).zip(&bf) {
                 *o = dt.from_f32(act_f32(act, v + b));
             }
-        },
-    );
+        }
+    });
     Ok(())
 }
 
@@ -503,20 +509,20 @@ pub fn glu(p: &GluParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()
     p.validate(gate_up.data.len(), out.data.len())?;
     check_dtypes("glu", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
     let (dt, inter, act) = (p.dtype, p.inter, p.act);
-    out.data[..p.rows * inter]
-        .par_chunks_mut(inter)
-        .enumerate()
-        .for_each_init(
-            || (vec![0f32; inter], vec![0f32; inter]),
-            |(gf, uf), (r, o)| {
-                let at = r * 2 * inter;
-                simd::widen(dt, &gate_up.data[at..at + inter], gf);
-                simd::widen(dt, &gate_up.data[at + inter..at + 2 * inter], uf);
-                for ((ov, &g), &u) in o.iter_mut().zip(gf.iter()).zip(uf.iter()) {
-                    *ov = dt.from_f32(act_f32(act, g) * u);
-                }
-            },
-        );
+    let outs = Rows::new(&mut out.data[..p.rows * inter], inter);
+    pool::for_ranges(p.rows, |rs| {
+        let (mut gf, mut uf) = (vec![0f32; inter], vec![0f32; inter]);
+        for r in rs {
+            // SAFETY: the ranges are disjoint, so row r is this task's alone.
+            let o = unsafe { outs.row(r) };
+            let at = r * 2 * inter;
+            simd::widen(dt, &gate_up.data[at..at + inter], &mut gf);
+            simd::widen(dt, &gate_up.data[at + inter..at + 2 * inter], &mut uf);
+            for ((ov, &g), &u) in o.iter_mut().zip(gf.iter()).zip(uf.iter()) {
+                *ov = dt.from_f32(act_f32(act, g) * u);
+            }
+        }
+    });
     Ok(())
 }
 
@@ -525,16 +531,18 @@ pub fn add_positions(p: &PositionParams, table: &CpuBuffer, out: &mut CpuBuffer)
     p.validate(table.data.len(), out.data.len())?;
     check_dtypes("add_positions", p.dtype, &[("table", table), ("out", out)])?;
     let (dt, h) = (p.dtype, p.hidden);
-    out.data[..p.positions.len() * h]
-        .par_chunks_mut(h)
-        .zip(p.positions.par_iter())
-        .for_each(|(o, &pos)| {
+    let outs = Rows::new(&mut out.data[..p.positions.len() * h], h);
+    pool::for_ranges(p.positions.len(), |rs| {
+        for t in rs {
+            // SAFETY: the ranges are disjoint, so row t is this task's alone.
+            let o = unsafe { outs.row(t) };
             // Validated: 0 <= pos + offset < table_rows.
-            let at = (pos as usize + p.offset) * h;
+            let at = (p.positions[t] as usize + p.offset) * h;
             for (ov, &tv) in o.iter_mut().zip(&table.data[at..at + h]) {
                 *ov = dt.from_f32(dt.to_f32(*ov) + dt.to_f32(tv));
             }
-        });
+        }
+    });
     Ok(())
 }
 
@@ -569,14 +577,16 @@ pub fn gather_rows(p: &GatherParams, src: &CpuBuffer, dst: &mut CpuBuffer) -> Re
     p.validate(src.data.len(), dst.data.len())?;
     check_dtypes("gather_rows", p.dtype, &[("src", src), ("dst", dst)])?;
     let w = p.width;
-    dst.data[..p.rows.len() * w]
-        .par_chunks_mut(w)
-        .zip(p.rows.par_iter())
-        .for_each(|(o, &r)| {
+    let outs = Rows::new(&mut dst.data[..p.rows.len() * w], w);
+    pool::for_ranges(p.rows.len(), |rs| {
+        for i in rs {
+            // SAFETY: the ranges are disjoint, so row i is this task's alone.
+            let o = unsafe { outs.row(i) };
             // Validated: 0 <= r < src rows.
-            let at = r as usize * w;
+            let at = p.rows[i] as usize * w;
             o.copy_from_slice(&src.data[at..at + w]);
-        });
+        }
+    });
     Ok(())
 }
 

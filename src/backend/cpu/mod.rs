@@ -19,6 +19,7 @@ pub mod hooked;
 pub mod info;
 pub mod layer;
 mod panel;
+pub mod pool;
 mod scores;
 mod simd;
 
@@ -177,7 +178,7 @@ fn check_panels(w: &CpuBuffer, dims: GemmDims) -> Result<bool> {
 fn panel_rows(spec: &GemmSpec, dims: GemmDims, block: usize) -> usize {
     match (spec.imp, spec.block_n) {
         // The row-major GEMM's default is a multiple of its 6-row tile, capped at 252 rows.
-        (GemmImpl::Gemm, None) => panel::task_rows(dims.n.div_ceil(8 * rayon::current_num_threads().max(1))).min(256),
+        (GemmImpl::Gemm, None) => panel::task_rows(dims.n.div_ceil(8 * pool::threads())).min(256),
         _ => panel::task_rows(block),
     }
 }
@@ -679,28 +680,26 @@ fn narrow_transposed(dt: DType, d: GemmDims, out_t: &[f32], y: &mut [u16]) {
         return;
     }
     let (m, n) = (d.m, d.n);
-    y.par_chunks_mut(TRANSPOSE_ROWS * n).enumerate().for_each_init(
-        || vec![0f32; TRANSPOSE_ROWS * TRANSPOSE_COLS],
-        |tmp, (blk, y_rows)| {
-            let m0 = blk * TRANSPOSE_ROWS;
-            let rows = y_rows.len() / n;
-            let mut c0 = 0;
-            while c0 < n {
-                let cols = TRANSPOSE_COLS.min(n - c0);
-                for c in 0..cols {
-                    let col = &out_t[(c0 + c) * m + m0..(c0 + c) * m + m0 + rows];
-                    for (j, &v) in col.iter().enumerate() {
-                        tmp[j * TRANSPOSE_COLS + c] = v;
-                    }
+    pool::chunks_mut(y, TRANSPOSE_ROWS * n, |blk, y_rows| {
+        let mut tmp = vec![0f32; TRANSPOSE_ROWS * TRANSPOSE_COLS];
+        let m0 = blk * TRANSPOSE_ROWS;
+        let rows = y_rows.len() / n;
+        let mut c0 = 0;
+        while c0 < n {
+            let cols = TRANSPOSE_COLS.min(n - c0);
+            for c in 0..cols {
+                let col = &out_t[(c0 + c) * m + m0..(c0 + c) * m + m0 + rows];
+                for (j, &v) in col.iter().enumerate() {
+                    tmp[j * TRANSPOSE_COLS + c] = v;
                 }
-                for j in 0..rows {
-                    let src = &tmp[j * TRANSPOSE_COLS..j * TRANSPOSE_COLS + cols];
-                    simd::narrow(dt, src, &mut y_rows[j * n + c0..j * n + c0 + cols]);
-                }
-                c0 += cols;
             }
-        },
-    );
+            for j in 0..rows {
+                let src = &tmp[j * TRANSPOSE_COLS..j * TRANSPOSE_COLS + cols];
+                simd::narrow(dt, src, &mut y_rows[j * n + c0..j * n + c0 + cols]);
+            }
+            c0 += cols;
+        }
+    });
 }
 
 #[cfg(test)]

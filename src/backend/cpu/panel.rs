@@ -28,6 +28,7 @@ use rayon::prelude::*;
 
 use super::gemm::{k_block, YBase, YCols, KC_MAX};
 use super::gemv::load_w;
+use super::pool::{self, Rows};
 use super::simd::{multiversion, narrow_generic, Vf32, LANES};
 use crate::dtype::DType;
 use crate::ops::gemm::GemmDims;
@@ -110,6 +111,29 @@ pub(super) struct XPanels {
 /// is a few microseconds of work, less than waking the pool for a parallel pass.
 const SERIAL_PACK: usize = 16 << 10;
 
+std::thread_local! {
+    /// The last packed x's storage, kept by the thread that packed it for its next GEMM: a
+    /// fresh zeroed allocation per call was ~1.5 % of a 128-token prefill's samples in
+    /// `memset` (ffn2's x is 0.8 MB), beside `malloc`'s consolidation of the freed blocks.
+    static SPARE_X: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A buffer of `len` values whose contents are stale (the packing writes every one).
+fn spare_x(len: usize) -> Vec<f32> {
+    let mut v = SPARE_X.take();
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    v.truncate(len);
+    v
+}
+
+impl Drop for XPanels {
+    fn drop(&mut self) {
+        SPARE_X.set(std::mem::take(&mut self.data));
+    }
+}
+
 impl XPanels {
     pub(super) fn new(dt: DType, m: usize, k: usize, x: &[u16]) -> XPanels {
         let (lanes, kc) = if m <= MP {
@@ -118,7 +142,8 @@ impl XPanels {
             (MP, k_block(k))
         };
         let mp = m.next_multiple_of(lanes);
-        let mut data = vec![0f32; mp * k];
+        // Every value is written below (rows past M as zeros), so stale contents are fine.
+        let mut data = spare_x(mp * k);
         let mut panels = Vec::with_capacity(k.div_ceil(kc) * (mp / lanes));
         let mut rest = &mut data[..];
         let mut k0 = 0;
@@ -131,31 +156,65 @@ impl XPanels {
             }
             k0 += len;
         }
-        let fill = |row: &mut Vec<f32>, (k0, mb, panel): (usize, usize, &mut [f32])| {
+        // The tile's rows widened side by side ([lanes][len], rows past M zero), then
+        // interleaved with contiguous stores: scattering each row into the panel at a stride
+        // of `lanes` values one store at a time was ~3 % of a prefill's samples.
+        let fill = |rows: &mut Vec<f32>, (k0, mb, panel): (usize, usize, &mut [f32])| {
             let len = panel.len() / lanes;
             if lanes == 1 {
                 super::simd::widen(dt, &x[mb * k + k0..mb * k + k0 + len], panel);
                 return;
             }
-            for lane in 0..lanes.min(m - mb * lanes) {
-                let at = (mb * lanes + lane) * k + k0;
-                super::simd::widen(dt, &x[at..at + len], &mut row[..len]);
-                for (kk, &v) in row[..len].iter().enumerate() {
-                    panel[kk * lanes + lane] = v;
+            let rows = &mut rows[..lanes * len];
+            for (lane, row) in rows.chunks_exact_mut(len).enumerate() {
+                let r = mb * lanes + lane;
+                if r < m {
+                    super::simd::widen(dt, &x[r * k + k0..r * k + k0 + len], row);
+                } else {
+                    row.fill(0.0);
                 }
             }
+            interleave(lanes, rows, panel);
         };
+        let rows = || vec![0f32; lanes * kc];
         if m * k <= SERIAL_PACK {
-            let mut row = vec![0f32; kc];
+            let mut row = rows();
             panels.into_iter().for_each(|p| fill(&mut row, p));
         } else {
-            panels.into_par_iter().for_each_init(|| vec![0f32; kc], fill);
+            let n = panels.len();
+            let slots = Rows::new(&mut panels, 1);
+            pool::for_ranges(n, |ps| {
+                let mut row = rows();
+                for i in ps {
+                    // SAFETY: the ranges are disjoint, so panel i is this task's alone.
+                    let (k0, mb, panel) = unsafe { &mut slots.row(i)[0] };
+                    fill(&mut row, (*k0, *mb, &mut **panel));
+                }
+            });
         }
         XPanels { m, k, mp, kc, data }
     }
 
     fn block(&self, k0: usize, len: usize) -> &[f32] {
         &self.data[k0 * self.mp..(k0 + len) * self.mp]
+    }
+}
+
+/// `panel` ([len][lanes]) = `rows` ([lanes][len]) transposed; the tile's six lanes unrolled.
+fn interleave(lanes: usize, rows: &[f32], panel: &mut [f32]) {
+    let len = panel.len() / lanes;
+    if lanes == MP {
+        let r: [&[f32]; MP] = std::array::from_fn(|i| &rows[i * len..(i + 1) * len]);
+        let (steps, _) = panel.as_chunks_mut::<MP>();
+        for (kk, s) in steps.iter_mut().enumerate().take(len) {
+            *s = [r[0][kk], r[1][kk], r[2][kk], r[3][kk], r[4][kk], r[5][kk]];
+        }
+        return;
+    }
+    for (kk, s) in panel.chunks_exact_mut(lanes).enumerate() {
+        for (lane, v) in s.iter_mut().enumerate() {
+            *v = rows[lane * len + kk];
+        }
     }
 }
 
@@ -182,21 +241,34 @@ pub(super) fn gemm(dt: DType, d: GemmDims, x: &[u16], wp: &[u16], y: &mut [u16],
     let xp = XPanels::new(dt, m, k, &x[..m * k]);
     let per = task_rows(rows_per_task) / NP;
     let y_all = YBase::new(y, m, n);
-    (0..n.div_ceil(NP).div_ceil(per))
-        .into_par_iter()
-        .with_max_len(1)
-        .for_each_init(
-            || vec![0f32; scratch_len(&xp)],
-            |acc, task| {
-                for p in task * per..((task + 1) * per).min(n.div_ceil(NP)) {
-                    let cols = NP.min(n - p * NP);
-                    // SAFETY: panel p's columns belong to this task alone (the tasks' runs of
-                    // panels are disjoint), and nothing else touches y until the loop ends.
-                    let mut yc = unsafe { y_all.cols(p * NP, cols) };
-                    panel_run(dt, &xp, &wp[p * NP * k..(p + 1) * NP * k], acc, &mut Out::Y(&mut yc));
-                }
-            },
-        );
+    pool::for_each(n.div_ceil(NP).div_ceil(per), &|task| {
+        with_scratch(scratch_len(&xp), |acc| {
+            for p in task * per..((task + 1) * per).min(n.div_ceil(NP)) {
+                let cols = NP.min(n - p * NP);
+                // SAFETY: panel p's columns belong to this task alone (the tasks' runs of
+                // panels are disjoint), and nothing else touches y until the loop ends.
+                let mut yc = unsafe { y_all.cols(p * NP, cols) };
+                panel_run(dt, &xp, &wp[p * NP * k..(p + 1) * NP * k], acc, &mut Out::Y(&mut yc));
+            }
+        })
+    });
+}
+
+std::thread_local! {
+    /// Each worker's task scratch, kept between tasks and calls (a zeroed 25 KiB per task was
+    /// about as many bytes of `memset` per layer as packing x).
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `f` on this thread's scratch of at least `len` values, contents stale: [`panel_run`] stores
+/// every sum before it reads one and widens W's block before the tiles read it.
+fn with_scratch(len: usize, f: impl FnOnce(&mut [f32])) {
+    let mut v = SCRATCH.take();
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    f(&mut v[..len]);
+    SCRATCH.set(v);
 }
 
 /// out_t [N, M] = x · Wᵀ in f32, not rounded, with W in panels (the row-parallel partial).
@@ -212,19 +284,18 @@ pub(super) fn gemm_wide(dt: DType, d: GemmDims, x: &[u16], wp: &[u16], out_t: &m
     }
     let xp = XPanels::new(dt, m, k, &x[..m * k]);
     let rows = task_rows(rows_per_task);
-    out_t
-        .par_chunks_mut(rows * m)
-        .with_max_len(1)
-        .enumerate()
-        .for_each_init(
-            || vec![0f32; scratch_len(&xp)],
-            |acc, (task, out)| {
-                for (i, o) in out.chunks_mut(NP * m).enumerate() {
-                    let p = task * rows / NP + i;
-                    panel_run(dt, &xp, &wp[p * NP * k..(p + 1) * NP * k], acc, &mut Out::Wide(o));
-                }
-            },
-        );
+    let len = out_t.len();
+    let outs = Rows::new(out_t, 1);
+    pool::for_each(len.div_ceil(rows * m), &|task| {
+        // SAFETY: task t's rows of out_t are its alone (the tasks' runs are disjoint).
+        let out = unsafe { outs.span(task * rows * m, ((task + 1) * rows * m).min(len)) };
+        with_scratch(scratch_len(&xp), |acc| {
+            for (i, o) in out.chunks_mut(NP * m).enumerate() {
+                let p = task * rows / NP + i;
+                panel_run(dt, &xp, &wp[p * NP * k..(p + 1) * NP * k], acc, &mut Out::Wide(o));
+            }
+        })
+    });
 }
 
 multiversion! {
