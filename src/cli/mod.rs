@@ -65,9 +65,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         &cli.set,
     )?)?;
     // The CPU threads' plan is part of the configuration: a bad count fails here, whatever
-    // the command. This thread runs the command, so it takes the plan's first core.
+    // the command.
     crate::backend::cpu::pool::plan().map_err(anyhow::Error::msg)?;
-    crate::backend::cpu::pool::adopt_caller();
+    crate::backend::cpu::pool::start_workers();
     match cli.command {
         Command::Shapes(a) => shapes::run(a),
         Command::Devices(a) => devices::run(a),

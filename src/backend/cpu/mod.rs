@@ -615,6 +615,8 @@ pub fn kernel_source_hash() -> String {
         ("flat_gemm.rs", include_str!("flat_gemm.rs")),
         ("gemm.rs", include_str!("gemm.rs")),
         ("attention.rs", include_str!("attention.rs")),
+        // How the loops are spread over the threads is part of every timing.
+        ("pool.rs", include_str!("pool.rs")),
     ];
     format!("cpu-{}", crate::backend::kernel_cache::hash_files(&files))
 }

@@ -15,10 +15,12 @@
 //!
 //! Sizing: one thread per physical core of the CPUs this process may run on (SMT siblings
 //! share a core's FMA pipes, and the GEMMs are FMA-bound), or `--set cpu_threads=N`. Pinning:
-//! worker i stays on the i + 1-th of those cores and the command's thread on the first
-//! ([`adopt_caller`]), so that a GEMM task's widened W block stays in its core's L1/L2 and
-//! the scheduler never stacks two workers on one core; `--set cpu_pin=0` leaves placement to
-//! the OS. Where more threads are asked for than the CPUs allowed, nothing is pinned.
+//! worker i stays on the i + 1-th of those cores, so that a GEMM task's widened W block stays
+//! in its core's L1/L2 and the scheduler never stacks two workers on one core; the command's
+//! own thread, which takes part in every loop, is left to the OS and settles on the core the
+//! busy workers leave free (pinning it too made the threads it starts, the CPU tensor-parallel
+//! ranks, inherit its one CPU; it measured no faster, NOTES). `--set cpu_pin=0` leaves all
+//! placement to the OS; where more threads are asked for than CPUs allowed, nothing is pinned.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -38,7 +40,8 @@ const SPIN: Duration = Duration::from_millis(2);
 pub struct Plan {
     /// Threads per parallel loop, the caller included (≥ 1).
     pub threads: usize,
-    /// The CPU of each thread (the caller's first), when pinned.
+    /// One CPU per thread when pinned: the first is left to the caller, the others each
+    /// hold a worker.
     pub cpus: Option<Vec<usize>>,
     /// For the user: how the count was chosen and why placement is (not) pinned.
     pub why: String,
@@ -95,8 +98,16 @@ fn plan_from(
         )
     } else {
         let c = order[..threads].to_vec();
-        let list = c.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",");
-        (Some(c), format!("pinned to CPUs {list}"))
+        let list = c[1..].iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",");
+        let placed = if threads == 1 {
+            "no workers to pin".to_string()
+        } else {
+            format!(
+                "workers pinned to CPUs {list}, the command's thread on CPU {} or wherever the OS puts it",
+                c[0]
+            )
+        };
+        (Some(c), placed)
     };
     Ok(Plan {
         threads,
@@ -185,15 +196,11 @@ fn pin(cpu: usize) {
     let _ = cpu;
 }
 
-/// The command's own thread takes the plan's first CPU (call once, from the thread that runs
-/// the command and so publishes the loops).
-pub fn adopt_caller() {
-    if let Ok(Plan { cpus: Some(c), .. }) = plan() {
-        // The workers first: a thread starts on its creator's CPUs, and one started from a
-        // pinned caller spinning at real-time priority would never run to pin itself.
-        pool();
-        pin(c[0]);
-    }
+/// Start the workers now, from the command's thread while nothing pins it: a thread starts on
+/// its creator's CPUs, and one started from a thread pinned to a core that a real-time
+/// spinner holds would never run to pin itself.
+pub fn start_workers() {
+    pool();
 }
 
 type Task<'a> = dyn Fn(usize) + Sync + 'a;
