@@ -514,7 +514,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 29);
-        assert!(help().contains("FDPP_HOPPER_TMA"));
+        assert_eq!(KEYS.len(), 31);
+        assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }
