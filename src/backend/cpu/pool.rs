@@ -99,13 +99,10 @@ fn plan_from(
     } else {
         let c = order[..threads].to_vec();
         let list = c[1..].iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",");
-        let placed = if threads == 1 {
-            "no workers to pin".to_string()
-        } else {
-            format!(
-                "workers pinned to CPUs {list}, the command's thread on CPU {} or wherever the OS puts it",
-                c[0]
-            )
+        let placed = match threads {
+            1 => "no workers to pin".to_string(),
+            2 => format!("the worker pinned to CPU {list}, the command's thread left to the OS"),
+            _ => format!("workers pinned to CPUs {list}, the command's thread left to the OS"),
         };
         (Some(c), placed)
     };
