@@ -35,6 +35,28 @@ use crate::run_config::{self, Key};
 /// idle process stops burning a core at once.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// Past this much waiting (a worker for the next loop, the caller for the workers' last
+/// tasks), each check also yields the core: free, where nothing else wants it, and where
+/// something does (an oversubscribed machine) the descheduled thread being waited for, or
+/// another process, gets to run instead of a spinner.
+const PURE_SPIN: Duration = Duration::from_micros(50);
+
+/// One step of a wait that began at `start`: a pause, and past [`PURE_SPIN`] a yield every
+/// 64th step (the clock is read once per 64).
+#[inline]
+fn backoff(start: Instant, spins: &mut u32) -> Duration {
+    std::hint::spin_loop();
+    *spins = spins.wrapping_add(1);
+    if !spins.is_multiple_of(64) {
+        return Duration::ZERO;
+    }
+    let waited = start.elapsed();
+    if waited > PURE_SPIN {
+        std::thread::yield_now();
+    }
+    waited
+}
+
 /// The threads the CPU ops run on and where they are pinned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -286,9 +308,7 @@ fn worker(sh: Arc<Shared>, cpu: Option<usize>) {
         let start = Instant::now();
         let mut spins = 0u32;
         while sh.epoch.load(Ordering::Acquire) == seen {
-            std::hint::spin_loop();
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(256) && start.elapsed() > SPIN {
+            if backoff(start, &mut spins) > SPIN {
                 let mut g = sh.state();
                 while sh.epoch.load(Ordering::Acquire) == seen {
                     g.sleepers += 1;
@@ -373,12 +393,7 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     let start = Instant::now();
     let mut spins = 0u32;
     while sh.done.load(Ordering::Acquire) < n {
-        std::hint::spin_loop();
-        spins = spins.wrapping_add(1);
-        // A worker descheduled mid-task (an oversubscribed machine): let it run.
-        if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
-            std::thread::yield_now();
-        }
+        backoff(start, &mut spins);
     }
     drop(busy);
     if sh.panicked.swap(false, Ordering::AcqRel) {
