@@ -194,13 +194,9 @@ impl Packed {
             }
             k0 += len;
         }
-        let count = panels.len();
-        let slots = super::pool::Rows::new(&mut panels, 1);
-        super::pool::for_ranges(count, |ps| {
+        super::pool::for_row_blocks_mut(&mut panels, 1, |_, block| {
             let mut row = vec![0f32; kc];
-            for i in ps {
-                // SAFETY: the ranges are disjoint, so panel i is this task's alone.
-                let (k0, mb, panel) = unsafe { &mut slots.row(i)[0] };
+            for (k0, mb, panel) in block {
                 let (k0, mb) = (*k0, *mb);
                 let len = panel.len() / MR;
                 for lane in 0..MR.min(m - mb * MR) {

@@ -35,11 +35,8 @@ pub fn embedding(p: &EmbeddingParams, table: &CpuBuffer, out: &mut CpuBuffer) ->
     check_dtypes("embedding", p.dtype, &[("table", table), ("out", out)])?;
     let h = p.hidden;
     let rows = p.local_rows();
-    let outs = Rows::new(&mut out.data[..p.ids.len() * h], h);
-    pool::for_ranges(rows.len(), |rs| {
-        for t in rs {
-            // SAFETY: the ranges are disjoint, so row t is this task's alone.
-            let o = unsafe { outs.row(t) };
+    pool::for_row_blocks_mut(&mut out.data[..p.ids.len() * h], h, |t0, block| {
+        for (t, o) in (t0..).zip(block.chunks_exact_mut(h)) {
             // Validated: 0 <= id < vocab; a row of the table, or -1 for another rank's slice.
             match usize::try_from(rows[t]) {
                 Ok(r) => o.copy_from_slice(&table.data[r * h..(r + 1) * h]),
@@ -481,12 +478,9 @@ pub fn bias_act(p: &BiasActParams, x: &mut CpuBuffer, bias: Option<&CpuBuffer>) 
     if let Some(b) = bias {
         simd::widen(dt, &b.data[..w], &mut bf);
     }
-    let xs = Rows::new(&mut x.data[..p.rows * w], w);
-    pool::for_ranges(p.rows, |rs| {
+    pool::for_row_blocks_mut(&mut x.data[..p.rows * w], w, |_, block| {
         let mut xf = vec![0f32; w];
-        for r in rs {
-            // SAFETY: the ranges are disjoint, so row r is this task's alone.
-            let row = unsafe { xs.row(r) };
+        for row in block.chunks_exact_mut(w) {
             simd::widen(dt, row, &mut xf);
             for ((o, &v), &b) in row.iter_mut().zip(xf.iter()).zip(&bf) {
                 *o = dt.from_f32(act_f32(act, v + b));
@@ -509,12 +503,9 @@ pub fn glu(p: &GluParams, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()
     p.validate(gate_up.data.len(), out.data.len())?;
     check_dtypes("glu", p.dtype, &[("gate_up", gate_up), ("out", out)])?;
     let (dt, inter, act) = (p.dtype, p.inter, p.act);
-    let outs = Rows::new(&mut out.data[..p.rows * inter], inter);
-    pool::for_ranges(p.rows, |rs| {
+    pool::for_row_blocks_mut(&mut out.data[..p.rows * inter], inter, |r0, block| {
         let (mut gf, mut uf) = (vec![0f32; inter], vec![0f32; inter]);
-        for r in rs {
-            // SAFETY: the ranges are disjoint, so row r is this task's alone.
-            let o = unsafe { outs.row(r) };
+        for (r, o) in (r0..).zip(block.chunks_exact_mut(inter)) {
             let at = r * 2 * inter;
             simd::widen(dt, &gate_up.data[at..at + inter], &mut gf);
             simd::widen(dt, &gate_up.data[at + inter..at + 2 * inter], &mut uf);
@@ -531,11 +522,8 @@ pub fn add_positions(p: &PositionParams, table: &CpuBuffer, out: &mut CpuBuffer)
     p.validate(table.data.len(), out.data.len())?;
     check_dtypes("add_positions", p.dtype, &[("table", table), ("out", out)])?;
     let (dt, h) = (p.dtype, p.hidden);
-    let outs = Rows::new(&mut out.data[..p.positions.len() * h], h);
-    pool::for_ranges(p.positions.len(), |rs| {
-        for t in rs {
-            // SAFETY: the ranges are disjoint, so row t is this task's alone.
-            let o = unsafe { outs.row(t) };
+    pool::for_row_blocks_mut(&mut out.data[..p.positions.len() * h], h, |t0, block| {
+        for (t, o) in (t0..).zip(block.chunks_exact_mut(h)) {
             // Validated: 0 <= pos + offset < table_rows.
             let at = (p.positions[t] as usize + p.offset) * h;
             for (ov, &tv) in o.iter_mut().zip(&table.data[at..at + h]) {
@@ -577,11 +565,8 @@ pub fn gather_rows(p: &GatherParams, src: &CpuBuffer, dst: &mut CpuBuffer) -> Re
     p.validate(src.data.len(), dst.data.len())?;
     check_dtypes("gather_rows", p.dtype, &[("src", src), ("dst", dst)])?;
     let w = p.width;
-    let outs = Rows::new(&mut dst.data[..p.rows.len() * w], w);
-    pool::for_ranges(p.rows.len(), |rs| {
-        for i in rs {
-            // SAFETY: the ranges are disjoint, so row i is this task's alone.
-            let o = unsafe { outs.row(i) };
+    pool::for_row_blocks_mut(&mut dst.data[..p.rows.len() * w], w, |i0, block| {
+        for (i, o) in (i0..).zip(block.chunks_exact_mut(w)) {
             // Validated: 0 <= r < src rows.
             let at = p.rows[i] as usize * w;
             o.copy_from_slice(&src.data[at..at + w]);

@@ -181,13 +181,9 @@ impl XPanels {
             let mut row = rows();
             panels.into_iter().for_each(|p| fill(&mut row, p));
         } else {
-            let n = panels.len();
-            let slots = Rows::new(&mut panels, 1);
-            pool::for_ranges(n, |ps| {
+            pool::for_row_blocks_mut(&mut panels, 1, |_, block| {
                 let mut row = rows();
-                for i in ps {
-                    // SAFETY: the ranges are disjoint, so panel i is this task's alone.
-                    let (k0, mb, panel) = unsafe { &mut slots.row(i)[0] };
+                for (k0, mb, panel) in block {
                     fill(&mut row, (*k0, *mb, &mut **panel));
                 }
             });

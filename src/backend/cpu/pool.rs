@@ -428,6 +428,19 @@ pub fn for_ranges(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     for_each(tasks, &|t| f(t * n / tasks..(t + 1) * n / tasks));
 }
 
+/// `f(first, block)` for blocks of whole `width`-long rows of `data` (about
+/// [`RANGES_PER_THREAD`] per thread; `first` the block's first row), in parallel: the safe
+/// form of [`for_ranges`] where each row has one output.
+pub fn for_row_blocks_mut<T: Send>(data: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let width = width.max(1);
+    let all = Rows::new(data, width);
+    let rows = all.rows;
+    for_ranges(rows, |rs| {
+        // SAFETY: the ranges are disjoint, so these rows are this task's alone.
+        f(rs.start, unsafe { all.span(rs.start * width, rs.end * width) })
+    });
+}
+
 /// A slice seen as rows of `width` that parallel tasks reach one row each.
 pub struct Rows<'a, T> {
     ptr: *mut T,
@@ -568,6 +581,17 @@ mod tests {
                 }
             });
             assert!(v.iter().enumerate().all(|(i, &x)| x == i), "n {n}");
+        }
+        for (n, w) in [(0usize, 3usize), (1, 1), (9, 2), (1001, 5)] {
+            let mut v = vec![usize::MAX; n * w];
+            for_row_blocks_mut(&mut v, w, |r0, block| {
+                for (r, row) in (r0..).zip(block.chunks_exact_mut(w)) {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = r * w + j;
+                    }
+                }
+            });
+            assert!(v.iter().enumerate().all(|(i, &x)| x == i), "n {n} w {w}");
         }
         assert_eq!(map(50, |i| i * i), (0..50).map(|i| i * i).collect::<Vec<_>>());
     }
