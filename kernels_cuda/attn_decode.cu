@@ -52,14 +52,16 @@
 #ifndef FDPP_HG
 #define FDPP_HG 4
 #endif
+#ifndef FDPP_DECODE_IL
+#define FDPP_DECODE_IL 0
+#endif
 
 constexpr int D = FDPP_D;
 constexpr int HG = FDPP_HG;         // query heads per block
 constexpr int LPT = D / 8;          // lanes per token row
 constexpr int GPW = 32 / LPT;       // token groups per warp (4, 2 or 1)
 constexpr int COMBINE_THREADS = 128;
-constexpr int COMBINE_MAX_SPLITS = 64;  // ops/attention.rs MAX_SPLITS
-constexpr int DPT = D / COMBINE_THREADS > 0 ? D / COMBINE_THREADS : 1;
+constexpr int COMBINE_MAX_SPLITS = 256;  // ops/attention.rs MAX_SPLITS
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
 // Up to 4 heads per block on the CUDA-core pass (HG · 8 q and HG · 8 accumulator floats per lane);
@@ -413,9 +415,16 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
     }
 }
 
+// The keys of one block's pass: split `split` of `splits` of a row of `len` keys, whose
+// contiguous share is [t0, t1) (the CUDA-core and staged passes take that; the tensor-core pass
+// may interleave the splits instead: tc_key_range).
+struct KeyRange {
+    int t0, t1, split, splits, len;
+};
+
 #include "attn_decode_tc.cuh"
 
-// One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
+// One block's main pass over the keys `k` of its heads (q rows row0 .. row0 + nh − 1), merged:
 // on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
 // block_merge describes. TC picks the main pass: 0 the CUDA-core one, 1 the tensor-core pass
 // (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
@@ -425,15 +434,15 @@ template <bool ASYNC, int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                           const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
-                                           int t1, float phi2, float b2) {
+                                           const int* __restrict__ pages, int page_size, int G, int kvh,
+                                           const KeyRange& k, float phi2, float b2) {
+    const int t0 = k.t0, t1 = k.t1;
     if constexpr (TC >= 2) {
         static_assert(BW, "the staged pass has the bandwidth path's loop only");
         tcs_block_pass<ASYNC, NT, U, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
                                          b2);
     } else if constexpr (TC) {
-        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
-                                         b2);
+        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, k, phi2, b2);
     } else {
         float qr[HG][8];
         load_q(qr, q, row0, scale2, nh);
@@ -524,7 +533,8 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
                                             u16* __restrict__ out, int row0, int nh, unsigned mask) {
     float a[Shape<NT, U>::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh,
+                                     KeyRange{0, len, 0, 1, len}, 0.f, 0.f);
     float lh[HG];
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
@@ -550,8 +560,8 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
     float a[S::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
-                                     0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh,
+                                     KeyRange{w.t0, w.t1, w.split, splits, w.len}, 0.f, 0.f);
     if (splits == 1) {
         float lh[HG];
 #pragma unroll
@@ -581,62 +591,94 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     }
 }
 
-// One block per row: merge the splits' partials, each rescaled to the largest max. The loads
-// are independent of each other (this kernel's time is round trips, not bytes): warp 0 reads
-// every split's (m, l) at once, reduces the max and the total with shuffles and leaves each
-// split's weight in shared memory; then each thread's partial loads carry no branch on loaded
-// data, so they are issued back to back. The launcher keeps splits ≤ COMBINE_MAX_SPLITS.
+// One block per row: merge the splits' partials, each rescaled to the largest max. This kernel's
+// time is round trips, not bytes (a row's partials are splits · D floats, just written, in L2):
+// every thread reads its splits' (m, l) at once and the block reduces the max and the total in
+// shared memory; then the threads split into groups of D/4, each group summing every
+// CMB_GROUPS-th split's partial as float4s, so a round trip serves CMB_GROUPS splits and the loads
+// carry no branch on loaded data. Up to COMBINE_MAX_SPLITS splits: the grouped decode launches
+// at batch 1 split each of its few (sequence, kv head) items up to a wave of resident blocks
+// (GQA 32/4: 4 items, 132 splits on 132 SMs; reports/NOTES.md, session 18).
+constexpr int CMB_TPS = D / 4;                          // threads per split: a float4 of dims each
+constexpr int CMB_GROUPS = COMBINE_THREADS / CMB_TPS;   // splits summed side by side (4 at d128)
+constexpr int CMB_PER = COMBINE_MAX_SPLITS / COMBINE_THREADS;  // (m, l) pairs per thread
+static_assert(COMBINE_THREADS % CMB_TPS == 0 && COMBINE_MAX_SPLITS % COMBINE_THREADS == 0,
+              "the combine's thread layout");
+
+// The block's max (MAX) or sum of v; every thread gets it. `red` holds COMBINE_THREADS floats.
+template <bool MAX>
+__device__ __forceinline__ float combine_reduce(float v, float* red) {
+    __syncthreads();  // red's previous use is over
+    red[threadIdx.x] = v;
+    __syncthreads();
+#pragma unroll
+    for (int w = COMBINE_THREADS / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            const float o = red[threadIdx.x + w];
+            red[threadIdx.x] = MAX ? fmaxf(red[threadIdx.x], o) : red[threadIdx.x] + o;
+        }
+        __syncthreads();
+    }
+    return red[0];
+}
+
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
     pdl_wait();
     pdl_trigger();
     __shared__ float wt[COMBINE_MAX_SPLITS];
-    __shared__ float total;
-    const int row = blockIdx.x;
-    if (threadIdx.x < 32) {
-        const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
-        constexpr int PER = COMBINE_MAX_SPLITS / 32;
-        float m[PER], l[PER];
-        float bm = -FDPP_INF;
+    __shared__ float red[COMBINE_THREADS];
+    __shared__ float4 sums[COMBINE_THREADS];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const float* ml = part + (size_t)rows * splits * D + (size_t)row * splits * 2;
+    float m[CMB_PER], l[CMB_PER];
+    float bm = -FDPP_INF;
 #pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int sp = threadIdx.x + 32 * k;
-            m[k] = sp < splits ? ml[2 * sp] : -FDPP_INF;
-            l[k] = sp < splits ? ml[2 * sp + 1] : 0.f;
-            bm = fmaxf(bm, m[k]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
-        float sum = 0.f;
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int sp = threadIdx.x + 32 * k;
-            // An empty split (l = 0, m = −inf) weighs nothing (and −inf − −inf is not computed).
-            const float f = l[k] == 0.f ? 0.f : exp2f(m[k] - bm);
-            sum += l[k] * f;
-            if (sp < splits) wt[sp] = f;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (threadIdx.x == 0) total = sum;
+    for (int k = 0; k < CMB_PER; ++k) {
+        const int sp = tid + COMBINE_THREADS * k;
+        m[k] = sp < splits ? __ldcg(ml + 2 * sp) : -FDPP_INF;
+        l[k] = sp < splits ? __ldcg(ml + 2 * sp + 1) : 0.f;
+        bm = fmaxf(bm, m[k]);
     }
-    __syncthreads();
-    float acc[DPT];
+    bm = combine_reduce<true>(bm, red);
+    float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
+    for (int k = 0; k < CMB_PER; ++k) {
+        const int sp = tid + COMBINE_THREADS * k;
+        // An empty split (l = 0, m = −inf) weighs nothing (and −inf − −inf is not computed).
+        const float f = l[k] == 0.f ? 0.f : exp2f(m[k] - bm);
+        sum += l[k] * f;
+        if (sp < splits) wt[sp] = f;
+    }
+    const float total = combine_reduce<false>(sum, red);  // its barriers publish wt
+    const int grp = tid / CMB_TPS, c = tid % CMB_TPS;
+    const float4* src = reinterpret_cast<const float4*>(part + (size_t)row * splits * D) + c;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-    for (int sp = 0; sp < splits; ++sp) {
+    for (int sp = grp; sp < splits; sp += CMB_GROUPS) {
         const float f = wt[sp];
-#pragma unroll
-        for (int j = 0; j < DPT; ++j) {
-            const int d = threadIdx.x + j * COMBINE_THREADS;
-            if (d < D) acc[j] += __ldcg(&part[((size_t)row * splits + sp) * D + d]) * f;
-        }
+        const float4 v = __ldcg(src + (size_t)sp * (D / 4));
+        acc.x += v.x * f;
+        acc.y += v.y * f;
+        acc.z += v.z * f;
+        acc.w += v.w * f;
     }
+    sums[tid] = acc;
+    __syncthreads();
+    if (tid < CMB_TPS) {
 #pragma unroll
-    for (int j = 0; j < DPT; ++j) {
-        const int d = threadIdx.x + j * COMBINE_THREADS;
-        if (d < D) out[(size_t)row * D + d] = from_f32(acc[j] / total);
+        for (int g = 1; g < CMB_GROUPS; ++g) {
+            const float4 o = sums[g * CMB_TPS + tid];
+            acc.x += o.x;
+            acc.y += o.y;
+            acc.z += o.z;
+            acc.w += o.w;
+        }
+        u16* dst = out + (size_t)row * D + 4 * tid;
+        dst[0] = from_f32(acc.x / total);
+        dst[1] = from_f32(acc.y / total);
+        dst[2] = from_f32(acc.z / total);
+        dst[3] = from_f32(acc.w / total);
     }
 }
 
@@ -660,8 +702,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int* pages = table + (size_t)w.b * max_pages;
 
     float a[S::EPT];
-    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
-                                    phi2, b2);
+    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh,
+                                    KeyRange{w.t0, w.t1, w.split, splits, w.len}, phi2, b2);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];

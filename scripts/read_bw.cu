@@ -4,9 +4,18 @@
 // peer at x TB/s can be beaten by 5 % only if 1.05·x is below this ceiling.
 //
 //   nvcc -O3 -arch=sm_90a scripts/read_bw.cu -o /tmp/read_bw && /tmp/read_bw [GiB]
+//   /tmp/read_bw sizes BYTES[,BYTES...]   the ceiling at each size (below)
+//   /tmp/read_bw rows BYTES KV_HEADS SPLITS [...]   the decode pattern's mimic, two assignments
+//
+// `sizes`: the same sweep over a buffer of exactly BYTES, read again and again as a benchmark
+// reads one KV cache, each launch timed alone with events and the median of 20 taken, as `fdpp
+// bench attention` times a decode call. At small sizes a launch's ramp and tail are a large share
+// of it, so the ceiling of a decode point is the read of its own bytes, not the 8 GiB figure: a
+// peer at x TB/s can be beaten by 5 % at that point only if 1.05·x is below it.
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <string>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -99,6 +108,97 @@ static double time_rows(const uint4* p, size_t n, unsigned* out, int splits, dou
     return bytes / (ms[0] * 1e-3) / 1e12;
 }
 
+// read_rows generalised for the `rows` mode: G kv heads (token rows of G · 256 bytes), one block
+// of 4 warps per (kv head, split), held to 4 blocks per SM by its dynamic shared memory as the
+// decode kernel is by its registers. CONTIG: split s reads tokens [s·per, (s + 1)·per) (the
+// decode launch's assignment); else split s reads the 64-token steps s, s + splits, ... so that
+// every block walks the cache at the same pace (a grid-stride order).
+template <bool CONTIG>
+__global__ void __launch_bounds__(128) read_rows_g(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                                   size_t tokens, int G, int splits, unsigned* out) {
+    const int kvh = blockIdx.x % G, split = blockIdx.x / G;
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+    const size_t row = (size_t)G * 16;  // uint4 per token row
+    size_t t0, t1, stride;
+    if (CONTIG) {
+        const size_t per = (tokens + splits - 1) / splits;
+        t0 = split * per;
+        t1 = t0 + per < tokens ? t0 + per : tokens;
+        stride = 64;
+    } else {
+        t0 = (size_t)split * 64;
+        t1 = tokens;
+        stride = (size_t)splits * 64;
+    }
+    unsigned acc = 0;
+    for (size_t base = t0 + 16 * warp; base + 16 <= t1; base += stride) {
+        uint4 r[16];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const size_t at = (base + g + 8 * h) * row + kvh * 16 + c * 4 + t;
+                r[c * 4 + h * 2] = ld_nc_hint<128>(k + at);
+                r[c * 4 + h * 2 + 1] = ld_nc_hint<128>(v + at);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <bool CONTIG>
+static double time_rows_g(const uint4* p, size_t bytes, int G, int splits, unsigned* out) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    const size_t half = bytes / 32, tokens = half / (G * 16);
+    const uint4 *k = p, *v = p + half;
+    const int smem = 56 * 1024;
+    CK(cudaFuncSetAttribute(read_rows_g<CONTIG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (int w = 0; w < 2; ++w) read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out);
+    std::vector<float> ms;
+    for (int r = 0; r < 20; ++r) {
+        CK(cudaEventRecord(a));
+        read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out);
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float tm = 0;
+        CK(cudaEventElapsedTime(&tm, a, b));
+        ms.push_back(tm);
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return (double)tokens * G * 256 * 2 / (ms[ms.size() / 2] * 1e-3) / 1e12;
+}
+
+// `rows` mode: the decode pattern's mimic at each (bytes, kv heads, splits) of the list, both
+// assignments; TB/s of the median launch.
+static int rows_mode(int argc, char** argv) {
+    size_t most = 0;
+    for (int i = 2; i < argc; ++i) most = std::max(most, (size_t)strtod(argv[i], nullptr));
+    uint4* p;
+    unsigned* out;
+    CK(cudaMalloc(&p, most + 4096));
+    CK(cudaMalloc(&out, 4));
+    CK(cudaMemset(p, 0x5a, most + 4096));
+    printf("bytes,kv_heads,splits,contiguous_tbs,interleaved_tbs\n");
+    for (int i = 2; i + 2 < argc; i += 3) {
+        const size_t bytes = (size_t)strtod(argv[i], nullptr);
+        const int G = atoi(argv[i + 1]), splits = atoi(argv[i + 2]);
+        if (G < 1 || G > 64 || splits < 1) {
+            fprintf(stderr, "rows: bad kv heads or splits at argument %d\n", i);
+            return 2;
+        }
+        const double c = time_rows_g<true>(p, bytes, G, splits, out);
+        const double il = time_rows_g<false>(p, bytes, G, splits, out);
+        printf("%zu,%d,%d,%.3f,%.3f\n", bytes, G, splits, c, il);
+        fflush(stdout);
+    }
+    return 0;
+}
+
 // U independent 16-byte loads in flight per thread, grid-stride; the xor of everything read is
 // written only if it equals a value it cannot plausibly take, so no load is dead code.
 template <int U>
@@ -144,7 +244,62 @@ static double time_read(const uint4* p, size_t n, unsigned* out, int blocks, int
     return bytes / (ms[0] * 1e-3) / 1e12;
 }
 
+// The best median over the sweep for a buffer of n 16-byte words; its configuration in cfg.
+static double best_read(const uint4* p, size_t n, unsigned* out, int sms, int reps, char* cfg, size_t cfg_len) {
+    double best = 0;
+    for (int threads : {128, 256, 512, 1024})
+        for (int per_sm : {1, 2, 4, 8, 16})
+            for (int u : {1, 2, 4, 8}) {
+                if (threads * per_sm > 2048) continue;
+                double med = 0;
+                if (u == 1) time_read<1>(p, n, out, sms * per_sm, threads, reps, &med);
+                if (u == 2) time_read<2>(p, n, out, sms * per_sm, threads, reps, &med);
+                if (u == 4) time_read<4>(p, n, out, sms * per_sm, threads, reps, &med);
+                if (u == 8) time_read<8>(p, n, out, sms * per_sm, threads, reps, &med);
+                if (med > best) {
+                    best = med;
+                    snprintf(cfg, cfg_len, "%d,%d,%d", u, per_sm, threads);
+                }
+            }
+    return best;
+}
+
+static int sizes_mode(const char* list) {
+    std::vector<size_t> sizes;
+    for (const char* s = list; *s;) {
+        char* end = nullptr;
+        const double v = strtod(s, &end);
+        if (end == s || v < 16) {
+            fprintf(stderr, "sizes: bad byte count at '%s'\n", s);
+            return 2;
+        }
+        sizes.push_back((size_t)v / 16 * 16);
+        s = *end == ',' ? end + 1 : end;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const size_t most = *std::max_element(sizes.begin(), sizes.end());
+    uint4* p;
+    unsigned* out;
+    CK(cudaMalloc(&p, most));
+    CK(cudaMalloc(&out, 4));
+    CK(cudaMemset(p, 0x5a, most));
+    CK(cudaDeviceSynchronize());
+    printf("# device %s, %d SMs; median of 20 timed launches per configuration, best configuration\n", prop.name,
+           prop.multiProcessorCount);
+    printf("bytes,ceiling_tbs,unroll,blocks_per_sm,threads\n");
+    for (size_t b : sizes) {
+        char cfg[64] = "";
+        const double best = best_read(p, b / 16, out, prop.multiProcessorCount, 20, cfg, sizeof cfg);
+        printf("%zu,%.3f,%s\n", b, best, cfg);
+        fflush(stdout);
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
+    if (argc > 2 && std::string(argv[1]) == "sizes") return sizes_mode(argv[2]);
+    if (argc > 4 && std::string(argv[1]) == "rows") return rows_mode(argc, argv);
     const double gib = argc > 1 ? atof(argv[1]) : 8.0;
     const size_t bytes = (size_t)(gib * (1ull << 30)) / 16 * 16;
     const size_t n = bytes / 16;

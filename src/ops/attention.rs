@@ -195,8 +195,11 @@ pub const BLOCKS_PER_SM: usize = 8;
 /// to 16-17 (4 per SM); at 1024 both give 16. Larger batches keep [`BLOCKS_PER_SM`]: there the
 /// count of waves decides (blocks ≈ one wave of resident slots left a 10 % tail).
 pub const SMALL_BATCH_BLOCKS_PER_SM: usize = 4;
-/// Most splits of one row (the combine step reads all of them).
-pub const MAX_SPLITS: usize = 64;
+/// Most splits of one row (the combine step reads all of them; kernels_cuda/attn_decode.cu
+/// COMBINE_MAX_SPLITS). 64 until session 18: GQA 32/4 at batch 1 then had 4 items × 64 splits,
+/// 256 blocks on 132 SMs where its kernel holds 4 per SM, and streamed at 2.0-2.6 TB/s where
+/// 32/8 (8 × 64) reached 2.5-2.9 (reports/NOTES.md).
+pub const MAX_SPLITS: usize = 256;
 
 /// Waves of resident blocks the sync scheme aims for once the batch alone overfills one wave:
 /// shorter splits make the last, partial wave a smaller share. Measured on the H100 (fp16,
@@ -544,9 +547,9 @@ mod tests {
         // Batch 32 overfills a wave: async keeps 8 per SM's count, sync aims for 8 waves.
         assert_eq!(num_splits_resident(32, 32, 4096, 132, 6, 1, 1, true), 2);
         assert_eq!(num_splits_resident(32, 32, 4096, 132, 7, 1, 1, false), 8);
-        // Short sequences still bound the split length, and 64 bounds the count.
+        // Short sequences still bound the split length, and MAX_SPLITS bounds the count.
         assert_eq!(num_splits_resident(8, 32, 100, 132, 7, 1, 1, false), 1);
-        assert_eq!(num_splits_resident(200, 1, 1 << 20, 132, 100, 1, 1, false), MAX_SPLITS);
+        assert_eq!(num_splits_resident(132, 1, 1 << 20, 132, 1000, 1, 1, false), MAX_SPLITS);
         assert_eq!(num_splits_resident(0, 0, 0, 0, 0, 1, 1, true), 1);
         // Four heads per block, 3 resident per SM (396 slots), 8 kv heads: batch 16, 32 and 64
         // all take 3 splits (0.97, 1.94 and 3.88 waves), either scheme.
@@ -558,6 +561,11 @@ mod tests {
         // Batch 1-8 of 8 kv heads: the small-batch rule, capped at one wave of resident blocks.
         assert_eq!(num_splits(1, 8, 4096, 132), 64);
         assert_eq!(num_splits_resident(1, 8, 4096, 132, 3, 4, 1, true), 49);
+        // Batch 1 of 8, 4 and 2 kv heads on the tensor-core pass (8 heads per block, 4 resident
+        // per SM): one wave of 528 blocks, 66 / 132 / 256 (MAX_SPLITS) splits at 131072 keys.
+        assert_eq!(num_splits_resident(1, 8, 131072, 132, 4, 4, 1, true), 66);
+        assert_eq!(num_splits_resident(1, 4, 131072, 132, 4, 8, 1, false), 132);
+        assert_eq!(num_splits_resident(1, 2, 131072, 132, 4, 8, 1, true), MAX_SPLITS);
         assert_eq!(num_splits_resident(1, 8, 4096, 132, 4, 8, 1, true), 64);
         assert_eq!(num_splits_resident(8, 8, 4096, 132, 3, 4, 1, true), 6);
         // The tensor-core pass (4 resident per SM, 528 slots): GQA 32/8 at batch 4 takes 16
