@@ -52,9 +52,6 @@
 #ifndef FDPP_HG
 #define FDPP_HG 4
 #endif
-#ifndef FDPP_DECODE_IL
-#define FDPP_DECODE_IL 0
-#endif
 
 constexpr int D = FDPP_D;
 constexpr int HG = FDPP_HG;         // query heads per block
@@ -415,16 +412,9 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
     }
 }
 
-// The keys of one block's pass: split `split` of `splits` of a row of `len` keys, whose
-// contiguous share is [t0, t1) (the CUDA-core and staged passes take that; the tensor-core pass
-// may interleave the splits instead: tc_key_range).
-struct KeyRange {
-    int t0, t1, split, splits, len;
-};
-
 #include "attn_decode_tc.cuh"
 
-// One block's main pass over the keys `k` of its heads (q rows row0 .. row0 + nh − 1), merged:
+// One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
 // on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
 // block_merge describes. TC picks the main pass: 0 the CUDA-core one, 1 the tensor-core pass
 // (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
@@ -434,15 +424,15 @@ template <bool ASYNC, int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                           const int* __restrict__ pages, int page_size, int G, int kvh,
-                                           const KeyRange& k, float phi2, float b2) {
-    const int t0 = k.t0, t1 = k.t1;
+                                           const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
+                                           int t1, float phi2, float b2) {
     if constexpr (TC >= 2) {
         static_assert(BW, "the staged pass has the bandwidth path's loop only");
         tcs_block_pass<ASYNC, NT, U, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
                                          b2);
     } else if constexpr (TC) {
-        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, k, phi2, b2);
+        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
+                                         b2);
     } else {
         float qr[HG][8];
         load_q(qr, q, row0, scale2, nh);
@@ -533,8 +523,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
                                             u16* __restrict__ out, int row0, int nh, unsigned mask) {
     float a[Shape<NT, U>::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh,
-                                     KeyRange{0, len, 0, 1, len}, 0.f, 0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     float lh[HG];
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
@@ -560,8 +549,8 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
     float a[S::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh,
-                                     KeyRange{w.t0, w.t1, w.split, splits, w.len}, 0.f, 0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
+                                     0.f);
     if (splits == 1) {
         float lh[HG];
 #pragma unroll
@@ -702,8 +691,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const int* pages = table + (size_t)w.b * max_pages;
 
     float a[S::EPT];
-    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh,
-                                    KeyRange{w.t0, w.t1, w.split, splits, w.len}, phi2, b2);
+    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
+                                    phi2, b2);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];

@@ -258,14 +258,14 @@ __device__ __forceinline__ void tc_step(TcPart& p, const uint4 (&qf)[TC_KC], con
 // across the __syncthreads between them (H200, session 14: only where the teams' counts
 // differed, and no check case ever failed), and the masked step costs no time (team 0 is still
 // on its last step).
-__device__ __forceinline__ int tc_steps(int b0, int t0, int t1, int stride) {
+template <int STEP>
+__device__ __forceinline__ int tc_steps(int b0, int t0, int t1) {
     const int from = TC_SPLIT > 1 ? t0 : b0;
-    return from < t1 ? (t1 - from + stride - 1) / stride : 0;
+    return from < t1 ? (t1 - from + STEP - 1) / STEP : 0;
 }
 
 // Keys [t0, t1) into the warp's state: team w (the warp, or at d256 a pair of warps) takes keys
-// t0 + 16w + stride·i, where stride is the block's step (16·teams: the keys from t0 on) or, under
-// the interleaved split order, splits times it (tc_key_range). AHEAD (the latency path): the page ids of the warp's next step are
+// t0 + 16w + 16·teams·i. AHEAD (the latency path): the page ids of the warp's next step are
 // requested while this step's K/V rows are in flight, one dependent round trip per step instead
 // of two; else (the bandwidth path) a page id, then K/V, per step. The trip count is uniform
 // within a team (shuffles and mma need whole warps, the exchange both warps of a team); at d64
@@ -273,16 +273,17 @@ __device__ __forceinline__ int tc_steps(int b0, int t0, int t1, int stride) {
 template <int NT, bool AHEAD>
 __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
-                                              int page_size, int G, int kvh, int t0, int t1, int stride,
-                                              float scale2) {
+                                              int page_size, int G, int kvh, int t0, int t1, float scale2) {
+    constexpr int TEAMS = NT / 32 / TC_SPLIT;
+    constexpr int STEP = 16 * TEAMS;
 #if FDPP_D > 128
-    static_assert(NT / 32 / TC_SPLIT <= TC_TEAMS_MAX, "tc_xs holds two teams");
+    static_assert(TEAMS <= TC_TEAMS_MAX, "tc_xs holds two teams");
 #endif
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const size_t row_elems = (size_t)G * D;
     const u16* kb = kp + (size_t)kvh * D + TC_DW * tc_half() + 8 * t;
     const u16* vb = vp + (size_t)kvh * D + TC_DW * tc_half() + 8 * t;
-    const int b0 = t0 + 16 * tc_team(), n = tc_steps(b0, t0, t1, stride);
+    const int b0 = t0 + 16 * tc_team(), n = tc_steps<STEP>(b0, t0, t1);
     int parity = 0;
     int pa = 0, sa = 0, pb = 0, sb = 0;
     if (AHEAD && n > 0) {
@@ -290,7 +291,7 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
         tc_page(pb, sb, pages, page_size, b0 + g + 8, t1);
     }
     for (int i = 0; i < n; ++i) {
-        const int base = b0 + i * stride;
+        const int base = b0 + i * STEP;
         const bool oka = base + g < t1, okb = base + g + 8 < t1;
         if (!AHEAD) {
             tc_page(pa, sa, pages, page_size, base + g, t1);
@@ -300,8 +301,8 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
         tc_load_row(ka, va, kb, vb, pa, sa, page_size, row_elems);
         tc_load_row(kb2, vb2, kb, vb, pb, sb, page_size, row_elems);
         if (AHEAD && i + 1 < n) {
-            tc_page(pa, sa, pages, page_size, base + stride + g, t1);
-            tc_page(pb, sb, pages, page_size, base + stride + g + 8, t1);
+            tc_page(pa, sa, pages, page_size, base + STEP + g, t1);
+            tc_page(pb, sb, pages, page_size, base + STEP + g + 8, t1);
         }
         tc_step(p, qf, ka, kb2, va, vb2, oka, okb, scale2, parity);
         parity ^= 1;
@@ -354,42 +355,19 @@ __device__ __forceinline__ void tc_store(Smem<NW>& sm, TcPart& p, float phi2, fl
     }
 }
 
-// The keys of a block's split as (t0, t1, stride) for tc_accumulate. Contiguous (the default):
-// the split's range [t0, t1) from `where`, a warp stepping by the block's 16·teams keys.
-// Interleaved (FDPP_DECODE_IL, switch decode_split_order): split s of S takes the block steps s,
-// s + S, s + 2S, ... of the whole row, so that all blocks of a launch walk the cache together, as
-// a grid-stride read does, instead of each streaming its own region; the softmax merge does not
-// care which keys a split held. Why: at batch 1 the launch streams its bytes at 90-94 % of a
-// plain read of the same bytes (reports/NOTES.md, session 18).
-template <int NT>
-__device__ __forceinline__ void tc_key_range(const KeyRange& k, int& t0, int& t1, int& stride) {
-    constexpr int STEP = 16 * (NT / 32 / TC_SPLIT);
-#if FDPP_DECODE_IL
-    t0 = k.split * STEP;
-    t1 = k.len;
-    stride = k.splits * STEP;
-#else
-    t0 = k.t0;
-    t1 = k.t1;
-    stride = STEP;
-#endif
-}
-
 // block_pass's tensor-core form.
 template <bool ASYNC, int NT, int U, bool AHEAD>
 __device__ __forceinline__ void tc_block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                               const u16* __restrict__ q, int row0, int nh, float scale2,
                                               const u16* __restrict__ kp, const u16* __restrict__ vp,
-                                              const int* __restrict__ pages, int page_size, int G, int kvh,
-                                              const KeyRange& k, float phi2, float b2) {
+                                              const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
+                                              int t1, float phi2, float b2) {
     static_assert(TC_DW <= 128, "a warp holds TC_DW/2 accumulator floats per lane");
     uint4 qf[TC_KC];
     tc_load_q(qf, q, row0, nh);
     TcPart p;
     tc_init(p);
-    int t0, t1, stride;
-    tc_key_range<NT>(k, t0, t1, stride);
-    tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, stride, scale2);
+    tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
     tc_store<ASYNC>(sm, p, phi2, b2);
     block_sum<ASYNC, NT, U>(sm, a);
 }
@@ -522,7 +500,7 @@ __device__ __forceinline__ void tcs_accumulate(TcPart& p, const u32 (&qn)[TC_DW 
     const size_t row_elems = (size_t)G * D;
     const u16* kb = kp + (size_t)kvh * D + TC_DW * tc_half();
     const u16* vb = vp + (size_t)kvh * D + TC_DW * tc_half();
-    const int b0 = t0 + 16 * tc_team(), n = tc_steps(b0, t0, t1, STEP);
+    const int b0 = t0 + 16 * tc_team(), n = tc_steps<STEP>(b0, t0, t1);
     // Page and slot of keys g, g + 8 of the next step to copy, looked up a step early.
     int pa = 0, sa = 0, pb = 0, sb = 0;
     if (n > 0) {

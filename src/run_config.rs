@@ -24,7 +24,6 @@ pub enum Key {
     DecodePath,
     DecodeTc,
     DecodeTcStages,
-    DecodeSplitOrder,
     SoftmaxWindows,
     HopperTma,
     HopperStages,
@@ -188,15 +187,6 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Behaviour,
         what: "the tensor-core decode pass's bandwidth path with K/V staged through shared memory by cp.async, 2 or 3 stages per warp (0: the register pass)",
-    },
-    KeyInfo {
-        key: Key::DecodeSplitOrder,
-        name: "decode_split_order",
-        env: "FDPP_DECODE_SPLIT_ORDER",
-        values: "contiguous|interleaved",
-        default: "contiguous",
-        kind: Kind::Behaviour,
-        what: "which keys a split of the tensor-core decode pass reads: one contiguous range each, or the block steps s, s + splits, ... (all blocks walk the cache together)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -524,7 +514,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 32);
+        assert_eq!(KEYS.len(), 31);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -305,8 +305,9 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
     // Long contexts (issue #19): Llama-3's 32/8 at 131072 keys (66 splits of 1986 at batch 1 on
     // an H100) and 32/4 with a ragged batch of 1, 100000 and 4097 keys (the splits sized by the
     // longest row, the short rows' blocks mostly empty). Batch 1 of few kv heads splits past 64
-    // (the combine's limit until session 18): 32/4 at 131072 keys (132 splits), 16/2 at 40000
-    // (256, MAX_SPLITS, 157 keys each) and SmolLM2's 9/3 at d64 (176 at 4 resident blocks per SM).
+    // (the combine's limit until session 18) where the splits stay long: 32/4 at 131072 keys
+    // (132 splits on an H100), 16/2 at 140000 (256, MAX_SPLITS) and SmolLM2's 9/3 at d64, 65536
+    // keys (128).
     v.push(AttnCase::new(Decode, dt, (32, 8, 128), &[131072], &[], Force::None));
     v.push(AttnCase::new(
         Decode,
@@ -317,8 +318,8 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
         Force::None,
     ));
     v.push(AttnCase::new(Decode, dt, (32, 4, 128), &[131072], &[], Force::None));
-    v.push(AttnCase::new(Decode, dt, (16, 2, 128), &[40000], &[], Force::None));
-    v.push(AttnCase::new(Decode, dt, (9, 3, 64), &[30001], &[], Force::None));
+    v.push(AttnCase::new(Decode, dt, (16, 2, 128), &[140_000], &[], Force::None));
+    v.push(AttnCase::new(Decode, dt, (9, 3, 64), &[65536], &[], Force::None));
     v
 }
 

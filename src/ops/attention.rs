@@ -196,10 +196,23 @@ pub const BLOCKS_PER_SM: usize = 8;
 /// count of waves decides (blocks ≈ one wave of resident slots left a 10 % tail).
 pub const SMALL_BATCH_BLOCKS_PER_SM: usize = 4;
 /// Most splits of one row (the combine step reads all of them; kernels_cuda/attn_decode.cu
-/// COMBINE_MAX_SPLITS). 64 until session 18: GQA 32/4 at batch 1 then had 4 items × 64 splits,
-/// 256 blocks on 132 SMs where its kernel holds 4 per SM, and streamed at 2.0-2.6 TB/s where
-/// 32/8 (8 × 64) reached 2.5-2.9 (reports/NOTES.md).
+/// COMBINE_MAX_SPLITS). 64 until session 18, which is still the most a row takes unless its
+/// splits stay [`LONG_SPLIT_TOKENS`] long.
 pub const MAX_SPLITS: usize = 256;
+/// Most splits of a row whose splits would be shorter than [`LONG_SPLIT_TOKENS`].
+pub const SHORT_MAX_SPLITS: usize = 64;
+/// Keys per split below which a row takes no more than [`SHORT_MAX_SPLITS`] splits. Measured on
+/// the H100 at batch 1, d128, `bench attention --splits 64|132|256` (reports/NOTES.md, session 18):
+/// GQA 32/2 at 131072 keys ran 12 % (async) and 6 % (sync) faster with 132 splits (993 keys each)
+/// than with 64; 32/4 there +1.3 % async, −2 % sync; at 32768 (248 keys each) 132 splits were level
+/// (async) or 6-10 % slower (sync), at 8192 (62 keys) 20-40 % slower.
+pub const LONG_SPLIT_TOKENS: usize = 512;
+
+/// The most splits a row of `kv_len` keys takes: [`SHORT_MAX_SPLITS`], more only while each split
+/// keeps [`LONG_SPLIT_TOKENS`] keys, never past [`MAX_SPLITS`].
+pub fn max_splits_for(kv_len: usize) -> usize {
+    (kv_len / LONG_SPLIT_TOKENS).clamp(SHORT_MAX_SPLITS, MAX_SPLITS)
+}
 
 /// Waves of resident blocks the sync scheme aims for once the batch alone overfills one wave:
 /// shorter splits make the last, partial wave a smaller share. Measured on the H100 (fp16,
@@ -245,7 +258,7 @@ pub fn num_splits_resident(
     let items = (batch * kv_heads).max(1);
     let sms = sm_count.max(1);
     let slots = resident_per_sm.max(1) * sms;
-    let max = (kv_len / MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let max = (kv_len / MIN_SPLIT_TOKENS).clamp(1, max_splits_for(kv_len));
     if heads_per_block > 1 {
         // Blocks per split: one per (sequence, kv head, head chunk).
         let units = items * chunks.max(1);
@@ -282,7 +295,7 @@ pub fn num_splits_resident(
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
 /// [`BLOCKS_PER_SM`] per SM ([`SMALL_BATCH_BLOCKS_PER_SM`] when there are fewer items than SMs;
 /// one item is one thread block serving a whole GQA head group), with every split at least
-/// [`MIN_SPLIT_TOKENS`] keys long and at most [`MAX_SPLITS`] splits. Large batches get one split
+/// [`MIN_SPLIT_TOKENS`] keys long and at most [`max_splits_for`] the length. Large batches get one split
 /// (the batch alone fills the device).
 pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize) -> usize {
     let items = (batch * kv_heads).max(1);
@@ -295,7 +308,7 @@ pub fn num_splits(batch: usize, kv_heads: usize, kv_len: usize, sm_count: usize)
     let target = per_sm * sms;
     let want = target.div_ceil(items);
     let by_len = (kv_len / MIN_SPLIT_TOKENS).max(1);
-    want.min(by_len).clamp(1, MAX_SPLITS)
+    want.min(by_len).clamp(1, max_splits_for(kv_len))
 }
 
 /// One decode step: one new query token per sequence over its cached keys (the token's own K and
@@ -527,8 +540,12 @@ mod tests {
         // A large batch fills the device alone, a middling one takes a few splits.
         assert_eq!(num_splits(64, 32, 16384, 132), 1);
         assert_eq!(num_splits(64, 8, 16384, 132), 3);
-        // Never more than MAX_SPLITS.
+        // Never more than MAX_SPLITS, nor past SHORT_MAX_SPLITS with splits under
+        // LONG_SPLIT_TOKENS keys.
         assert_eq!(num_splits(1, 1, 1 << 20, 132), MAX_SPLITS);
+        assert_eq!(num_splits(1, 1, 20000, 132), SHORT_MAX_SPLITS);
+        assert_eq!(num_splits(1, 4, 40000, 132), 78);
+        assert_eq!(max_splits_for(0), SHORT_MAX_SPLITS);
         assert_eq!(num_splits(0, 0, 0, 0), 1);
     }
 
@@ -562,10 +579,13 @@ mod tests {
         assert_eq!(num_splits(1, 8, 4096, 132), 64);
         assert_eq!(num_splits_resident(1, 8, 4096, 132, 3, 4, 1, true), 49);
         // Batch 1 of 8, 4 and 2 kv heads on the tensor-core pass (8 heads per block, 4 resident
-        // per SM): one wave of 528 blocks, 66 / 132 / 256 (MAX_SPLITS) splits at 131072 keys.
+        // per SM): one wave of 528 blocks, 66 / 132 / 256 (MAX_SPLITS) splits at 131072 keys;
+        // at 32768 keys the splits would be shorter than LONG_SPLIT_TOKENS: 64.
         assert_eq!(num_splits_resident(1, 8, 131072, 132, 4, 4, 1, true), 66);
         assert_eq!(num_splits_resident(1, 4, 131072, 132, 4, 8, 1, false), 132);
         assert_eq!(num_splits_resident(1, 2, 131072, 132, 4, 8, 1, true), MAX_SPLITS);
+        assert_eq!(num_splits_resident(1, 4, 32768, 132, 4, 8, 1, true), SHORT_MAX_SPLITS);
+        assert_eq!(num_splits_resident(1, 4, 65536, 132, 4, 8, 1, true), 128);
         assert_eq!(num_splits_resident(1, 8, 4096, 132, 4, 8, 1, true), 64);
         assert_eq!(num_splits_resident(8, 8, 4096, 132, 3, 4, 1, true), 6);
         // The tensor-core pass (4 resident per SM, 528 slots): GQA 32/8 at batch 4 takes 16

@@ -11,8 +11,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::decode_tc::TcMode;
 use super::launch::Launch;
 use super::sources::{
-    attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, with_interleaved_splits,
-    KernelSource, PREFILL_BM,
+    attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, KernelSource, PREFILL_BM,
 };
 use super::tma::PoolMaps;
 use super::upload::{i32_bytes, Upload};
@@ -277,14 +276,8 @@ pub fn decode(
             (s, a, 0)
         }
     };
-    // The split order (decode_split_order) is a compile-time choice of the module: its own URI.
-    let interleaved = tc && stages.is_none() && super::decode_tc::interleaved_splits()?;
-    let il = if interleaved { "_il" } else { "" };
-    let uri = format!("attn_decode_{}_d{d}_hg{hg}{il}", p.dtype);
-    let src = || {
-        let s = attn_decode_source(p.dtype, d, hg);
-        Ok(if interleaved { with_interleaved_splits(s) } else { s })
-    };
+    let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
+    let src = || Ok(attn_decode_source(p.dtype, d, hg));
 
     let mut sc = b.attn.borrow_mut();
     // The split count from the occupancy of the kernel the shape's first plan takes
@@ -325,7 +318,6 @@ pub fn decode(
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
     let pass = match (tc, smem) {
         (false, _) => "CUDA-core".to_string(),
-        (true, 0) if interleaved => "tensor-core, interleaved splits".to_string(),
         (true, 0) => "tensor-core".to_string(),
         (true, _) => format!("tensor-core, {} cp.async stages", stages.unwrap_or(0)),
     };

@@ -39,25 +39,6 @@ fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
     }
 }
 
-/// Whether the tensor-core pass interleaves its splits (`decode_split_order=interleaved`,
-/// `FDPP_DECODE_SPLIT_ORDER`; kernels_cuda/attn_decode_tc.cuh `tc_key_range`): split s of S reads
-/// the block steps s, s + S, ... instead of one contiguous range. An experiment switch until the
-/// GPU decides (reports/NOTES.md, session 18).
-pub fn interleaved_splits() -> Result<bool> {
-    parse_split_order(run_config::get().get(Key::DecodeSplitOrder)).map_err(FdppError::InvalidArgument)
-}
-
-/// The value of `decode_split_order`, or the message refusing it.
-fn parse_split_order(v: Option<&str>) -> std::result::Result<bool, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("contiguous") => Ok(false),
-        Some("interleaved") => Ok(true),
-        Some(other) => Err(format!(
-            "decode_split_order (FDPP_DECODE_SPLIT_ORDER) = '{other}': expected contiguous or interleaved"
-        )),
-    }
-}
-
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
@@ -128,15 +109,6 @@ mod tests {
             let e = parse_stages(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_TC_STAGES") && e.contains(bad), "{e}");
         }
-    }
-
-    #[test]
-    fn the_split_order_parses_and_refuses_other_values() {
-        assert_eq!(parse_split_order(None), Ok(false));
-        assert_eq!(parse_split_order(Some("contiguous")), Ok(false));
-        assert_eq!(parse_split_order(Some(" interleaved ")), Ok(true));
-        let e = parse_split_order(Some("strided")).unwrap_err();
-        assert!(e.contains("FDPP_DECODE_SPLIT_ORDER") && e.contains("'strided'"), "{e}");
     }
 
     #[test]

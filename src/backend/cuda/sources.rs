@@ -184,12 +184,6 @@ pub fn all_sources() -> Vec<KernelSource> {
             for hg in decode_heads_per_block(d) {
                 v.push(attn_decode_source(dt, d, hg));
             }
-            // The interleaved split order (an experiment switch): its one changed function is
-            // the same at every hg, so the largest block stands for the rest.
-            if dt == DType::F16 {
-                let hg = decode_heads_per_block(d).last().copied().unwrap_or(1);
-                v.push(with_interleaved_splits(attn_decode_source(dt, d, hg)));
-            }
             v.push(attn_prefill_source(dt, d));
             v.push(attn_scores_source(dt, d));
         }
@@ -270,14 +264,6 @@ pub fn attn_decode_source(dtype: DType, head_dim: usize, hg: usize) -> KernelSou
             ("FDPP_HG".into(), hg.to_string()),
         ],
     }
-}
-
-/// `src` (an [`attn_decode_source`]) with the tensor-core pass's splits interleaved
-/// (FDPP_DECODE_IL; switch `decode_split_order`), under a URI of its own.
-pub fn with_interleaved_splits(mut src: KernelSource) -> KernelSource {
-    src.uri.push_str("_il");
-    src.defines.push(("FDPP_DECODE_IL".into(), "1".into()));
-    src
 }
 
 /// Causal tiled prefill (sync and async) for one dtype and head_dim.
