@@ -414,8 +414,7 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
 
 #include "attn_decode_tc.cuh"
 
-// One block's main pass over keys [t0, t1) of its heads (or, given `claim`, over the steps of the
-// row of `len` keys it claims: tc_accumulate_claimed) (q rows row0 .. row0 + nh − 1), merged:
+// One block's main pass over keys [t0, t1) of its heads (q rows row0 .. row0 + nh − 1), merged:
 // on return a[] holds the thread's merged elements and `sm` the per-warp (m, l, mx, over), as
 // block_merge describes. TC picks the main pass: 0 the CUDA-core one, 1 the tensor-core pass
 // (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
@@ -426,14 +425,14 @@ __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
                                            const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
-                                           int t1, int len, unsigned* claim, float phi2, float b2) {
+                                           int t1, float phi2, float b2) {
     if constexpr (TC >= 2) {
         static_assert(BW, "the staged pass has the bandwidth path's loop only");
         tcs_block_pass<ASYNC, NT, U, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
                                          b2);
     } else if constexpr (TC) {
-        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, len,
-                                         claim, phi2, b2);
+        tc_block_pass<ASYNC, NT, U, !BW>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, t0, t1, phi2,
+                                         b2);
     } else {
         float qr[HG][8];
         load_q(qr, q, row0, scale2, nh);
@@ -473,14 +472,6 @@ struct Where {
 
 // Head chunks per kv head: ⌈group / HG⌉ (the last one partial when HG does not divide group).
 __device__ __forceinline__ int chunks_of(int group) { return (group + HG - 1) / HG; }
-
-// The step counter of this block's (sequence, kv head, head chunk) when its steps are handed out
-// at run time (tc_accumulate_claimed), else null: only with several splits, a counter buffer and
-// the tensor-core pass's one-warp steps (the launcher passes null elsewhere).
-__device__ __forceinline__ unsigned* claim_of(unsigned* claims, int group, int splits) {
-    const int chunks = chunks_of(group);
-    return claims && splits > 1 ? claims + blockIdx.y * chunks + blockIdx.x % chunks : nullptr;
-}
 
 // Bits of the live heads 0 .. nh − 1.
 __device__ __forceinline__ unsigned live_mask(int nh) { return nh >= 32 ? ~0u : (1u << nh) - 1u; }
@@ -532,8 +523,7 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
                                             const int* __restrict__ pages, int page_size, int G, int kvh, int len,
                                             u16* __restrict__ out, int row0, int nh, unsigned mask) {
     float a[Shape<NT, U>::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, 0, len, len, nullptr,
-                                     0.f, 0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, nh, scale2, kp, vp, pages, page_size, G, kvh, 0, len, 0.f, 0.f);
     float lh[HG];
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
@@ -549,7 +539,7 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
                                             const u16* __restrict__ vp, const int* __restrict__ table,
                                             const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
                                             int splits, float scale2, float* __restrict__ part,
-                                            u16* __restrict__ out, unsigned* __restrict__ claims) {
+                                            u16* __restrict__ out) {
     using S = Shape<NT, U>;
     pdl_wait();
     pdl_trigger();
@@ -559,8 +549,8 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
     float a[S::EPT];
-    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
-                                     w.len, claim_of(claims, group, splits), 0.f, 0.f);
+    block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
+                                     0.f);
     if (splits == 1) {
         float lh[HG];
 #pragma unroll
@@ -622,13 +612,9 @@ __device__ __forceinline__ float combine_reduce(float v, float* red) {
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out,
-             unsigned* __restrict__ claims, int units) {
+attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restrict__ out) {
     pdl_wait();
     pdl_trigger();
-    // The decode launch is over: its step counters (tc_accumulate_claimed) back to zero, one per
-    // block (units ≤ rows: a unit is one or more query heads).
-    if (claims && threadIdx.x == 0 && (int)blockIdx.x < units) claims[blockIdx.x] = 0;
     __shared__ float wt[COMBINE_MAX_SPLITS];
     __shared__ float red[COMBINE_THREADS];
     __shared__ float4 sums[COMBINE_THREADS];
@@ -692,7 +678,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
                                              int splits, float scale2, float phi2, float a2, float b2,
                                              float* __restrict__ ws, unsigned* __restrict__ recomputed,
-                                             u16* __restrict__ out, unsigned* __restrict__ claims) {
+                                             u16* __restrict__ out) {
     using S = Shape<NT, U>;
     pdl_wait();
     pdl_trigger();
@@ -706,7 +692,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 
     float a[S::EPT];
     block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
-                                    w.len, claim_of(claims, group, splits), phi2, b2);
+                                    phi2, b2);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];
@@ -769,11 +755,7 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             sm.lfin[h] = l;
             if (over || !(mx - phi2 >= a2) || !(l > 0.f) || !finite(l)) bad |= 1u << h;
         }
-        if (threadIdx.x == 0) {
-            arrivals[chunk_id] = 0;
-            // Every block of these rows has arrived, so every claim of theirs has returned.
-            if (claims) claims[chunk_id] = 0;
-        }
+        if (threadIdx.x == 0) arrivals[chunk_id] = 0;
     }
     // Non-finite sums show in the accumulator too.
 #pragma unroll
@@ -812,18 +794,16 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     extern "C" __global__ void __launch_bounds__(NT, MINB_SYNC) attn_decode_sync##SUFFIX(                    \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
-        int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out,                     \
-        unsigned* __restrict__ claims) {                                                                      \
-        decode_sync<NT, U, BW, TC>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out,  \
-                                   claims);                                                                   \
+        int G, int splits, float scale2, float* __restrict__ part, u16* __restrict__ out) {                   \
+        decode_sync<NT, U, BW, TC>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, part, out); \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(NT, MINB_ASYNC) attn_decode_async##SUFFIX(                  \
         const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,                    \
         const int* __restrict__ table, const int* __restrict__ lens, int max_pages, int page_size, int H,     \
         int G, int splits, float scale2, float phi2, float a2, float b2, float* __restrict__ ws,               \
-        unsigned* __restrict__ recomputed, u16* __restrict__ out, unsigned* __restrict__ claims) {            \
+        unsigned* __restrict__ recomputed, u16* __restrict__ out) {                                           \
         decode_async<NT, U, BW, TC>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2,  \
-                                b2, ws, recomputed, out, claims);                                             \
+                                b2, ws, recomputed, out);                                                     \
     }
 
 // Blocks per SM (0: ptxas's choice). The bandwidth path's async kernel with one head per block is

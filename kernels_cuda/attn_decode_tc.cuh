@@ -309,44 +309,6 @@ __device__ __forceinline__ void tc_accumulate(TcPart& p, const uint4 (&qf)[TC_KC
     }
 }
 
-// The bandwidth loop with steps handed out at run time (`claim`: the counter of the block's
-// (sequence, kv head, head chunk), zero at launch): each warp takes the next free 16-key step of
-// the whole row with one atomic, the claim of its following step in flight while this one is
-// computed, until the steps run out. Why: with every split's range fixed the SMs of a batch-1
-// launch finish apart (ncu, H100, GQA 32/8 and 32/4 at 32768-131072 keys: an SM is active
-// 90-94 % of the kernel on average against 97-99 % for the busiest), and the last few percent of
-// the time stream at a fraction of the card's rate; handed out step by step, every warp keeps
-// reading until the row is done. The merge does not care which keys a block held. One warp per
-// step only (d ≤ 128: a d256 step is a team of two warps), NT / 32 warps claiming alike.
-template <int NT>
-__device__ __forceinline__ void tc_accumulate_claimed(TcPart& p, const uint4 (&qf)[TC_KC], const u16* __restrict__ kp,
-                                                      const u16* __restrict__ vp, const int* __restrict__ pages,
-                                                      int page_size, int G, int kvh, int len, unsigned* claim,
-                                                      float scale2) {
-    static_assert(TC_SPLIT == 1, "a step is one warp's");
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const size_t row_elems = (size_t)G * D;
-    const u16* kb = kp + (size_t)kvh * D + 8 * t;
-    const u16* vb = vp + (size_t)kvh * D + 8 * t;
-    const unsigned steps = (unsigned)(len + 15) / 16;
-    unsigned s = 0;
-    if (lane == 0) s = atomicAdd(claim, 1u);
-    s = __shfl_sync(0xffffffffu, s, 0);
-    while (s < steps) {
-        unsigned next = 0;
-        if (lane == 0) next = atomicAdd(claim, 1u);
-        const int base = (int)s * 16;
-        int pa, sa, pb, sb;
-        tc_page(pa, sa, pages, page_size, base + g, len);
-        tc_page(pb, sb, pages, page_size, base + g + 8, len);
-        uint4 ka[TC_KC], va[TC_KC], kb2[TC_KC], vb2[TC_KC];
-        tc_load_row(ka, va, kb, vb, pa, sa, page_size, row_elems);
-        tc_load_row(kb2, vb2, kb, vb, pb, sb, page_size, row_elems);
-        tc_step(p, qf, ka, kb2, va, vb2, base + g < len, base + g + 8 < len, scale2, 0);
-        s = __shfl_sync(0xffffffffu, next, 0);
-    }
-}
-
 // The warp's state into its slot of shared memory, in block_merge's form: per head, the sums
 // against the warp's max (sync) or against φ (async: × 2^(m − φ), once), the largest score and
 // the over flag; O^T's rows back in dim order. At d256 each warp of a team fills its half of the
@@ -399,20 +361,13 @@ __device__ __forceinline__ void tc_block_pass(Smem<Shape<NT, U>::NW>& sm, float 
                                               const u16* __restrict__ q, int row0, int nh, float scale2,
                                               const u16* __restrict__ kp, const u16* __restrict__ vp,
                                               const int* __restrict__ pages, int page_size, int G, int kvh, int t0,
-                                              int t1, int len, unsigned* claim, float phi2, float b2) {
+                                              int t1, float phi2, float b2) {
     static_assert(TC_DW <= 128, "a warp holds TC_DW/2 accumulator floats per lane");
     uint4 qf[TC_KC];
     tc_load_q(qf, q, row0, nh);
     TcPart p;
     tc_init(p);
-    if constexpr (!AHEAD && TC_SPLIT == 1) {
-        if (claim)
-            tc_accumulate_claimed<NT>(p, qf, kp, vp, pages, page_size, G, kvh, len, claim, scale2);
-        else
-            tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
-    } else {
-        tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
-    }
+    tc_accumulate<NT, AHEAD>(p, qf, kp, vp, pages, page_size, G, kvh, t0, t1, scale2);
     tc_store<ASYNC>(sm, p, phi2, b2);
     block_sum<ASYNC, NT, U>(sm, a);
 }

@@ -24,7 +24,6 @@ pub enum Key {
     DecodePath,
     DecodeTc,
     DecodeTcStages,
-    DecodeClaim,
     SoftmaxWindows,
     HopperTma,
     HopperStages,
@@ -188,15 +187,6 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Behaviour,
         what: "the tensor-core decode pass's bandwidth path with K/V staged through shared memory by cp.async, 2 or 3 stages per warp (0: the register pass)",
-    },
-    KeyInfo {
-        key: Key::DecodeClaim,
-        name: "decode_claim",
-        env: "FDPP_DECODE_CLAIM",
-        values: "1|0",
-        default: "1",
-        kind: Kind::Behaviour,
-        what: "the tensor-core decode pass's bandwidth path hands out 16-key steps at run time to the warps of a row's splits (0: each split a fixed range)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -524,7 +514,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 32);
+        assert_eq!(KEYS.len(), 31);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -42,9 +42,6 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
-    /// Step counters of the claimed bandwidth loop, one per (sequence, kv head, head chunk); zero
-    /// between launches (the combine, or the async kernel's last split, restores them).
-    claims: Option<CudaSlice<u32>>,
     /// What is known of each decode entry, keyed by (dtype, head_dim, heads per block, entry) —
     /// the module's parameters, so a lookup on every launch allocates nothing.
     entries: std::collections::HashMap<(DType, usize, usize, &'static str), EntryState>,
@@ -300,22 +297,6 @@ pub fn decode(
     let path = DecodePath::for_plan(&plan, p.scheme, cus);
     let (sync_entry, async_entry, smem) = entries_of(path);
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
-    // The claimed loop (kernels_cuda/attn_decode_tc.cuh `tc_accumulate_claimed`): the register
-    // pass's bandwidth path with one-warp steps (d ≤ 128) and several splits.
-    let claimed = tc
-        && smem == 0
-        && path == DecodePath::Bandwidth
-        && d <= 128
-        && splits > 1
-        && super::decode_tc::claimed_steps()?;
-    let units = plan.batch * plan.kv_heads * plan.chunks;
-    let claims = if claimed {
-        grow(b, &mut sc.claims, units, "step counters")?;
-        ptr_of(b, &sc.claims)?
-    } else {
-        0
-    };
-    let units32 = i32_of(units, "decode units")?;
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
     let lens = tables + 4 * lens_at as u64;
@@ -337,7 +318,6 @@ pub fn decode(
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
     let pass = match (tc, smem) {
         (false, _) => "CUDA-core".to_string(),
-        (true, 0) if claimed => "tensor-core, claimed steps".to_string(),
         (true, 0) => "tensor-core".to_string(),
         (true, _) => format!("tensor-core, {} cp.async stages", stages.unwrap_or(0)),
     };
@@ -359,15 +339,14 @@ pub fn decode(
                 .arg(&g32)
                 .arg(&s32)
                 .arg(&scale2);
-            l.arg(&part).arg(&op).arg(&claims);
-            // SAFETY: buffer lengths and tables are validated above; part covers rows·splits·(D+2),
-            // claims (when not null) one counter per unit.
+            l.arg(&part).arg(&op);
+            // SAFETY: buffer lengths and tables are validated above; part covers rows·splits·(D+2).
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             if splits > 1 {
                 let f = b.function_of(&uri, "attn_combine", 0, src)?;
                 let r32 = i32_of(rows, "rows")?;
                 let mut l = Launch::chained(b, &f);
-                l.arg(&part).arg(&r32).arg(&s32).arg(&op).arg(&claims).arg(&units32);
+                l.arg(&part).arg(&r32).arg(&s32).arg(&op);
                 let cfg = LaunchConfig {
                     grid_dim: (rows as u32, 1, 1),
                     block_dim: (THREADS, 1, 1),
@@ -392,13 +371,7 @@ pub fn decode(
                 .arg(&g32)
                 .arg(&s32)
                 .arg(&scale2);
-            l.arg(&phi2)
-                .arg(&a2)
-                .arg(&b2)
-                .arg(&ws)
-                .arg(&counter)
-                .arg(&op)
-                .arg(&claims);
+            l.arg(&phi2).arg(&a2).arg(&b2).arg(&ws).arg(&counter).arg(&op);
             // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;

@@ -39,21 +39,6 @@ fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
     }
 }
 
-/// Whether the tensor-core pass's bandwidth path hands out its steps at run time (`decode_claim`,
-/// `FDPP_DECODE_CLAIM`; kernels_cuda/attn_decode_tc.cuh `tc_accumulate_claimed`): on unless `0`.
-pub fn claimed_steps() -> Result<bool> {
-    parse_claim(run_config::get().get(Key::DecodeClaim)).map_err(FdppError::InvalidArgument)
-}
-
-/// The value of `decode_claim`, or the message refusing it.
-fn parse_claim(v: Option<&str>) -> std::result::Result<bool, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(other) => Err(format!("decode_claim (FDPP_DECODE_CLAIM) = '{other}': expected 1 or 0")),
-    }
-}
-
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
@@ -124,15 +109,6 @@ mod tests {
             let e = parse_stages(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_TC_STAGES") && e.contains(bad), "{e}");
         }
-    }
-
-    #[test]
-    fn the_claim_switch_parses_and_refuses_other_values() {
-        assert_eq!(parse_claim(None), Ok(true));
-        assert_eq!(parse_claim(Some(" 0 ")), Ok(false));
-        assert_eq!(parse_claim(Some("1")), Ok(true));
-        let e = parse_claim(Some("yes")).unwrap_err();
-        assert!(e.contains("FDPP_DECODE_CLAIM") && e.contains("'yes'"), "{e}");
     }
 
     #[test]
