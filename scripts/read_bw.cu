@@ -28,6 +28,31 @@
         }                                                                                       \
     } while (0)
 
+// Milliseconds of `reps` launches of `launch`, each alone between two events, after two untimed
+// ones; sorted, so [0] is the fastest and [reps / 2] the median.
+template <class F>
+static std::vector<float> time_launches(F launch, int reps) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int w = 0; w < 2; ++w) launch();
+    std::vector<float> ms;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(a));
+        launch();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float t = 0;
+        CK(cudaEventElapsedTime(&t, a, b));
+        ms.push_back(t);
+    }
+    CK(cudaGetLastError());
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    std::sort(ms.begin(), ms.end());
+    return ms;
+}
+
 __device__ __forceinline__ uint4 ld_nc(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -85,24 +110,10 @@ __global__ void __launch_bounds__(128) read_rows(const uint4* __restrict__ k, co
 
 template <int HINT>
 static double time_rows(const uint4* p, size_t n, unsigned* out, int splits, double* median) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
     const size_t half = n / 2, tokens = half / 128;
     const uint4 *k = p, *v = p + half;
-    for (int w = 0; w < 2; ++w) read_rows<HINT><<<8 * splits, 128>>>(k, v, tokens, splits, out);
-    std::vector<float> ms;
-    for (int r = 0; r < 10; ++r) {
-        CK(cudaEventRecord(a));
-        read_rows<HINT><<<8 * splits, 128>>>(k, v, tokens, splits, out);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float tm = 0;
-        CK(cudaEventElapsedTime(&tm, a, b));
-        ms.push_back(tm);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
+    const std::vector<float> ms =
+        time_launches([&] { read_rows<HINT><<<8 * splits, 128>>>(k, v, tokens, splits, out); }, 10);
     const double bytes = (double)tokens * 128 * 16 * 2;
     *median = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
     return bytes / (ms[0] * 1e-3) / 1e12;
@@ -150,26 +161,12 @@ __global__ void __launch_bounds__(128) read_rows_g(const uint4* __restrict__ k, 
 
 template <bool CONTIG>
 static double time_rows_g(const uint4* p, size_t bytes, int G, int splits, unsigned* out) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
     const size_t half = bytes / 32, tokens = half / (G * 16);
     const uint4 *k = p, *v = p + half;
     const int smem = 56 * 1024;
     CK(cudaFuncSetAttribute(read_rows_g<CONTIG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    for (int w = 0; w < 2; ++w) read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out);
-    std::vector<float> ms;
-    for (int r = 0; r < 20; ++r) {
-        CK(cudaEventRecord(a));
-        read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float tm = 0;
-        CK(cudaEventElapsedTime(&tm, a, b));
-        ms.push_back(tm);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
+    const std::vector<float> ms = time_launches(
+        [&] { read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out); }, 20);
     return (double)tokens * G * 256 * 2 / (ms[ms.size() / 2] * 1e-3) / 1e12;
 }
 
@@ -223,22 +220,7 @@ __global__ void read_kernel(const uint4* __restrict__ p, size_t n, unsigned* out
 template <int U>
 static double time_read(const uint4* p, size_t n, unsigned* out, int blocks, int threads, int reps,
                         double* median) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int w = 0; w < 2; ++w) read_kernel<U><<<blocks, threads>>>(p, n, out);
-    std::vector<float> ms;
-    for (int r = 0; r < reps; ++r) {
-        CK(cudaEventRecord(a));
-        read_kernel<U><<<blocks, threads>>>(p, n, out);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float t = 0;
-        CK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
+    const std::vector<float> ms = time_launches([&] { read_kernel<U><<<blocks, threads>>>(p, n, out); }, reps);
     const double bytes = (double)n * 16;
     *median = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
     return bytes / (ms[0] * 1e-3) / 1e12;

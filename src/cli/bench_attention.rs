@@ -70,7 +70,7 @@ pub struct AttnBenchArgs {
     pub variant: Vec<String>,
 
     /// Decode: split-KV blocks per row for sync and async, instead of the count fdpp chooses from
-    /// the batch, kv_len and SM count (1..=64), to measure that choice
+    /// the batch, kv_len and SM count (1..=256), to measure that choice
     #[arg(long)]
     pub splits: Option<usize>,
     /// Unified max φ of the async scheme (default 0).
