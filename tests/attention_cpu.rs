@@ -135,7 +135,7 @@ fn split_count_does_not_change_the_result() {
     let q = b.upload(p.dtype, &qb).expect("q");
     let reference = decode_ref(&p, &kv.layout, &qb, &kv.k.data, &kv.v.data);
     for scheme in [SoftmaxScheme::Sync, CHECK_ASYNC] {
-        for splits in [1, 2, 5, 64] {
+        for splits in [1, 2, 5, 64, 256] {
             p.scheme = scheme;
             p.num_splits = Some(splits);
             let mut out = b.alloc(p.dtype, n).expect("out");
@@ -199,7 +199,10 @@ fn split_counts_outside_the_supported_range_are_refused() {
         p.num_splits = Some(n);
         let e = run_decode(&b, &p, &kv).expect_err("split count");
         assert!(
-            e.to_string().contains(&format!("num_splits {n} is outside 1..=64")),
+            e.to_string().contains(&format!(
+                "num_splits {n} is outside 1..={}",
+                fdpp::ops::attention::MAX_SPLITS
+            )),
             "{e}"
         );
     }

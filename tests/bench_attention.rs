@@ -333,8 +333,10 @@ fn forced_splits_reach_sync_and_async_and_stay_correct() {
 
 #[test]
 fn bad_input_is_refused_with_the_reason() {
-    fails_with(&["--splits", "0"], "--splits 0: must be 1..=64");
-    fails_with(&["--splits", "65"], "--splits 65: must be 1..=64");
+    let most = fdpp::ops::attention::MAX_SPLITS;
+    fails_with(&["--splits", "0"], &format!("--splits 0: must be 1..={most}"));
+    let over = (most + 1).to_string();
+    fails_with(&["--splits", &over], &format!("--splits {over}: must be 1..={most}"));
     fails_with(
         &["--phase", "prefill", "--splits", "2"],
         "--splits applies to --phase decode",
