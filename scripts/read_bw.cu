@@ -5,7 +5,6 @@
 //
 //   nvcc -O3 -arch=sm_90a scripts/read_bw.cu -o /tmp/read_bw && /tmp/read_bw [GiB]
 //   /tmp/read_bw sizes BYTES[,BYTES...]   the ceiling at each size (below)
-//   /tmp/read_bw rows BYTES KV_HEADS SPLITS [...]   the decode pattern's mimic, two assignments
 //
 // `sizes`: the same sweep over a buffer of exactly BYTES, read again and again as a benchmark
 // reads one KV cache, each launch timed alone with events and the median of 20 taken, as `fdpp
@@ -119,83 +118,6 @@ static double time_rows(const uint4* p, size_t n, unsigned* out, int splits, dou
     return bytes / (ms[0] * 1e-3) / 1e12;
 }
 
-// read_rows generalised for the `rows` mode: G kv heads (token rows of G · 256 bytes), one block
-// of 4 warps per (kv head, split), held to 4 blocks per SM by its dynamic shared memory as the
-// decode kernel is by its registers. CONTIG: split s reads tokens [s·per, (s + 1)·per) (the
-// decode launch's assignment); else split s reads the 64-token steps s, s + splits, ... so that
-// every block walks the cache at the same pace (a grid-stride order).
-template <bool CONTIG>
-__global__ void __launch_bounds__(128) read_rows_g(const uint4* __restrict__ k, const uint4* __restrict__ v,
-                                                   size_t tokens, int G, int splits, unsigned* out) {
-    const int kvh = blockIdx.x % G, split = blockIdx.x / G;
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
-    const size_t row = (size_t)G * 16;  // uint4 per token row
-    size_t t0, t1, stride;
-    if (CONTIG) {
-        const size_t per = (tokens + splits - 1) / splits;
-        t0 = split * per;
-        t1 = t0 + per < tokens ? t0 + per : tokens;
-        stride = 64;
-    } else {
-        t0 = (size_t)split * 64;
-        t1 = tokens;
-        stride = (size_t)splits * 64;
-    }
-    unsigned acc = 0;
-    for (size_t base = t0 + 16 * warp; base + 16 <= t1; base += stride) {
-        uint4 r[16];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const size_t at = (base + g + 8 * h) * row + kvh * 16 + c * 4 + t;
-                r[c * 4 + h * 2] = ld_nc_hint<128>(k + at);
-                r[c * 4 + h * 2 + 1] = ld_nc_hint<128>(v + at);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
-    }
-    if (acc == 0x9e3779b9u) out[0] = acc;
-}
-
-template <bool CONTIG>
-static double time_rows_g(const uint4* p, size_t bytes, int G, int splits, unsigned* out) {
-    const size_t half = bytes / 32, tokens = half / (G * 16);
-    const uint4 *k = p, *v = p + half;
-    const int smem = 56 * 1024;
-    CK(cudaFuncSetAttribute(read_rows_g<CONTIG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const std::vector<float> ms = time_launches(
-        [&] { read_rows_g<CONTIG><<<G * splits, 128, smem>>>(k, v, tokens, G, splits, out); }, 20);
-    return (double)tokens * G * 256 * 2 / (ms[ms.size() / 2] * 1e-3) / 1e12;
-}
-
-// `rows` mode: the decode pattern's mimic at each (bytes, kv heads, splits) of the list, both
-// assignments; TB/s of the median launch.
-static int rows_mode(int argc, char** argv) {
-    size_t most = 0;
-    for (int i = 2; i < argc; ++i) most = std::max(most, (size_t)strtod(argv[i], nullptr));
-    uint4* p;
-    unsigned* out;
-    CK(cudaMalloc(&p, most + 4096));
-    CK(cudaMalloc(&out, 4));
-    CK(cudaMemset(p, 0x5a, most + 4096));
-    printf("bytes,kv_heads,splits,contiguous_tbs,interleaved_tbs\n");
-    for (int i = 2; i + 2 < argc; i += 3) {
-        const size_t bytes = (size_t)strtod(argv[i], nullptr);
-        const int G = atoi(argv[i + 1]), splits = atoi(argv[i + 2]);
-        if (G < 1 || G > 64 || splits < 1) {
-            fprintf(stderr, "rows: bad kv heads or splits at argument %d\n", i);
-            return 2;
-        }
-        const double c = time_rows_g<true>(p, bytes, G, splits, out);
-        const double il = time_rows_g<false>(p, bytes, G, splits, out);
-        printf("%zu,%d,%d,%.3f,%.3f\n", bytes, G, splits, c, il);
-        fflush(stdout);
-    }
-    return 0;
-}
-
 // U independent 16-byte loads in flight per thread, grid-stride; the xor of everything read is
 // written only if it equals a value it cannot plausibly take, so no load is dead code.
 template <int U>
@@ -224,6 +146,17 @@ static double time_read(const uint4* p, size_t n, unsigned* out, int blocks, int
     const double bytes = (double)n * 16;
     *median = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
     return bytes / (ms[0] * 1e-3) / 1e12;
+}
+
+// A device buffer of `bytes` filled with a constant (the reads need no particular data), the
+// kernels' 4-byte sink, ready to read.
+static uint4* filled_buffer(size_t bytes, unsigned** out) {
+    uint4* p;
+    CK(cudaMalloc(&p, bytes));
+    CK(cudaMalloc(out, 4));
+    CK(cudaMemset(p, 0x5a, bytes));
+    CK(cudaDeviceSynchronize());
+    return p;
 }
 
 // The best median over the sweep for a buffer of n 16-byte words; its configuration in cfg.
@@ -261,12 +194,8 @@ static int sizes_mode(const char* list) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const size_t most = *std::max_element(sizes.begin(), sizes.end());
-    uint4* p;
     unsigned* out;
-    CK(cudaMalloc(&p, most));
-    CK(cudaMalloc(&out, 4));
-    CK(cudaMemset(p, 0x5a, most));
-    CK(cudaDeviceSynchronize());
+    const uint4* p = filled_buffer(most, &out);
     printf("# device %s, %d SMs; median of 20 timed launches per configuration, best configuration\n", prop.name,
            prop.multiProcessorCount);
     printf("bytes,ceiling_tbs,unroll,blocks_per_sm,threads\n");
@@ -281,18 +210,13 @@ static int sizes_mode(const char* list) {
 
 int main(int argc, char** argv) {
     if (argc > 2 && std::string(argv[1]) == "sizes") return sizes_mode(argv[2]);
-    if (argc > 4 && std::string(argv[1]) == "rows") return rows_mode(argc, argv);
     const double gib = argc > 1 ? atof(argv[1]) : 8.0;
     const size_t bytes = (size_t)(gib * (1ull << 30)) / 16 * 16;
     const size_t n = bytes / 16;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    uint4* p;
     unsigned* out;
-    CK(cudaMalloc(&p, bytes));
-    CK(cudaMalloc(&out, 4));
-    CK(cudaMemset(p, 0x5a, bytes));
-    CK(cudaDeviceSynchronize());
+    const uint4* p = filled_buffer(bytes, &out);
     printf("device %s, %d SMs, buffer %.2f GiB, TB/s = 1e12 B/s, 10 timed runs each\n", prop.name,
            prop.multiProcessorCount, gib);
     printf("unroll,blocks_per_sm,threads,best_tbs,median_tbs\n");
