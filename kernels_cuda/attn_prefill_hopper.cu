@@ -53,6 +53,11 @@
 #ifndef FDPP_PINGPONG
 #define FDPP_PINGPONG 0
 #endif
+// 1: a whole key tile of consecutive pages comes as one TMA box per 64 columns (load_tma). Only in
+// the schedule the host picks where such tiles dominate: elsewhere the per-tile test cost 5 %.
+#ifndef FDPP_RUN_BOXES
+#define FDPP_RUN_BOXES 0
+#endif
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
@@ -225,6 +230,8 @@ struct Ctx {
     const int* pages;
     const TmaMap* kmap;
     const TmaMap* vmap;
+    const TmaMap* kmap_run;  // boxes of BN rows: a tile of consecutive slots (valid when tma_rows < BN)
+    const TmaMap* vmap_run;
     int tma_rows;  // rows of a TMA box (min(page_size, BN)), 0: every tile by cp.async
     int page_size, H, G, h, kvh, kv_end;
     int row0, pos0, rows;
@@ -301,18 +308,37 @@ __device__ __forceinline__ void tma_tile(const Ctx& c, const TmaMap* map, u32 ds
         tma_load_3d(dst + (u32)cb * BN * 128 + (u32)(j * c.tma_rows) * 128, map, bar, 64 * cb, c.kvh, slot);
 }
 
-// K or V of one tile by TMA from the first BN / tma_rows lanes of warp 0, the bytes expected on
-// `full` first; every producer thread then arrives on it.
-__device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, u32 dst, u32 full, int box, int pw, int lane,
-                                         bool tma_lane) {
+// K or V of one tile by TMA, the bytes expected on `full` first; every producer thread then
+// arrives on it. A tile of consecutive slots (`run`: its pages follow one another in the pool)
+// is one box of BN rows per 64 columns from lane 0 (`run_map`); any other, one box per page from
+// each of the first BN / tma_rows lanes of warp 0. Measured (reports/NOTES.md, session 19): with
+// the overlapped schedule the 16-row boxes of pages of 16 held the consumers on "K full", and
+// boxes of 128 rows ran 14 % faster at 16k.
+__device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, const TmaMap* run_map, u32 dst, u32 full, int box,
+                                         bool run, int pw, int lane, bool tma_lane) {
 #if FDPP_DIAG != 1
     if (pw == 0) {
         if (lane == 0) mbar_expect_tx(full, KV_BYTES);
         __syncwarp();
-        if (tma_lane) tma_tile(c, map, dst, full, box, lane);
+        if (FDPP_RUN_BOXES && run) {
+            if (lane == 0) {
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(dst + (u32)cb * BN * 128, run_map, full, 64 * cb, c.kvh, box);
+            }
+        } else if (tma_lane) {
+            tma_tile(c, map, dst, full, box, lane);
+        }
     }
 #endif
     mbar_arrive(full);
+}
+
+// Whether warp 0's boxes of a tile (lane j < BN / tma_rows: the slot of row j·tma_rows in `box`)
+// are one run of consecutive slots that a BN-row box covers. Called by all of warp 0.
+__device__ __forceinline__ bool tile_is_run(const Ctx& c, int box, int lane, bool tma_lane) {
+    if (!FDPP_RUN_BOXES || c.tma_rows == 0 || c.tma_rows >= BN) return false;
+    const int first = __shfl_sync(0xffffffffu, box, 0);
+    return __all_sync(0xffffffffu, !tma_lane || box == first + lane * c.tma_rows);
 }
 
 // The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
@@ -329,6 +355,7 @@ __device__ void produce(const Ctx& c, int& it) {
     // TMA lane j (< BN / tma_rows) of warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a tile,
     // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
     int box = by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0;
+    bool run = FDPP_RUN_BOXES && pw == 0 && by_tma > 0 && tile_is_run(c, box, lane, tma_lane);
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
@@ -336,9 +363,9 @@ __device__ void produce(const Ctx& c, int& it) {
         const u32 prev = (u32)((it / STAGES) - 1) & 1u;
         if (it >= STAGES) mbar_wait(c.empty_k(s), prev);
         if (n < by_tma) {
-            load_tma(c, c.kmap, c.sk(s), c.full_k(s), box, pw, lane, tma_lane);
+            load_tma(c, c.kmap, c.kmap_run, c.sk(s), c.full_k(s), box, run, pw, lane, tma_lane);
             if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
-            load_tma(c, c.vmap, c.sv(s), c.full_v(s), box, pw, lane, tma_lane);
+            load_tma(c, c.vmap, c.vmap_run, c.sv(s), c.full_v(s), box, run, pw, lane, tma_lane);
         } else {
             // The stage may last have been written by TMA (the async proxy).
             if (c.tma_rows > 0) fence_async_smem();
@@ -355,6 +382,7 @@ __device__ void produce(const Ctx& c, int& it) {
         // The next tile's rows, looked up while the consumers work on this one.
         if (n + 1 < by_tma) {
             if (tma_lane) box = (int)row_slot(c, (n + 1) * BN + lane * c.tma_rows);
+            if (FDPP_RUN_BOXES && pw == 0) run = tile_is_run(c, box, lane, tma_lane);
         } else if (n + 1 < ntiles) {
             slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
         }
@@ -580,7 +608,16 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             wg_wait<1>();
             keep_all(sc, NT * 4);
             release_k(it + 1);
-            softmax_tile<ASYNC>(k, sc, st, corr, n);
+            // The softmax of tile n + 1 is what runs under P·V of tile n, but ptxas schedules
+            // straight-line code past WARPGROUP.DEPBAR: with the call unguarded, every one of the
+            // tile's 64 MUFU.EX2 sat after the wait for P·V (SASS, NVRTC 13.0), so nothing
+            // overlapped. A branch it cannot resolve (scale2 > 0 always holds) is a region
+            // boundary it keeps, as it keeps the masking branch's.
+            if (k.scale2 > 0.f) {
+                softmax_tile<ASYNC>(k, sc, st, corr, n);
+            } else {
+                corr[0] = corr[1] = 1.f;
+            }
             wg_wait<0>();
             keep_all(st.o, DT * 4);
             release_v(it);
@@ -673,7 +710,8 @@ template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                         int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows) {
+                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows, const TmaMap* kmap_run,
+                        const TmaMap* vmap_run) {
     extern __shared__ __align__(1024) unsigned char smem[];
     // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
     const TileHead th = tile_head(H, G, nsec);
@@ -685,6 +723,8 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.pages = table + (size_t)tv.x * max_pages;
     c.kmap = kmap;
     c.vmap = vmap;
+    c.kmap_run = kmap_run;
+    c.vmap_run = vmap_run;
     c.tma_rows = tma_rows;
     c.page_size = page_size;
     c.H = H;
@@ -780,9 +820,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                          int H, int G, int nsec, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
-                         const __grid_constant__ TmaMap vmap, int tma_rows) {
+                         const __grid_constant__ TmaMap vmap, int tma_rows, const __grid_constant__ TmaMap kmap_run,
+                         const __grid_constant__ TmaMap vmap_run) {
     prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
-                   tma_rows);
+                   tma_rows, &kmap_run, &vmap_run);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -790,7 +831,7 @@ attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                           const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
                           int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
                           u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
-                          int tma_rows) {
+                          int tma_rows, const __grid_constant__ TmaMap kmap_run, const __grid_constant__ TmaMap vmap_run) {
     prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
-                  tma_rows);
+                  tma_rows, &kmap_run, &vmap_run);
 }

@@ -72,6 +72,10 @@ pub struct AttnCase {
     /// Prefill: new tokens of each sequence (the rest is the cached prefix). Empty for decode.
     pub new_lens: Vec<usize>,
     pub page_size: usize,
+    /// Pages handed out in order, as a fresh allocator does, with one pair swapped (pages 12
+    /// and 13 of the first sequence): whole key tiles of consecutive pages, which the Hopper
+    /// prefill loads as one TMA box each, beside one that is not. Else scattered.
+    pub runs: bool,
     pub force: Force,
 }
 
@@ -95,8 +99,15 @@ impl AttnCase {
             kv_lens: kv_lens.to_vec(),
             new_lens: new_lens.to_vec(),
             page_size: DEFAULT_PAGE_SIZE,
+            runs: false,
             force,
         }
+    }
+
+    /// The same case with pages in order but one pair ([`AttnCase::runs`]).
+    fn in_runs(mut self) -> Self {
+        self.runs = true;
+        self
     }
 
     /// The same case on pages of `page_size` tokens.
@@ -115,6 +126,9 @@ impl AttnCase {
         }
         if self.page_size != DEFAULT_PAGE_SIZE {
             s.push_str(&format!(" page={}", self.page_size));
+        }
+        if self.runs {
+            s.push_str(" pages=runs");
         }
         match self.force {
             Force::None => {}
@@ -176,6 +190,10 @@ fn cases_for(dt: DType, full: bool) -> Vec<AttnCase> {
         AttnCase::new(Prefill, dt, r1, &[400], &[400], n).paged(8),
         AttnCase::new(Prefill, dt, r8, &[530, 260], &[530, 200], n).paged(256),
         AttnCase::new(Prefill, dt, r1, &[300], &[300], n).paged(4),
+        // Pages in order, one pair swapped: whole tiles as one box, one tile box by box, and the
+        // overlapped schedule these take by default (prefill_hopper.rs `run_share`).
+        AttnCase::new(Prefill, dt, r4, &[700, 300], &[600, 300], n).in_runs(),
+        AttnCase::new(Prefill, dt, r8, &[1000], &[1000], Force::Overflow).in_runs(),
     ]
 }
 
@@ -378,11 +396,17 @@ fn build_inputs(c: &AttnCase, seed: u64) -> Result<Inputs> {
     let g = c.geom;
     g.validate()?;
     let dt = c.dtype;
-    // Scattered pages: a shuffled pool with 3 spare pages that no sequence owns.
+    // Scattered pages (unless `runs`): a shuffled pool with 3 spare pages that no sequence owns.
     let need: usize = c.kv_lens.iter().map(|&l| l.div_ceil(c.page_size)).sum();
     let layout = PagedKvLayout::new(c.page_size, need + 3, g.num_kv_heads, g.head_dim, dt)?;
     let mut ids: Vec<u32> = (0..layout.num_pages as u32).collect();
-    ids.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+    if c.runs {
+        if ids.len() > 13 {
+            ids.swap(12, 13);
+        }
+    } else {
+        ids.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+    }
     let mut next = ids.into_iter();
     let tables: Vec<BlockTable> = c
         .kv_lens

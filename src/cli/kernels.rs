@@ -30,6 +30,10 @@ pub enum KernelsCmd {
         /// for a quick check of the kernel being edited; fails if none matches.
         #[arg(long)]
         only: Option<String>,
+        /// Also write each CUDA CUBIN to DIR/<spec>.<arch>.cubin, to read its SASS with
+        /// `nvdisasm` or `cuobjdump -sass` (no GPU needed).
+        #[arg(long, value_name = "DIR")]
+        emit: Option<std::path::PathBuf>,
     },
     /// List every kernel spec URI and the kernel source hash.
     List {
@@ -80,16 +84,24 @@ pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
             arch,
             backend: KernelBackend::Cuda,
             only,
-        } => check(&or_default(arch, "sm_80,sm_89,sm_90a"), only.as_deref()),
+            emit,
+        } => check(
+            &or_default(arch, "sm_80,sm_89,sm_90a"),
+            only.as_deref(),
+            emit.as_deref(),
+        ),
         KernelsCmd::Check {
             backend: KernelBackend::Rocm,
-            only: Some(_),
+            only,
+            emit,
             ..
-        } => bail!("kernels check --only filters the CUDA specs; drop it with --backend rocm"),
+        } if only.is_some() || emit.is_some() => {
+            bail!("kernels check --only and --emit work on the CUDA specs; drop them with --backend rocm")
+        }
         KernelsCmd::Check {
             arch,
             backend: KernelBackend::Rocm,
-            only: None,
+            ..
         } => rocm_check::check(&or_default(arch, "gfx90a")),
         KernelsCmd::HiprtcChild { arch, uri } => rocm_check::child(&arch, &uri),
     }
@@ -103,7 +115,11 @@ fn or_default(arch: Vec<String>, default: &str) -> Vec<String> {
     }
 }
 
-fn check(archs: &[String], only: Option<&str>) -> anyhow::Result<()> {
+fn check(archs: &[String], only: Option<&str>, emit: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(dir) = emit {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("--emit {}: cannot create the directory: {e}", dir.display()))?;
+    }
     if !jit::nvrtc_present() {
         bail!(
             "NVRTC (libnvrtc.so) not found: install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc==13.0.88` \
@@ -140,7 +156,16 @@ fn check(archs: &[String], only: Option<&str>) -> anyhow::Result<()> {
     println!("| arch | spec | result | cubin bytes | seconds |\n|---|---|---|---|---|");
     for (arch, s, r, secs) in results {
         match r {
-            Ok(c) => println!("| {arch} | {} | ok | {} | {secs:.2} |", s.uri, c.len()),
+            Ok(c) => {
+                println!("| {arch} | {} | ok | {} | {secs:.2} |", s.uri, c.len());
+                if let Some(dir) = emit {
+                    let path = dir.join(format!("{}.{arch}.cubin", s.uri));
+                    if let Err(e) = std::fs::write(&path, &c) {
+                        eprintln!("--emit: cannot write {}: {e}", path.display());
+                        failed.push(format!("{} on {arch} (not written)", s.uri));
+                    }
+                }
+            }
             Err(e) => {
                 println!("| {arch} | {} | FAILED | - | {secs:.2} |", s.uri);
                 eprintln!("{e}");

@@ -461,8 +461,8 @@ pub(super) struct PrefillKernel<'a> {
     /// Query rows per block (the tile list's granularity).
     pub tile_rows: usize,
     pub smem: u32,
-    /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools and the rows of a
-    /// box (attn_prefill.cu takes none).
+    /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools, the rows of a
+    /// box, and the maps that box a tile of consecutive pages (attn_prefill.cu takes none).
     pub tma: Option<&'a PoolMaps>,
 }
 
@@ -535,7 +535,7 @@ pub(super) fn launch_prefill(
                 .arg(&scale2)
                 .arg(&op);
             if let Some(t) = k.tma {
-                l.arg(&t.k).arg(&t.v).arg(&t.rows);
+                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run);
             }
             // SAFETY: the caller validated lengths and tables; the tile list covers every new row
             // once; the shared memory is what the kernel lays out.
@@ -556,7 +556,7 @@ pub(super) fn launch_prefill(
                 .arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
             if let Some(t) = k.tma {
-                l.arg(&t.k).arg(&t.v).arg(&t.rows);
+                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run);
             }
             // SAFETY: as above.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;

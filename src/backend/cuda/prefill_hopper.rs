@@ -15,6 +15,7 @@ use super::tma::PoolMaps;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
+use crate::kv::paged::FlatBlockTables;
 use crate::kv::PagedKv;
 use crate::ops::attention::PrefillParams;
 use crate::run_config::Key;
@@ -32,6 +33,11 @@ pub struct Schedule {
     pub overlap: bool,
     /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
     pub pingpong: bool,
+    /// A whole key tile of consecutive pages comes as one TMA box per 64 columns (FDPP_RUN_BOXES;
+    /// tma.rs's `k_run`/`v_run`). Compiled only into the schedule the host picks where such tiles
+    /// dominate ([`Schedule::RUNS`]): in [`Schedule::DEFAULT`] the per-tile test cost 5 % with
+    /// scattered pages (sync, 1 · 4096 and 1 · 16384, H100, session 19).
+    pub runs: bool,
     /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2`): 1 = no K/V copies,
     /// 2 = no exponentials. The results are garbage; never a default.
     pub diag: u8,
@@ -48,12 +54,25 @@ impl Schedule {
         stages: 2,
         overlap: false,
         pingpong: false,
+        runs: false,
         diag: 0,
     };
 
+    /// The default where most key tiles come as one TMA box per 64 columns (pages of 128 slots
+    /// or more, or smaller pages that follow one another in the pool, [`run_share`]): three
+    /// stages, the softmax overlapped with P·V (FA3 §3.2) and the ping-pong (§3.1). Measured on
+    /// an H100 (reports/NOTES.md, session 19), pages of 128, sync: 608 TFLOP/s at 1 · 16384
+    /// against 531 for [`Schedule::DEFAULT`]; with pages of 16 scattered through the pool it is
+    /// the slower one (489 against 517), its consumers then waiting on "K full".
+    pub const RUNS: Schedule = Schedule {
+        runs: true,
+        ..Schedule::new(3, true, true)
+    };
+
     /// Every schedule `fdpp kernels check` compiles.
-    pub const ALL: [Schedule; 6] = [
+    pub const ALL: [Schedule; 7] = [
         Schedule::DEFAULT,
+        Schedule::RUNS,
         Schedule::new(3, true, true),
         Schedule::new(2, true, false),
         Schedule::new(3, false, false),
@@ -66,6 +85,7 @@ impl Schedule {
             stages,
             overlap,
             pingpong,
+            runs: false,
             diag: 0,
         }
     }
@@ -78,14 +98,17 @@ impl Schedule {
             u8::from(self.overlap),
             u8::from(self.pingpong)
         );
+        if self.runs {
+            t.push('r');
+        }
         if self.diag != 0 {
             t.push_str(&format!("-diag{}", self.diag));
         }
         t
     }
 
-    fn parse(stages: Option<&str>, overlap: Option<&str>, pingpong: Option<&str>) -> Result<Self> {
-        let mut v = Schedule::DEFAULT;
+    fn parse(base: Schedule, stages: Option<&str>, overlap: Option<&str>, pingpong: Option<&str>) -> Result<Self> {
+        let mut v = base;
         if let Some(s) = stages.map(str::trim).filter(|s| !s.is_empty()) {
             v.stages = match s {
                 "2" => 2,
@@ -132,11 +155,13 @@ impl Schedule {
         Ok(self)
     }
 
-    /// From the run configuration: `--set hopper_stages=…` etc., else the FDPP_* variables.
-    /// (Read from the environment alone before session 15, which silently ignored the flags.)
-    fn from_env() -> Result<Self> {
+    /// From the run configuration: `--set hopper_stages=…` etc., else the FDPP_* variables,
+    /// each switch left unset keeping `base`'s. (Read from the environment alone before session
+    /// 15, which silently ignored the flags.)
+    fn from_env(base: Schedule) -> Result<Self> {
         let rc = crate::run_config::get();
         Schedule::parse(
+            base,
             rc.get(Key::HopperStages),
             rc.get(Key::HopperOverlap),
             rc.get(Key::HopperPingpong),
@@ -220,7 +245,9 @@ pub fn wanted(b: &CudaBackend, p: &PrefillParams) -> Result<bool> {
     static SAID: std::sync::Once = std::sync::Once::new();
     if choice != Choice::Default {
         SAID.call_once(|| {
-            let sched = Schedule::from_env().map(|s| s.tag()).unwrap_or_default();
+            let sched = Schedule::from_env(Schedule::DEFAULT)
+                .map(|s| format!("{} with scattered pages", s.tag()))
+                .unwrap_or_default();
             eprintln!(
                 "fdpp: FDPP_PREFILL={choice:?} on {arch}, head_dim {}: {}",
                 p.geom.head_dim,
@@ -246,7 +273,13 @@ pub fn attend(
     counting: bool,
 ) -> Result<usize> {
     let d = p.geom.head_dim;
-    let sched = Schedule::from_env()?;
+    let fits = smem_bytes(d, Schedule::RUNS.stages) <= b.max_smem_per_block();
+    let base = if fits && run_share(&p.tables, kv.layout.page_size) >= 0.5 {
+        Schedule::RUNS
+    } else {
+        Schedule::DEFAULT
+    };
+    let sched = Schedule::from_env(base)?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v))?;
     launch_prefill(
@@ -266,6 +299,33 @@ pub fn attend(
             tma: Some(&maps),
         },
     )
+}
+
+/// The share of the batch's whole key tiles (BN slots) that a BN-row TMA box covers: all of them
+/// with pages of BN slots or more; with smaller pages that divide BN, those whose pages follow one
+/// another in the pool (the kernel's `tile_is_run`); none otherwise.
+pub fn run_share(tables: &FlatBlockTables, page_size: usize) -> f64 {
+    if page_size >= BN {
+        return 1.0;
+    }
+    if page_size == 0 || !BN.is_multiple_of(page_size) {
+        return 0.0;
+    }
+    let per = BN / page_size;
+    let (mut runs, mut whole) = (0usize, 0usize);
+    for b in 0..tables.batch() {
+        let row = &tables.block_table[b * tables.max_pages..(b + 1) * tables.max_pages];
+        let tiles = (tables.seq_len(b) / BN).min(row.len() / per);
+        for t in row.chunks_exact(per).take(tiles) {
+            whole += 1;
+            runs += usize::from(t.windows(2).all(|w| w[1] == w[0] + 1));
+        }
+    }
+    if whole == 0 {
+        0.0
+    } else {
+        runs as f64 / whole as f64
+    }
 }
 
 #[cfg(test)]
@@ -308,14 +368,21 @@ mod tests {
                 format!("attn_prefill_hopper_f16_d{d}_{}", Schedule::DEFAULT.tag())
             );
         }
-        assert_eq!(Schedule::parse(None, None, None).unwrap(), Schedule::DEFAULT);
-        let v = Schedule::parse(Some("3"), Some("1"), Some("1")).unwrap();
+        assert_eq!(
+            Schedule::parse(Schedule::DEFAULT, None, None, None).unwrap(),
+            Schedule::DEFAULT
+        );
+        let v = Schedule::parse(Schedule::DEFAULT, Some("3"), Some("1"), Some("1")).unwrap();
         assert_eq!(v, Schedule::new(3, true, true));
         assert_eq!(v.tag(), "s3o1p1");
-        assert!(Schedule::parse(Some("4"), None, None).is_err());
-        assert!(Schedule::parse(None, Some("yes"), None).is_err());
+        assert_eq!(Schedule::RUNS.tag(), "s3o1p1r");
+        // Switches left unset keep the base's; the run boxes stay with the base.
+        let r = Schedule::parse(Schedule::RUNS, Some("2"), Some("0"), None).unwrap();
+        assert_eq!(r.tag(), "s2o0p0r");
+        assert!(Schedule::parse(Schedule::DEFAULT, Some("4"), None, None).is_err());
+        assert!(Schedule::parse(Schedule::DEFAULT, None, Some("yes"), None).is_err());
         assert!(
-            Schedule::parse(None, Some("0"), Some("1")).is_err(),
+            Schedule::parse(Schedule::DEFAULT, None, Some("0"), Some("1")).is_err(),
             "ping-pong needs the overlap"
         );
         let d = Schedule::DEFAULT;
@@ -324,13 +391,34 @@ mod tests {
         assert_eq!(l.diag, 1);
         assert_eq!(l.tag(), "s2o0p0-diag1");
         assert_eq!(
-            Schedule::parse(Some("2"), Some("0"), None).unwrap().tag(),
+            Schedule::parse(Schedule::DEFAULT, Some("2"), Some("0"), None)
+                .unwrap()
+                .tag(),
             "s2o0p0",
             "the overlap off takes the default ping-pong with it"
         );
         assert!(d.parse_diag(Some("3")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
+    }
+
+    #[test]
+    fn run_share_counts_whole_tiles_of_consecutive_pages() {
+        let layout = crate::kv::paged::PagedKvLayout::new(16, 64, 1, 64, crate::dtype::DType::F16).unwrap();
+        let table = |pages: Vec<u32>, seq_len: usize| crate::kv::BlockTable { pages, seq_len };
+        // Sequence 0: 20 pages (320 keys, 2 whole tiles): tile 0 in order, tile 1 broken at page 12.
+        let mut p0: Vec<u32> = (0..20).collect();
+        p0.swap(12, 13);
+        // Sequence 1: 100 keys, no whole tile.
+        let p1: Vec<u32> = (40..47).collect();
+        let t = FlatBlockTables::new(&layout, &[table(p0, 320), table(p1, 100)]).unwrap();
+        assert_eq!(run_share(&t, 16), 0.5);
+        // Pages of a whole tile or more box every tile; pages that straddle tiles box none.
+        assert_eq!(run_share(&t, 128), 1.0);
+        assert_eq!(run_share(&t, 48), 0.0);
+        let scattered: Vec<u32> = (0..16).rev().collect();
+        let t = FlatBlockTables::new(&layout, &[table(scattered, 256)]).unwrap();
+        assert_eq!(run_share(&t, 16), 0.0);
     }
 
     /// The swizzled layout of attn_prefill_hopper.cu (swz) against the hardware's 128-byte

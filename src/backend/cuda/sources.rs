@@ -216,6 +216,7 @@ pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize, v: super::prefi
             ("FDPP_STAGES".into(), v.stages.to_string()),
             ("FDPP_OVERLAP".into(), u8::from(v.overlap).to_string()),
             ("FDPP_PINGPONG".into(), u8::from(v.pingpong).to_string()),
+            ("FDPP_RUN_BOXES".into(), u8::from(v.runs).to_string()),
             ("FDPP_DIAG".into(), v.diag.to_string()),
         ],
     }

@@ -4,8 +4,11 @@
 //! The pool holds K (or V) as [slots][kv heads][head_dim] 16-bit values, slot = page ·
 //! page_size + offset. One 3-D map covers all of it; a box is 64 columns × 1 kv head × `rows`
 //! slots (one page, or the 128-key tile when pages are larger), landing as `rows` lines of 128
-//! bytes with the 128-byte swizzle that the wgmma descriptors read. The kernel reads the maps
-//! from its parameters (by value, `__grid_constant__`).
+//! bytes with the 128-byte swizzle that the wgmma descriptors read. Where pages are smaller than
+//! the tile, a second pair of maps boxes a whole tile (128 slots): the kernel takes it for a tile
+//! whose pages lie one after another in the pool (a prompt's pages from a fresh allocator do),
+//! one box per 64 columns instead of one per page. The kernel reads the maps from its
+//! parameters (by value, `__grid_constant__`).
 
 use cudarc::driver::{sys, DeviceRepr};
 
@@ -26,11 +29,15 @@ pub struct TmaMap([u64; 16]);
 unsafe impl DeviceRepr for TmaMap {}
 
 /// The K and V maps and the rows of a box; `rows == 0` tells the kernel to load every tile with
-/// cp.async (the maps are then zeros and never read).
+/// cp.async (the maps are then zeros and never read). `k_run` and `v_run` box a whole tile of
+/// consecutive slots; they are encoded when `0 < rows < 128` (else zeros, never read: with pages
+/// of 128 slots or more `k` and `v` already box a tile).
 pub struct PoolMaps {
     pub k: TmaMap,
     pub v: TmaMap,
     pub rows: i32,
+    pub k_run: TmaMap,
+    pub v_run: TmaMap,
 }
 
 /// Rows of a TMA box for this page size, or None where a box cannot hold a whole run of a tile's
@@ -50,6 +57,8 @@ impl PoolMaps {
             k: TmaMap([0; 16]),
             v: TmaMap([0; 16]),
             rows: 0,
+            k_run: TmaMap([0; 16]),
+            v_run: TmaMap([0; 16]),
         }
     }
 
@@ -60,10 +69,18 @@ impl PoolMaps {
             Some(r) if tma_wanted()? => r,
             _ => return Ok(PoolMaps::off()),
         };
+        // (A pool of fewer slots than a tile has no whole tile to box.)
+        let (k_run, v_run) = if rows < TILE_KEYS && layout.num_pages * layout.page_size >= TILE_KEYS {
+            (encode(layout, k, TILE_KEYS, "K")?, encode(layout, v, TILE_KEYS, "V")?)
+        } else {
+            (TmaMap([0; 16]), TmaMap([0; 16]))
+        };
         Ok(PoolMaps {
             k: encode(layout, k, rows, "K")?,
             v: encode(layout, v, rows, "V")?,
             rows: rows as i32,
+            k_run,
+            v_run,
         })
     }
 }
