@@ -63,7 +63,8 @@ impl Schedule {
     /// stages, the softmax overlapped with P·V (FA3 §3.2) and the ping-pong (§3.1). Measured on
     /// an H100 (reports/NOTES.md, session 19), pages of 128, sync: 608 TFLOP/s at 1 · 16384
     /// against 531 for [`Schedule::DEFAULT`]; with pages of 16 scattered through the pool it is
-    /// the slower one (489 against 517), its consumers then waiting on "K full".
+    /// the slower one (489 against 517), its consumers then waiting on "K full" (not for the
+    /// number of boxes: see NOTES).
     pub const RUNS: Schedule = Schedule {
         runs: true,
         ..Schedule::new(3, true, true)
@@ -245,9 +246,12 @@ pub fn wanted(b: &CudaBackend, p: &PrefillParams) -> Result<bool> {
     static SAID: std::sync::Once = std::sync::Once::new();
     if choice != Choice::Default {
         SAID.call_once(|| {
-            let sched = Schedule::from_env(Schedule::DEFAULT)
-                .map(|s| format!("{} with scattered pages", s.tag()))
-                .unwrap_or_default();
+            let tag = |base: Schedule| Schedule::from_env(base).map(|s| s.tag()).unwrap_or_default();
+            let sched = format!(
+                "{} (scattered pages) or {} (tiles of consecutive pages)",
+                tag(Schedule::DEFAULT),
+                tag(Schedule::RUNS)
+            );
             eprintln!(
                 "fdpp: FDPP_PREFILL={choice:?} on {arch}, head_dim {}: {}",
                 p.geom.head_dim,
