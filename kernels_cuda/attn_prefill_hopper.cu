@@ -322,10 +322,7 @@ __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, const 
         if (lane == 0) mbar_expect_tx(full, KV_BYTES);
         __syncwarp();
         if (FDPP_RUN_BOXES && run) {
-            if (lane == 0) {
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(dst + (u32)cb * BN * 128, run_map, full, 64 * cb, c.kvh, box);
-            }
+            if (lane == 0) tma_tile(c, run_map, dst, full, box, 0);
         } else if (tma_lane) {
             tma_tile(c, map, dst, full, box, lane);
         }

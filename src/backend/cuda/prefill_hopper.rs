@@ -285,7 +285,7 @@ pub fn attend(
     };
     let sched = Schedule::from_env(base)?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
-    let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v))?;
+    let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
     launch_prefill(
         b,
         p,

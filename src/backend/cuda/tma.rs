@@ -30,8 +30,8 @@ unsafe impl DeviceRepr for TmaMap {}
 
 /// The K and V maps and the rows of a box; `rows == 0` tells the kernel to load every tile with
 /// cp.async (the maps are then zeros and never read). `k_run` and `v_run` box a whole tile of
-/// consecutive slots; they are encoded when `0 < rows < 128` (else zeros, never read: with pages
-/// of 128 slots or more `k` and `v` already box a tile).
+/// consecutive slots; they are encoded for a schedule with run boxes when `0 < rows < 128` (else
+/// zeros, never read: with pages of 128 slots or more `k` and `v` already box a tile).
 pub struct PoolMaps {
     pub k: TmaMap,
     pub v: TmaMap,
@@ -64,13 +64,15 @@ impl PoolMaps {
 
     /// Maps over the K and V pools at device addresses `k` and `v`, or [`PoolMaps::off`] when the
     /// page size does not box or `FDPP_HOPPER_TMA=0` asks for cp.async (A/B measurements).
-    pub fn new(layout: &PagedKvLayout, k: u64, v: u64) -> Result<Self> {
+    /// `runs`: the kernel's schedule takes a tile of consecutive pages as one box (the run maps
+    /// are encoded only then: two driver calls per prefill step saved elsewhere).
+    pub fn new(layout: &PagedKvLayout, k: u64, v: u64, runs: bool) -> Result<Self> {
         let rows = match box_rows(layout.page_size) {
             Some(r) if tma_wanted()? => r,
             _ => return Ok(PoolMaps::off()),
         };
         // (A pool of fewer slots than a tile has no whole tile to box.)
-        let (k_run, v_run) = if rows < TILE_KEYS && layout.num_pages * layout.page_size >= TILE_KEYS {
+        let (k_run, v_run) = if runs && rows < TILE_KEYS && layout.num_pages * layout.page_size >= TILE_KEYS {
             (encode(layout, k, TILE_KEYS, "K")?, encode(layout, v, TILE_KEYS, "V")?)
         } else {
             (TmaMap([0; 16]), TmaMap([0; 16]))
