@@ -43,7 +43,7 @@ COLUMNS = [
     "head_dim", "page_size", "batch", "kv_len", "variant", "scheme", "splits", "samples",
     "median_us", "min_us", "max_us", "bytes", "flops", "tbps", "tflops", "roofline_pct",
     "roofline", "rows", "recomputed", "recompute_rate", "nmse", "speedup_vs_sync",
-    "speedup_vs_sdpa",
+    "speedup_vs_sdpa", "append_us",
 ]
 
 # fdpp's input scale: q, k uniform in [-2.1, 2.1) keep q.k/sqrt(d) around +-1.5 (bench/attention.rs).

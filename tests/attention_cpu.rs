@@ -460,6 +460,22 @@ impl Backend for Faulty {
         }
         Ok(self.after(p.tokens() * p.geom.num_heads * p.geom.head_dim, s, out))
     }
+    fn attention_prefill_cached_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &Buf,
+        kv: &PagedKv<Buf>,
+        out: &mut Buf,
+    ) -> fdpp::Result<()> {
+        self.0.attention_prefill_cached_enqueue(p, q, kv, out)?;
+        let none = fdpp::ops::attention::AttnStats {
+            rows: 0,
+            recomputed: 0,
+            splits: 0,
+        };
+        self.after(p.tokens() * p.geom.num_heads * p.geom.head_dim, none, out);
+        Ok(())
+    }
     fn synchronize(&self) -> fdpp::Result<()> {
         Ok(())
     }

@@ -69,6 +69,9 @@ fn assert_common(r: &AttnRecord, phase: &str, reps: usize) {
         assert_eq!(r.speedup_vs_sync, Some(1.0));
     }
     assert_eq!(r.speedup_vs_sdpa, None);
+    if phase == "decode" {
+        assert_eq!(r.append_us, None, "{r:?}");
+    }
     let rows = r.rows.unwrap();
     let queries = if phase == "decode" { r.batch } else { r.batch * r.kv_len };
     assert_eq!(rows, queries * 4, "one row per (query, head): {r:?}");
@@ -189,7 +192,11 @@ fn prefill_bench_reports_tflops_against_the_nominal_peak() {
         assert_eq!(r.flops, (2 * 4 * r.kv_len * r.kv_len * 64) as f64);
         assert_eq!(r.roofline, "100 TFLOP/s nominal");
         assert!((r.roofline_pct.unwrap() - r.tflops).abs() <= 1e-9 * r.tflops, "{r:?}");
+        // The cache write is timed beside the attention, not inside its median.
+        assert!(r.append_us.is_some_and(|u| u > 0.0 && u.is_finite()), "{r:?}");
     }
+    let md = std::fs::read_to_string(dir.path().join("attention-prefill.md")).unwrap();
+    assert!(md.contains("cache write µs (not in median)"), "{md}");
     assert!(dir.path().join("attention-prefill.svg").is_file());
 }
 
@@ -258,8 +265,8 @@ fn peer_rows_join_the_table_with_a_ratio() {
     // As the peer script prints it: a preamble, then rows with the optional columns empty.
     let peer = format!(
         "device NVIDIA H100 80GB HBM3, torch 2.11\n{header}\n\
-         torch-2.11,cuda-13.0,NVIDIA H100,torch,decode,f16,4,2,64,0,1,97,sdpa,sdpa(enable_gqa),,30,7.5,7.0,9.0,50688.0,99328.0,0.0068,0.013,0.2,copy 2980 GB/s measured,,,,,,\n\
-         torch-2.11,cuda-13.0,NVIDIA H100,torch,decode,f16,4,2,64,0,8,97,sdpa,sdpa(enable_gqa),,30,7.5,7.0,9.0,50688.0,99328.0,0.0068,0.013,0.2,copy 2980 GB/s measured,,,,,,\n"
+         torch-2.11,cuda-13.0,NVIDIA H100,torch,decode,f16,4,2,64,0,1,97,sdpa,sdpa(enable_gqa),,30,7.5,7.0,9.0,50688.0,99328.0,0.0068,0.013,0.2,copy 2980 GB/s measured,,,,,,,\n\
+         torch-2.11,cuda-13.0,NVIDIA H100,torch,decode,f16,4,2,64,0,8,97,sdpa,sdpa(enable_gqa),,30,7.5,7.0,9.0,50688.0,99328.0,0.0068,0.013,0.2,copy 2980 GB/s measured,,,,,,,\n"
     );
     let peer_path = dir.path().join("sdpa.csv");
     std::fs::write(&peer_path, peer).unwrap();

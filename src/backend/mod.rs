@@ -287,6 +287,22 @@ pub trait Backend {
         Err(attention_unsupported(self.info(), "attention_prefill"))
     }
 
+    /// As [`attention_prefill_enqueue`](Self::attention_prefill_enqueue) for new tokens whose k
+    /// and v the cache already holds (written by [`qkv_rope_append`](Self::qkv_rope_append) or
+    /// [`kv_append`](Self::kv_append)): attends only. The engine's prefill takes this path (one
+    /// pass over the new k and v fewer), and `bench attention` times it, the work an SDPA peer
+    /// is given (its k and v already in place).
+    fn attention_prefill_cached_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &Self::Buffer,
+        kv: &PagedKv<Self::Buffer>,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (p, q, kv, out);
+        Err(attention_unsupported(self.info(), "attention_prefill"))
+    }
+
     /// Start folding the launches that follow into a decode-graph signature (CUDA, see
     /// cuda/graph.rs); false when this backend does not replay graphs.
     fn graph_begin(&self) -> bool {

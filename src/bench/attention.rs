@@ -19,6 +19,7 @@ use crate::dtype::{random_bits, DType};
 use crate::error::{FdppError, Result};
 use crate::kv::paged::{BlockTable, FlatBlockTables, PageAllocator, PagedKv, PagedKvLayout};
 use crate::ops::attention::{num_splits, AttnGeometry, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::layer::KvAppendParams;
 use crate::reference::attention::decode_ref;
 use crate::reference::gemm::nmse;
 use crate::report::attention::AttnRecord;
@@ -463,20 +464,51 @@ impl<B: Backend> AttnInputs<B> {
     }
 
     /// One timed call on the next copy, through the enqueue entry points: a GPU backend then
-    /// queues back-to-back calls without reading the recompute count back each time.
+    /// queues back-to-back calls without reading the recompute count back each time. A prefill
+    /// attends over the new k and v [`Self::write_new_kv`] put in the copy's cache: the work an
+    /// SDPA peer is timed on; the cache write is timed on its own ([`Self::append_next`]).
     fn run_next(&mut self, b: &B, p: &AttnParams) -> Result<()> {
         let j = self.cursor % self.copies();
         self.cursor = self.cursor.wrapping_add(1);
-        let set = &mut self.sets[j];
+        let set = &self.sets[j];
         let out = &mut self.out;
-        match (p, &set.new_kv) {
-            (AttnParams::Decode(p), _) => b.attention_decode_enqueue(p, &set.q, &set.kv, out),
-            (AttnParams::Prefill(p), Some((k, v))) => b.attention_prefill_enqueue(p, &set.q, k, v, &mut set.kv, out),
-            (AttnParams::Prefill(_), None) => Err(FdppError::InvalidArgument(format!(
-                "attention {}: prefill params on decode inputs",
-                self.case.label()
-            ))),
+        match p {
+            AttnParams::Decode(p) => b.attention_decode_enqueue(p, &set.q, &set.kv, out),
+            AttnParams::Prefill(p) => b.attention_prefill_cached_enqueue(p, &set.q, &set.kv, out),
         }
+    }
+
+    /// The append of the prompt's k and v into copy `j`'s cache (the first half of a prefill
+    /// call); an error for decode inputs.
+    fn append(&mut self, b: &B, j: usize) -> Result<()> {
+        let set = &mut self.sets[j];
+        let Some((k, v)) = &set.new_kv else {
+            return Err(FdppError::InvalidArgument(format!(
+                "attention {}: a cache write on decode inputs",
+                self.case.label()
+            )));
+        };
+        let p = KvAppendParams {
+            tables: self.tables.clone(),
+            new_lens: vec![self.case.kv_len as i32; self.case.batch],
+        };
+        b.kv_append(&p, k, v, &mut set.kv)
+    }
+
+    /// One timed cache write, on the next copy.
+    fn append_next(&mut self, b: &B) -> Result<()> {
+        let j = self.cursor % self.copies();
+        self.cursor = self.cursor.wrapping_add(1);
+        self.append(b, j)
+    }
+
+    /// Prefill: every copy's cache gets the prompt's k and v (untimed), as a prefill call's
+    /// append would have written them.
+    fn write_new_kv(&mut self, b: &B) -> Result<()> {
+        for j in 0..self.copies() {
+            self.append(b, j)?;
+        }
+        b.synchronize()
     }
 
     /// The untimed run of a diagnostic build (`hopper_diag=1|2`: the Hopper prefill without its
@@ -536,12 +568,31 @@ impl<B: Backend> AttnInputs<B> {
         Ok(Checked { stats, nmse: err })
     }
 
-    /// Time every variant, interleaved as [`time_interleaved`] does, each run on the next copy.
-    pub fn time(&mut self, b: &B, runs: &[VariantRun], opts: TimingOpts, rounds: usize) -> Vec<Result<Stats>> {
-        let t = time_interleaved(b, runs.len(), opts, rounds, &mut |i| self.run_next(b, &runs[i].params));
+    /// Time every variant, interleaved as [`time_interleaved`] does, each run on the next copy;
+    /// for a prefill also the cache write, as one more candidate (the second value).
+    pub fn time(
+        &mut self,
+        b: &B,
+        runs: &[VariantRun],
+        opts: TimingOpts,
+        rounds: usize,
+    ) -> (Vec<Result<Stats>>, Option<Result<Stats>>) {
+        let prefill = self.case.phase == AttnPhase::Prefill;
+        if prefill {
+            if let Err(e) = self.write_new_kv(b) {
+                let fail = |e: &FdppError| FdppError::device("attention bench", format!("writing the caches: {e}"));
+                return (runs.iter().map(|_| Err(fail(&e))).collect(), Some(Err(e)));
+            }
+        }
+        let n = runs.len();
+        let mut t = time_interleaved(b, n + usize::from(prefill), opts, rounds, &mut |i| match runs.get(i) {
+            Some(r) => self.run_next(b, &r.params),
+            None => self.append_next(b),
+        });
         // The timed calls' recomputes were counted by the untimed check; drop the running total.
         let _ = b.take_recomputed();
-        t
+        let append = prefill.then(|| t.pop()).flatten();
+        (t, append)
     }
 }
 
@@ -708,6 +759,7 @@ pub fn attention_record(
         nmse: Some(checked.nmse).filter(|e| !e.is_nan()),
         speedup_vs_sync: None,
         speedup_vs_sdpa: None,
+        append_us: None,
     }
 }
 

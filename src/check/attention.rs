@@ -614,7 +614,9 @@ struct Ran {
     stats: AttnStats,
     /// Output then guard.
     out: Vec<u16>,
-    /// Prefill: None when the pools were left as the reference writes them, else why not.
+    /// Prefill: None when the pools were left as the reference writes them and the attend-only
+    /// entry point (`attention_prefill_cached_enqueue`, the engine's) gave the same output bit
+    /// for bit; else why not.
     pools_ok: Option<String>,
 }
 
@@ -654,10 +656,21 @@ fn run_one<B: Backend>(b: &B, c: &AttnCase, inp: &Inputs, scheme: SoftmaxScheme)
                         first_diff(&ev, &gv).map(|i| format!("V pool differs from the expected write at element {i}"))
                     }))
             })?;
+            let out_full = b.download(&out)?;
+            // The engine's path: the same attention over the cache the call above wrote.
+            b.fill(&mut out, dt.poison())?;
+            b.attention_prefill_cached_enqueue(&p, &q, &kv, &mut out)?;
+            b.synchronize()?;
+            let _ = b.take_recomputed()?;
+            let cached = first_diff(&out_full, &b.download(&out)?).map(|i| {
+                format!(
+                    "the attend-only entry point (cache already written) differs from the full prefill at element {i}"
+                )
+            });
             Ok(Ran {
                 stats,
-                out: b.download(&out)?,
-                pools_ok,
+                out: out_full,
+                pools_ok: pools_ok.or(cached),
             })
         }
     }

@@ -376,10 +376,21 @@ fn bench_attention<B: Backend>(b: &B, a: &AttnBenchArgs, p: &AttnPlan, peer: Vec
         }
         let timed: Vec<VariantRun> = passed.iter().map(|(r, _)| r.clone()).collect();
         pb.set_message(format!("{}: timing {} variant(s)", case.label(), timed.len()));
-        let times = inputs.time(b, &timed, opts, TIMING_ROUNDS);
+        let (times, append) = inputs.time(b, &timed, opts, TIMING_ROUNDS);
+        let append_us = match append {
+            Some(Ok(s)) => Some(s.median_us),
+            Some(Err(e)) => {
+                eprintln!("warning: {}: the cache write was not timed ({e})", case.label());
+                None
+            }
+            None => None,
+        };
         for ((run, checked), t) in passed.iter().zip(times) {
             match t {
-                Ok(stats) => records.push(attention_record(&ctx, case, run, checked, stats)),
+                Ok(stats) => records.push(AttnRecord {
+                    append_us,
+                    ..attention_record(&ctx, case, run, checked, stats)
+                }),
                 Err(e) => rejected.push(Rejected {
                     what: format!("{} at {}", run.variant.name(), case.label()),
                     wrong: false,

@@ -639,21 +639,19 @@ impl<'b, B: Backend> Model<'b, B> {
         let cache = &mut kv.layers[l];
         {
             let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
-            match &a.attn {
-                Attn::Prefill(_) => b.qkv_rope(&a.rope, qkv, w.qkv_bias.as_ref(), q, k, v)?,
-                // A decode step appends its token's k and v to the cache in the same kernel
-                // as the rotation (one launch fewer per layer on a GPU).
-                Attn::Decode(ap, _) => b.qkv_rope_append(&a.rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?,
-            }
+            // The new tokens' k and v go to the cache in the same kernel as the rotation (one
+            // launch and one pass over them fewer per layer on a GPU); attention reads them there.
+            let (Attn::Prefill(ap, _) | Attn::Decode(ap, _)) = &a.attn;
+            b.qkv_rope_append(&a.rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?;
         }
         self.op_times.lap(b, "qkv_rope")?;
         // The enqueue entry points: a GPU backend counts recomputed rows on the device and
         // the step reads the count once, after its last layer, instead of waiting for the
         // device in every layer.
         match &a.attn {
-            Attn::Prefill(p) => {
-                let [q, k, v, out] = acts.many([s.q, s.k, s.v, s.attn])?;
-                b.attention_prefill_enqueue(p, q, k, v, cache, out)?
+            Attn::Prefill(_, p) => {
+                let [q, out] = acts.many([s.q, s.attn])?;
+                b.attention_prefill_cached_enqueue(p, q, cache, out)?
             }
             Attn::Decode(_, p) => {
                 let [q, out] = acts.many([s.q, s.attn])?;

@@ -127,7 +127,7 @@ impl StepInputs {
 
 /// A step's attention: the same tables and lengths serve every layer.
 pub(crate) enum Attn {
-    Prefill(PrefillParams),
+    Prefill(KvAppendParams, PrefillParams),
     Decode(KvAppendParams, DecodeParams),
 }
 
@@ -141,13 +141,19 @@ impl Attn {
         new_lens: Vec<i32>,
     ) -> Attn {
         match kind {
-            StepKind::Prefill => Attn::Prefill(PrefillParams {
-                geom,
-                dtype,
-                scheme,
-                tables,
-                new_lens,
-            }),
+            StepKind::Prefill => Attn::Prefill(
+                KvAppendParams {
+                    tables: tables.clone(),
+                    new_lens: new_lens.clone(),
+                },
+                PrefillParams {
+                    geom,
+                    dtype,
+                    scheme,
+                    tables,
+                    new_lens,
+                },
+            ),
             StepKind::Decode => Attn::Decode(
                 KvAppendParams {
                     tables: tables.clone(),
@@ -167,7 +173,7 @@ impl Attn {
     /// Run this layer's softmax (the tables and lengths stay the step's).
     pub fn set_scheme(&mut self, scheme: SoftmaxScheme) {
         match self {
-            Attn::Prefill(p) => p.scheme = scheme,
+            Attn::Prefill(_, p) => p.scheme = scheme,
             Attn::Decode(_, p) => p.scheme = scheme,
         }
     }
@@ -175,7 +181,7 @@ impl Attn {
     /// The step's attention as a prefill of its new tokens (for the score statistics).
     pub fn as_prefill(&self) -> PrefillParams {
         match self {
-            Attn::Prefill(p) => p.clone(),
+            Attn::Prefill(_, p) => p.clone(),
             Attn::Decode(ap, p) => PrefillParams {
                 geom: p.geom,
                 dtype: p.dtype,

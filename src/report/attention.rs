@@ -74,6 +74,11 @@ pub struct AttnRecord {
     pub speedup_vs_sync: Option<f64>,
     /// Median of the `sdpa` peer row of the same configuration over this median.
     pub speedup_vs_sdpa: Option<f64>,
+    /// Prefill: median µs of writing the new k and v into the paged cache (`kv_append`), timed
+    /// beside the variants and not part of `median_us`: an SDPA peer is handed its k and v in
+    /// place, and the engine writes them in its rotation kernel (`qkv_rope_append`).
+    #[serde(default)]
+    pub append_us: Option<f64>,
 }
 
 /// One configuration of one run (every variant of it shares the key), and whether the row is the
@@ -215,6 +220,10 @@ pub fn attention_markdown(records: &[AttnRecord]) -> String {
     if with_sdpa {
         header.push("vs sdpa");
     }
+    let with_append = records.iter().any(|r| r.append_us.is_some());
+    if with_append {
+        header.push("cache write µs (not in median)");
+    }
 
     let mut rs: Vec<&AttnRecord> = records.iter().collect();
     rs.sort_by(|a, b| {
@@ -260,6 +269,9 @@ pub fn attention_markdown(records: &[AttnRecord]) -> String {
         row.push(opt(r.speedup_vs_sync, ratio));
         if with_sdpa {
             row.push(opt(r.speedup_vs_sdpa, ratio));
+        }
+        if with_append {
+            row.push(opt(r.append_us, |u| format!("{u:.2}")));
         }
         rows.push(row);
     }
@@ -324,6 +336,7 @@ impl AttnRecord {
             nmse: Some(1e-7),
             speedup_vs_sync: Some(1.0),
             speedup_vs_sdpa: None,
+            append_us: None,
         }
     }
 }

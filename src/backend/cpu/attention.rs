@@ -653,16 +653,26 @@ pub fn prefill(
     pools: (&mut [u16], &mut [u16]),
     out: &mut [u16],
 ) -> Result<AttnStats> {
-    let g = p.geom;
-    let (h, grp, d, dt) = (g.num_heads, g.group(), g.head_dim, p.dtype);
-    let kvd = g.num_kv_heads * d;
-    let spans = p.spans();
-    for (b, &(row0, prefix, n)) in spans.iter().enumerate() {
+    let kvd = p.geom.num_kv_heads * p.geom.head_dim;
+    for (b, &(row0, prefix, n)) in p.spans().iter().enumerate() {
         let table = p.tables.table(b);
         write_tokens(layout, pools.0, &table, prefix, &kv_new.0[row0 * kvd..(row0 + n) * kvd])?;
         write_tokens(layout, pools.1, &table, prefix, &kv_new.1[row0 * kvd..(row0 + n) * kvd])?;
     }
-    let (kp, vp): (&[u16], &[u16]) = (pools.0, pools.1);
+    prefill_cached(p, layout, q, (pools.0, pools.1), out)
+}
+
+/// Causal prefill of new tokens whose k and v the pools already hold: attend only.
+pub fn prefill_cached(
+    p: &PrefillParams,
+    layout: &PagedKvLayout,
+    q: &[u16],
+    (kp, vp): (&[u16], &[u16]),
+    out: &mut [u16],
+) -> Result<AttnStats> {
+    let g = p.geom;
+    let (h, grp, d, dt) = (g.num_heads, g.group(), g.head_dim, p.dtype);
+    let spans = p.spans();
     let tokens = p.tokens();
     let qf = scaled_q(dt, &q[..tokens * h * d], g.scale());
     let seq_of: Vec<usize> = spans

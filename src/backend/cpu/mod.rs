@@ -345,6 +345,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn attention_prefill_cached_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &CpuBuffer,
+        kv: &PagedKv<CpuBuffer>,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        // No k or v buffers here: their required lengths stand in for them.
+        let g = p.geom;
+        let kvn = p.tokens() * g.num_kv_heads * g.head_dim;
+        p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+        check_dtypes("attention_prefill", p.dtype, &[q, &kv.k, &kv.v, out])?;
+        let pools = (&kv.k.data[..], &kv.v.data[..]);
+        let s = attention::prefill_cached(p, &kv.layout, &q.data, pools, &mut out.data)?;
+        self.recomputed
+            .fetch_add(s.recomputed, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     fn take_recomputed(&self) -> Result<usize> {
         Ok(self.recomputed.swap(0, std::sync::atomic::Ordering::Relaxed))
     }

@@ -414,8 +414,24 @@ pub fn prefill(
         v,
         kv,
     )?;
+    prefill_cached(b, p, q, kv, out, counting)
+}
+
+/// Causal prefill of new tokens whose K and V the cache already holds: attend only.
+pub fn prefill_cached(
+    b: &CudaBackend,
+    p: &PrefillParams,
+    q: &CudaBuffer,
+    kv: &PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+) -> Result<AttnStats> {
     let g = p.geom;
     let (heads, d) = (g.num_heads, g.head_dim);
+    // No k or v buffers here: their required lengths stand in for them.
+    let kvn = p.tokens() * g.num_kv_heads * d;
+    p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+    check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
     // sm_90a: the wgmma kernel (prefill_hopper.rs), unless FDPP_PREFILL says otherwise.
     if super::prefill_hopper::wanted(b, p)? {
         let recomputed = super::prefill_hopper::attend(b, p, q, kv, out, counting)?;

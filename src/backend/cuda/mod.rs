@@ -367,6 +367,16 @@ impl Backend for CudaBackend {
         attention::prefill(self, p, q, k, v, kv, out, false).map(|_| ())
     }
 
+    fn attention_prefill_cached_enqueue(
+        &self,
+        p: &crate::ops::attention::PrefillParams,
+        q: &CudaBuffer,
+        kv: &crate::kv::PagedKv<CudaBuffer>,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        attention::prefill_cached(self, p, q, kv, out, false).map(|_| ())
+    }
+
     fn graph_begin(&self) -> bool {
         let mut g = self.graphs.borrow_mut();
         if g.enabled() {

@@ -543,6 +543,25 @@ pub fn prefill(
         v,
         kv,
     )?;
+    prefill_cached(b, p, q, kv, out, counting)
+}
+
+/// Causal prefill of new tokens whose K and V the cache already holds: attend only.
+pub fn prefill_cached(
+    b: &RocmBackend,
+    p: &PrefillParams,
+    q: &RocmBuffer,
+    kv: &PagedKv<RocmBuffer>,
+    out: &mut RocmBuffer,
+    counting: bool,
+) -> Result<AttnStats> {
+    let g = p.geom;
+    // No k or v buffers here: their required lengths stand in for them.
+    let kvn = p.tokens() * g.num_kv_heads * g.head_dim;
+    p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+    check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
+    let src = sources::attn_prefill_source(p.dtype, g.head_dim);
+    prefill_supported(&b.dev, g.head_dim, &src.uri)?;
     let tiles = attn_plan::prefill_tiles(p, PREFILL_BM)?;
     let mut st = b.attn.borrow_mut();
     let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);

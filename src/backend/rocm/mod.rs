@@ -421,6 +421,16 @@ impl Backend for RocmBackend {
         attention::prefill(self, p, q, k, v, kv, out, false).map(|_| ())
     }
 
+    fn attention_prefill_cached_enqueue(
+        &self,
+        p: &PrefillParams,
+        q: &RocmBuffer,
+        kv: &PagedKv<RocmBuffer>,
+        out: &mut RocmBuffer,
+    ) -> Result<()> {
+        attention::prefill_cached(self, p, q, kv, out, false).map(|_| ())
+    }
+
     fn take_recomputed(&self) -> Result<usize> {
         attention::take_recomputed(self)
     }
