@@ -30,6 +30,8 @@ pub enum Key {
     HopperOverlap,
     HopperPingpong,
     HopperDiag,
+    PrefillL2Share,
+    PrefillSectionWaves,
     OpTimes,
     CpuIsa,
     CpuThreads,
@@ -211,7 +213,7 @@ pub const KEYS: &[KeyInfo] = &[
         name: "hopper_stages",
         env: "FDPP_HOPPER_STAGES",
         values: "2|3",
-        default: "2",
+        default: "the kernel's schedule",
         kind: Kind::Behaviour,
         what: "K/V pipeline depth of the Hopper prefill",
     },
@@ -241,6 +243,24 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::PrefillL2Share,
+        name: "prefill_l2_share",
+        env: "FDPP_PREFILL_L2_SHARE",
+        values: "a fraction in (0, 1]",
+        default: "0.625",
+        kind: Kind::Behaviour,
+        what: "share of the L2 cache one section of a CUDA prefill launch's heads may fill with K/V",
+    },
+    KeyInfo {
+        key: Key::PrefillSectionWaves,
+        name: "prefill_section_waves",
+        env: "FDPP_PREFILL_SECTION_WAVES",
+        values: "a number of waves, 0-64 (0: the fewest sections that fit the L2 share)",
+        default: "1.25",
+        kind: Kind::Behaviour,
+        what: "blocks a section of a CUDA prefill launch keeps while its K/V is cut to 1/8 of the L2",
     },
     KeyInfo {
         key: Key::GemmFallback,
@@ -514,7 +534,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 31);
+        assert_eq!(KEYS.len(), 33);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

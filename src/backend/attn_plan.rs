@@ -242,23 +242,93 @@ pub fn prefill_tiles(p: &PrefillParams, bm: usize) -> Result<Vec<[i32; 4]>> {
     Ok(tiles)
 }
 
-/// Sections of a prefill launch (attn_common.cuh's tile_head): the fewest that keep each one's
-/// K and V (every block of it reads its KV heads' keys, each sequence's up to its end) within
-/// 5/8 of the L2 cache (FlashAttention-3 budgets 32 MB of the H100's 50), at most one per KV
-/// head. Measured on the H100 (reports/NOTES.md, session 15): one section for all 32 heads
-/// gained 19 % at batch 1 · 1024 tokens and lost 5 % at 1 · 16384 and 16-24 % at batch 8
-/// (MHA; GQA, whose heads share K/V, lost 2-3 %); sections of 15, 15 and 2 heads at 1 · 4096
-/// lost 2 % to the head-by-head order where one section gained 6 %: the small last section's
-/// longest tiles ran alone at the end, hence sections of equal size.
-pub fn prefill_sections(p: &PrefillParams, l2_bytes: u64) -> usize {
+/// What [`prefill_sections`] sizes the sections from: the device's L2 and SM count, and the
+/// run configuration's `prefill_l2_share` and `prefill_section_waves`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SectionBudget {
+    pub l2_bytes: u64,
+    pub compute_units: usize,
+    /// The share of the L2 a section's K/V must fit.
+    pub share: f64,
+    /// Blocks a section keeps at least, in waves of `compute_units` (0: the fewest sections).
+    pub waves: f64,
+}
+
+impl SectionBudget {
+    /// FlashAttention-3's budget: 32 MB of the H100's 50 (`prefill_l2_share`'s default).
+    pub const SHARE: f64 = 0.625;
+    /// The smaller footprint sections are cut down to while each keeps [`Self::WAVES`] waves.
+    pub const SMALL_SHARE: f64 = 0.125;
+    /// `prefill_section_waves`' default.
+    pub const WAVES: f64 = 1.25;
+
+    /// The budget of a device with `l2_bytes` of L2 and `compute_units` SMs, with the run
+    /// configuration's `--set prefill_l2_share=F` and `prefill_section_waves=W` if set.
+    pub fn new(l2_bytes: u64, compute_units: usize) -> Result<Self> {
+        let rc = crate::run_config::get();
+        let num = |key, name: &str, dflt: f64, ok: fn(f64) -> bool, want: &str| -> Result<f64> {
+            match rc.get(key) {
+                None => Ok(dflt),
+                Some(v) => match v.trim().parse::<f64>() {
+                    Ok(f) if ok(f) => Ok(f),
+                    _ => Err(FdppError::InvalidArgument(format!("{name}={v}: expected {want}"))),
+                },
+            }
+        };
+        Ok(SectionBudget {
+            l2_bytes,
+            compute_units,
+            share: num(
+                crate::run_config::Key::PrefillL2Share,
+                "prefill_l2_share",
+                Self::SHARE,
+                |f| f > 0.0 && f <= 1.0,
+                "a fraction in (0, 1], e.g. 0.625",
+            )?,
+            waves: num(
+                crate::run_config::Key::PrefillSectionWaves,
+                "prefill_section_waves",
+                Self::WAVES,
+                |f| (0.0..=64.0).contains(&f),
+                "a number of waves in [0, 64], e.g. 1.25 (0: the fewest sections that fit)",
+            )?,
+        })
+    }
+}
+
+/// Sections of a prefill launch of `blocks` blocks (attn_common.cuh's tile_head), at most one
+/// per KV head. At least the fewest that keep each one's K and V (every block of it reads its
+/// KV heads' keys, each sequence's up to its end) within `share` of the L2 cache; then more, as
+/// far as [`SectionBudget::SMALL_SHARE`] of it, while each section keeps `waves` waves of blocks.
+///
+/// Measured on the H100 (reports/NOTES.md, session 15): one section for all 32 heads gained
+/// 19 % at batch 1 · 1024 tokens and lost 5 % at 1 · 16384 and 16-24 % at batch 8 (MHA; GQA,
+/// whose heads share K/V, lost 2-3 %); sections of 15, 15 and 2 heads at 1 · 4096 lost 2 % to
+/// the head-by-head order where one section gained 6 %: the small last section's longest tiles
+/// ran alone at the end, hence sections of equal size. Session 20: at batch 8 smaller sections
+/// gain (8 · 1024 +10 %, 8 · 2048 +4.5 % with a head per section, against 5/8 of the L2), at
+/// batch 1 sections under ~1.25 waves lose (1 · 1024 −10 % at 85 blocks a section, 1 · 4096 −7 %
+/// at 93).
+pub fn prefill_sections(p: &PrefillParams, blocks: usize, b: &SectionBudget) -> usize {
     let g = p.geom;
     let kv_head_bytes: u64 = p
         .spans()
         .iter()
         .map(|&(_, prefix, n)| ((prefix + n) * g.head_dim * 2 * 2) as u64)
         .sum();
-    let fit = ((l2_bytes * 5 / 8 / kv_head_bytes.max(1)) as usize).max(1);
-    g.num_kv_heads.div_ceil(fit).clamp(1, g.num_kv_heads.max(1))
+    let within = |share: f64| {
+        let fit = (((b.l2_bytes as f64 * share) as u64 / kv_head_bytes.max(1)) as usize).max(1);
+        g.num_kv_heads.div_ceil(fit)
+    };
+    let need = within(b.share);
+    let waves = b.waves * b.compute_units as f64;
+    let cap = if waves > 0.0 {
+        (blocks as f64 / waves) as usize
+    } else {
+        0
+    };
+    need.max(within(SectionBudget::SMALL_SHARE.min(b.share)).min(cap))
+        .clamp(1, g.num_kv_heads.max(1))
 }
 
 /// The block table and the tile list of a prefill launch as one i32 upload: the table, padding
@@ -527,19 +597,65 @@ mod tests {
         assert_eq!(&host[..at], p.tables.block_table.as_slice());
     }
 
+    fn budget(l2_bytes: u64, share: f64, waves: f64) -> SectionBudget {
+        SectionBudget {
+            l2_bytes,
+            compute_units: 4,
+            share,
+            waves,
+        }
+    }
+
     #[test]
-    fn prefill_sections_are_the_fewest_that_fit_the_l2_share() {
+    fn prefill_sections_fit_the_l2_share_and_keep_their_waves() {
         // 8 heads over 2 KV heads, d64: a KV head's K and V over 1000 keys is
         // 1000 · 64 · 2 · 2 = 256000 bytes.
         let p = prefill(&[1000], &[1000]);
-        assert_eq!(prefill_sections(&p, 50 << 20), 1, "both KV heads fit 5/8 of 50 MiB");
-        assert_eq!(prefill_sections(&p, 900_000), 1, "562500 bytes hold 2 KV heads");
-        assert_eq!(prefill_sections(&p, 600_000), 2, "375000 bytes hold 1");
-        assert_eq!(prefill_sections(&p, 1000), 2, "never more than one per KV head");
+        let s = SectionBudget::SHARE;
+        // waves 0: the fewest sections that fit.
+        assert_eq!(
+            prefill_sections(&p, 64, &budget(50 << 20, s, 0.0)),
+            1,
+            "both fit 5/8 of 50 MiB"
+        );
+        assert_eq!(
+            prefill_sections(&p, 64, &budget(900_000, s, 0.0)),
+            1,
+            "562500 bytes hold 2"
+        );
+        assert_eq!(
+            prefill_sections(&p, 64, &budget(600_000, s, 0.0)),
+            2,
+            "375000 bytes hold 1"
+        );
+        assert_eq!(
+            prefill_sections(&p, 64, &budget(1000, s, 0.0)),
+            2,
+            "never more than one per KV head"
+        );
+        assert_eq!(
+            prefill_sections(&p, 64, &budget(900_000, 0.5, 0.0)),
+            2,
+            "450000 bytes hold 1"
+        );
+        // 1/8 of 3 MB (375000 bytes) holds one KV head: split in two if each half keeps its
+        // waves (4 SMs × 1.25 = 5 blocks a section).
+        assert_eq!(
+            prefill_sections(&p, 10, &budget(3_000_000, s, 1.25)),
+            2,
+            "5 blocks each"
+        );
+        assert_eq!(
+            prefill_sections(&p, 9, &budget(3_000_000, s, 1.25)),
+            1,
+            "4.5 blocks each"
+        );
+        // 1/8 of 50 MiB holds both: nothing to gain from a split.
+        assert_eq!(prefill_sections(&p, 1000, &budget(50 << 20, s, 1.25)), 1);
         // Every sequence's K/V counts, each up to its end (prefix included).
         let two = prefill(&[1000, 700], &[1000, 100]);
         assert_eq!(
-            prefill_sections(&two, 900_000),
+            prefill_sections(&two, 64, &budget(900_000, s, 0.0)),
             2,
             "(1000 + 700) keys: 435200 bytes a KV head"
         );

@@ -531,7 +531,8 @@ pub(super) fn launch_prefill(
             g.num_heads
         ))
     })?;
-    let nsec = i32_of(attn_plan::prefill_sections(p, b.info().l2_bytes), "sections")?;
+    let budget = attn_plan::SectionBudget::new(b.info().l2_bytes, b.info().compute_units as usize)?;
+    let nsec = i32_of(attn_plan::prefill_sections(p, blocks as usize, &budget), "sections")?;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (k.threads, 1, 1),
