@@ -131,6 +131,9 @@ pub struct AttnBenchCase {
     pub dtype: DType,
     pub geom: AttnGeometry,
     pub page_size: usize,
+    /// Pages shuffled within aligned groups of this many pool pages, and the groups shuffled
+    /// (1: every page anywhere in the pool).
+    pub page_group: usize,
     pub batch: usize,
     pub kv_len: usize,
 }
@@ -141,16 +144,22 @@ fn gib(bytes: u128) -> String {
 }
 
 impl AttnBenchCase {
-    /// e.g. `decode b=1 kv_len=1024 h32/kv32 d128 f16 page=16`.
+    /// e.g. `decode b=1 kv_len=1024 h32/kv32 d128 f16 page=16` (`/N` after the page size when
+    /// pages are shuffled within groups of N).
     pub fn label(&self) -> String {
         format!(
-            "{} b={} kv_len={} {} {} page={}",
+            "{} b={} kv_len={} {} {} page={}{}",
             self.phase.name(),
             self.batch,
             self.kv_len,
             self.geom.label(),
             self.dtype,
-            self.page_size
+            self.page_size,
+            if self.page_group > 1 {
+                format!("/{}", self.page_group)
+            } else {
+                String::new()
+            }
         )
     }
 
@@ -160,6 +169,7 @@ impl AttnBenchCase {
             ("batch", self.batch),
             ("kv_len", self.kv_len),
             ("page_size", self.page_size),
+            ("page_group", self.page_group),
         ] {
             if v == 0 {
                 return Err(FdppError::InvalidArgument(format!(
@@ -353,13 +363,21 @@ pub struct AttnInputs<B: Backend> {
 
 impl<B: Backend> AttnInputs<B> {
     /// Random q, k, v (never zeros) and pools; the pages of every sequence drawn from a
-    /// [`PageAllocator`] and shuffled, so that no sequence reads consecutive pages.
+    /// [`PageAllocator`] and shuffled, so that no sequence reads consecutive pages (with a
+    /// `page_group` of N: shuffled within aligned groups of N pool pages, the groups shuffled,
+    /// so that a sequence's pages stay scattered but come from few regions of the pool).
     pub fn new(b: &B, case: &AttnBenchCase, copies: usize, seed: u64) -> Result<Self> {
         case.validate()?;
         let layout = case.layout()?;
         let (g, dt) = (case.geom, case.dtype);
-        let mut ids = PageAllocator::new(&layout).alloc(layout.num_pages)?;
-        ids.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+        let ids = PageAllocator::new(&layout).alloc(layout.num_pages)?;
+        let rng = &mut rand::rngs::SmallRng::seed_from_u64(seed);
+        let mut groups: Vec<Vec<u32>> = ids.chunks(case.page_group.max(1)).map(<[u32]>::to_vec).collect();
+        groups.shuffle(rng);
+        for g in &mut groups {
+            g.shuffle(rng);
+        }
+        let ids: Vec<u32> = groups.concat();
         let per_seq = layout.pages_for(case.kv_len);
         let tables: Vec<BlockTable> = ids
             .chunks(per_seq)
@@ -774,6 +792,7 @@ mod tests {
             dtype: DType::F16,
             geom: AttnGeometry::new(4, 2, 64).unwrap(),
             page_size: 16,
+            page_group: 1,
             batch,
             kv_len,
         }
@@ -897,6 +916,32 @@ mod tests {
             .with_splits(5);
         assert_eq!(naive_forced.splits, Some(1), "naive keeps one split");
         assert_eq!(asy.params.scheme(), SoftmaxScheme::ASYNC_DEFAULT);
+    }
+
+    #[test]
+    fn page_groups_keep_their_pages_together_and_scatter_them_inside() {
+        let b = CpuBackend::new();
+        let c = AttnBenchCase {
+            page_group: 4,
+            ..case(AttnPhase::Decode, 2, 300)
+        };
+        assert!(c.label().ends_with("page=16/4"), "{}", c.label());
+        let inp = AttnInputs::new(&b, &c, 1, 7).unwrap();
+        let used = inp.tables.block_table.clone();
+        let mut sorted = used.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..38).collect::<Vec<i32>>(), "every page used once");
+        // Each aligned group of 4 pool pages (the last one has 2) is one stretch of the tables,
+        // in shuffled order inside.
+        let mut groups: Vec<i32> = used.iter().map(|p| p / 4).collect();
+        groups.dedup();
+        assert_eq!(groups.len(), 10, "{used:?}");
+        groups.sort_unstable();
+        groups.dedup();
+        assert_eq!(groups.len(), 10, "a group split over two stretches: {used:?}");
+        assert!(used.windows(2).any(|w| w[0] / 4 == w[1] / 4 && w[1] != w[0] + 1), "{used:?}");
+        let zero = AttnBenchCase { page_group: 0, ..c };
+        assert!(zero.validate().unwrap_err().to_string().contains("page_group must be at least 1"));
     }
 
     #[test]

@@ -82,6 +82,11 @@ pub struct AttnBenchArgs {
     /// Tokens per KV page.
     #[arg(long = "page-size", default_value_t = DEFAULT_PAGE_SIZE)]
     pub page_size: usize,
+    /// Pages shuffled within aligned groups of N pool pages, the groups shuffled (1: every page
+    /// anywhere in the pool, as a long-running server's cache ends up; with pages of 16 tokens
+    /// and 32 KV heads d128, N = 16 keeps a tile's pages within one or two 2 MiB regions).
+    #[arg(long = "page-group", default_value_t = 1)]
+    pub page_group: usize,
     /// Timed runs per variant and configuration (the median is reported).
     #[arg(long, default_value_t = TimingOpts::default().reps)]
     pub reps: usize,
@@ -291,6 +296,7 @@ fn bench_attention<B: Backend>(b: &B, a: &AttnBenchArgs, p: &AttnPlan, peer: Vec
                 dtype: a.dtype,
                 geom: p.geom,
                 page_size: a.page_size,
+                page_group: a.page_group,
                 batch,
                 kv_len,
             })
