@@ -939,9 +939,16 @@ mod tests {
         groups.sort_unstable();
         groups.dedup();
         assert_eq!(groups.len(), 10, "a group split over two stretches: {used:?}");
-        assert!(used.windows(2).any(|w| w[0] / 4 == w[1] / 4 && w[1] != w[0] + 1), "{used:?}");
+        assert!(
+            used.windows(2).any(|w| w[0] / 4 == w[1] / 4 && w[1] != w[0] + 1),
+            "{used:?}"
+        );
         let zero = AttnBenchCase { page_group: 0, ..c };
-        assert!(zero.validate().unwrap_err().to_string().contains("page_group must be at least 1"));
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("page_group must be at least 1"));
     }
 
     #[test]
