@@ -612,46 +612,22 @@ mod tests {
         // 1000 · 64 · 2 · 2 = 256000 bytes.
         let p = prefill(&[1000], &[1000]);
         let s = SectionBudget::SHARE;
-        // waves 0: the fewest sections that fit.
-        assert_eq!(
-            prefill_sections(&p, 64, &budget(50 << 20, s, 0.0)),
-            1,
-            "both fit 5/8 of 50 MiB"
-        );
-        assert_eq!(
-            prefill_sections(&p, 64, &budget(900_000, s, 0.0)),
-            1,
-            "562500 bytes hold 2"
-        );
-        assert_eq!(
-            prefill_sections(&p, 64, &budget(600_000, s, 0.0)),
-            2,
-            "375000 bytes hold 1"
-        );
-        assert_eq!(
-            prefill_sections(&p, 64, &budget(1000, s, 0.0)),
-            2,
-            "never more than one per KV head"
-        );
-        assert_eq!(
-            prefill_sections(&p, 64, &budget(900_000, 0.5, 0.0)),
-            2,
-            "450000 bytes hold 1"
-        );
-        // 1/8 of 3 MB (375000 bytes) holds one KV head: split in two if each half keeps its
-        // waves (4 SMs × 1.25 = 5 blocks a section).
-        assert_eq!(
-            prefill_sections(&p, 10, &budget(3_000_000, s, 1.25)),
-            2,
-            "5 blocks each"
-        );
-        assert_eq!(
-            prefill_sections(&p, 9, &budget(3_000_000, s, 1.25)),
-            1,
-            "4.5 blocks each"
-        );
-        // 1/8 of 50 MiB holds both: nothing to gain from a split.
-        assert_eq!(prefill_sections(&p, 1000, &budget(50 << 20, s, 1.25)), 1);
+        // (blocks, L2 bytes, share, waves, sections, why)
+        for (blocks, l2, share, waves, want, why) in [
+            // waves 0: the fewest sections that fit.
+            (64, 50 << 20, s, 0.0, 1, "both fit 5/8 of 50 MiB"),
+            (64, 900_000, s, 0.0, 1, "562500 bytes hold 2"),
+            (64, 600_000, s, 0.0, 2, "375000 bytes hold 1"),
+            (64, 1000, s, 0.0, 2, "never more than one per KV head"),
+            (64, 900_000, 0.5, 0.0, 2, "450000 bytes hold 1"),
+            // 1/8 of 3 MB (375000 bytes) holds one KV head: split in two if each half keeps its
+            // waves (4 SMs × 1.25 = 5 blocks a section).
+            (10, 3_000_000, s, 1.25, 2, "5 blocks each"),
+            (9, 3_000_000, s, 1.25, 1, "4.5 blocks each"),
+            (1000, 50 << 20, s, 1.25, 1, "1/8 of 50 MiB holds both: nothing to gain"),
+        ] {
+            assert_eq!(prefill_sections(&p, blocks, &budget(l2, share, waves)), want, "{why}");
+        }
         // Every sequence's K/V counts, each up to its end (prefix included).
         let two = prefill(&[1000, 700], &[1000, 100]);
         assert_eq!(

@@ -412,6 +412,18 @@ impl PrefillParams {
             .collect()
     }
 
+    /// [`Self::validate`] for a call without k and v buffers (the new tokens' k and v already
+    /// in the cache): their required lengths stand in for them.
+    pub fn validate_cached(
+        &self,
+        layout: &PagedKvLayout,
+        q_out: (usize, usize),
+        pool_lens: (usize, usize),
+    ) -> Result<()> {
+        let kvn = self.tokens() * self.geom.num_kv_heads * self.geom.head_dim;
+        self.validate(layout, q_out, (kvn, kvn), pool_lens)
+    }
+
     /// As [`DecodeParams::validate`], plus: one new_len per sequence, each in 1..=seq_len; lens
     /// are (q/out, k/v new) lengths.
     pub fn validate(

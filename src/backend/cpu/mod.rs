@@ -352,10 +352,7 @@ impl Backend for CpuBackend {
         kv: &PagedKv<CpuBuffer>,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        // No k or v buffers here: their required lengths stand in for them.
-        let g = p.geom;
-        let kvn = p.tokens() * g.num_kv_heads * g.head_dim;
-        p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+        p.validate_cached(&kv.layout, (q.len(), out.len()), (kv.k.len(), kv.v.len()))?;
         check_dtypes("attention_prefill", p.dtype, &[q, &kv.k, &kv.v, out])?;
         let pools = (&kv.k.data[..], &kv.v.data[..]);
         let s = attention::prefill_cached(p, &kv.layout, &q.data, pools, &mut out.data)?;

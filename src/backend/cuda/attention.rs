@@ -428,9 +428,7 @@ pub fn prefill_cached(
 ) -> Result<AttnStats> {
     let g = p.geom;
     let (heads, d) = (g.num_heads, g.head_dim);
-    // No k or v buffers here: their required lengths stand in for them.
-    let kvn = p.tokens() * g.num_kv_heads * d;
-    p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+    p.validate_cached(&kv.layout, (q.len(), out.len()), (kv.k.len(), kv.v.len()))?;
     check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
     // sm_90a: the wgmma kernel (prefill_hopper.rs), unless FDPP_PREFILL says otherwise.
     if super::prefill_hopper::wanted(b, p)? {

@@ -556,9 +556,7 @@ pub fn prefill_cached(
     counting: bool,
 ) -> Result<AttnStats> {
     let g = p.geom;
-    // No k or v buffers here: their required lengths stand in for them.
-    let kvn = p.tokens() * g.num_kv_heads * g.head_dim;
-    p.validate(&kv.layout, (q.len(), out.len()), (kvn, kvn), (kv.k.len(), kv.v.len()))?;
+    p.validate_cached(&kv.layout, (q.len(), out.len()), (kv.k.len(), kv.v.len()))?;
     check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
     let src = sources::attn_prefill_source(p.dtype, g.head_dim);
     prefill_supported(&b.dev, g.head_dim, &src.uri)?;
