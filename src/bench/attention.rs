@@ -356,6 +356,9 @@ pub struct AttnInputs<B: Backend> {
     sets: Vec<InputSet<B::Buffer>>,
     out: B::Buffer,
     samples: Vec<Sample>,
+    /// Prefill: the write of the prompt's k and v into a copy's cache (built once, not per
+    /// timed call).
+    append: Option<KvAppendParams>,
     /// The copy the next timed run uses; one cursor across variants, so that consecutive calls
     /// never read the same copy.
     cursor: usize,
@@ -418,6 +421,10 @@ impl<B: Backend> AttnInputs<B> {
             });
         }
         let out = b.alloc(dt, q.len())?;
+        let append = (case.phase == AttnPhase::Prefill).then(|| KvAppendParams {
+            tables: tables.clone(),
+            new_lens: vec![case.kv_len as i32; case.batch],
+        });
         Ok(AttnInputs {
             case: case.clone(),
             layout,
@@ -425,6 +432,7 @@ impl<B: Backend> AttnInputs<B> {
             sets,
             out,
             samples,
+            append,
             cursor: 0,
         })
     }
@@ -500,17 +508,13 @@ impl<B: Backend> AttnInputs<B> {
     /// call); an error for decode inputs.
     fn append(&mut self, b: &B, j: usize) -> Result<()> {
         let set = &mut self.sets[j];
-        let Some((k, v)) = &set.new_kv else {
+        let (Some((k, v)), Some(p)) = (&set.new_kv, &self.append) else {
             return Err(FdppError::InvalidArgument(format!(
                 "attention {}: a cache write on decode inputs",
                 self.case.label()
             )));
         };
-        let p = KvAppendParams {
-            tables: self.tables.clone(),
-            new_lens: vec![self.case.kv_len as i32; self.case.batch],
-        };
-        b.kv_append(&p, k, v, &mut set.kv)
+        b.kv_append(p, k, v, &mut set.kv)
     }
 
     /// One timed cache write, on the next copy.

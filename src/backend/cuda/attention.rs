@@ -414,7 +414,7 @@ pub fn prefill(
         v,
         kv,
     )?;
-    prefill_cached(b, p, q, kv, out, counting)
+    attend(b, p, q, kv, out, counting)
 }
 
 /// Causal prefill of new tokens whose K and V the cache already holds: attend only.
@@ -426,10 +426,23 @@ pub fn prefill_cached(
     out: &mut CudaBuffer,
     counting: bool,
 ) -> Result<AttnStats> {
-    let g = p.geom;
-    let (heads, d) = (g.num_heads, g.head_dim);
     p.validate_cached(&kv.layout, (q.len(), out.len()), (kv.k.len(), kv.v.len()))?;
     check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
+    attend(b, p, q, kv, out, counting)
+}
+
+/// The attention of [`prefill`] and [`prefill_cached`], whose callers validated the params and
+/// buffers.
+fn attend(
+    b: &CudaBackend,
+    p: &PrefillParams,
+    q: &CudaBuffer,
+    kv: &PagedKv<CudaBuffer>,
+    out: &mut CudaBuffer,
+    counting: bool,
+) -> Result<AttnStats> {
+    let g = p.geom;
+    let (heads, d) = (g.num_heads, g.head_dim);
     // sm_90a: the wgmma kernel (prefill_hopper.rs), unless FDPP_PREFILL says otherwise.
     if super::prefill_hopper::wanted(b, p)? {
         let recomputed = super::prefill_hopper::attend(b, p, q, kv, out, counting)?;

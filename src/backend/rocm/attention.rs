@@ -543,7 +543,7 @@ pub fn prefill(
         v,
         kv,
     )?;
-    prefill_cached(b, p, q, kv, out, counting)
+    attend(b, p, q, kv, out, counting, &src)
 }
 
 /// Causal prefill of new tokens whose K and V the cache already holds: attend only.
@@ -555,11 +555,25 @@ pub fn prefill_cached(
     out: &mut RocmBuffer,
     counting: bool,
 ) -> Result<AttnStats> {
-    let g = p.geom;
     p.validate_cached(&kv.layout, (q.len(), out.len()), (kv.k.len(), kv.v.len()))?;
     check_dtypes("prefill attention", p.dtype, &[q, &kv.k, &kv.v, out])?;
-    let src = sources::attn_prefill_source(p.dtype, g.head_dim);
-    prefill_supported(&b.dev, g.head_dim, &src.uri)?;
+    let src = sources::attn_prefill_source(p.dtype, p.geom.head_dim);
+    prefill_supported(&b.dev, p.geom.head_dim, &src.uri)?;
+    attend(b, p, q, kv, out, counting, &src)
+}
+
+/// The attention of [`prefill`] and [`prefill_cached`], whose callers validated the params and
+/// buffers and checked that the device runs `src`.
+fn attend(
+    b: &RocmBackend,
+    p: &PrefillParams,
+    q: &RocmBuffer,
+    kv: &PagedKv<RocmBuffer>,
+    out: &mut RocmBuffer,
+    counting: bool,
+    src: &sources::KernelSource,
+) -> Result<AttnStats> {
+    let g = p.geom;
     let tiles = attn_plan::prefill_tiles(p, PREFILL_BM)?;
     let mut st = b.attn.borrow_mut();
     let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
@@ -580,7 +594,7 @@ pub fn prefill_cached(
         scale2: g.scale() * LOG2E,
     };
     let l = prefill_launch(tiles.len(), g.num_heads, g.num_kv_heads, p.scheme, &x, dims)?;
-    let f = b.function(&src, l.kernel)?;
+    let f = b.function(src, l.kernel)?;
     let what = format!(
         "{} of {} at {} new tokens of {} sequences",
         l.kernel,
