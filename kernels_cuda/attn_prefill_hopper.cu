@@ -64,8 +64,23 @@
 // Measurement only, never a default (results are garbage): 1 = the producer copies nothing
 // (the ceiling without K/V loads), 2 = no exponentials in the softmax (P = S, the ceiling of the
 // GEMMs and the pipeline). Sync timings only: async would recompute the garbage rows.
+// 3 = a timeline (results correct): each consumer warpgroup's first thread writes one record of
+// eleven words per block into fdpp_trace (the host reads it after the launch, prefill_hopper.rs):
+// block, SM and warpgroup; its key tiles, head and first position; the global timer at entry;
+// the SM clock, from entry, when Q was in, when the producer issued the first K tile, when that
+// tile was in, when the walk ended, when O was stored, when the producer had the first tile's
+// page ids, when this thread had the block's tile (its entry in the tile list), and when it asked
+// for that entry. (Not printf: a call in the kernel makes ptxas serialise every wgmma.)
 #ifndef FDPP_DIAG
 #define FDPP_DIAG 0
+#endif
+#if FDPP_DIAG == 3
+#define TRACE(x) x
+constexpr int TRACE_CAP = 32768;  // records (two per block)
+constexpr int TRACE_WORDS = 11;
+__device__ unsigned long long fdpp_trace[TRACE_CAP * TRACE_WORDS];
+#else
+#define TRACE(x)
 #endif
 
 typedef unsigned long long u64;
@@ -105,7 +120,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 16 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (and the vote word)");
+static_assert(4 * STAGES * 8 + 32 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (the vote word, the trace slots)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -183,6 +198,13 @@ __device__ __forceinline__ u32 smem_ld(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
+#if FDPP_DIAG == 3
+__device__ __forceinline__ u64 smem_ld64(u32 addr) {
+    u64 v;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
+#endif
 __device__ __forceinline__ void smem_st(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 
 
@@ -245,6 +267,10 @@ struct Ctx {
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
     __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
     __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
+    // FDPP_DIAG 3: the SM clock when the producer issued the first K tile, and when it had that
+    // tile's page ids (8 bytes each).
+    __device__ __forceinline__ u32 trace_slot() const { return vote_bar() + 16; }
+    __device__ __forceinline__ u32 trace_slot_box() const { return vote_bar() + 24; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -339,27 +365,42 @@ __device__ __forceinline__ bool tile_is_run(const Ctx& c, int box, int lane, boo
     return __all_sync(0xffffffffu, !tma_lane || box == first + lane * c.tma_rows);
 }
 
+// The producer's page lookups for the first key tile of a walk: the slot of each TMA lane's box
+// (by_tma > 0), or of every thread's row when the tile comes by cp.async.
+struct Lookup {
+    u32 slot;
+    int box;
+};
+__device__ __forceinline__ Lookup first_lookup(const Ctx& c) {
+    const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
+    const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
+    const bool tma_lane = pw == 0 && c.tma_rows > 0 && lane < BN / c.tma_rows;
+    // TMA lane j (< BN / tma_rows) of warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a tile,
+    // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
+    return {by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane), by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0};
+}
+
 // The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
 // phases continue into the recompute walk). Tiles before `by_tma` come by TMA, issued by the
 // first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
 // size does not box) by cp.async from every producer thread. Each of the 128 producer threads
 // arrives once per stage use on each full barrier either way (the count they were made with).
-__device__ void produce(const Ctx& c, int& it) {
+__device__ void produce(const Ctx& c, int& it, Lookup first) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
     const bool tma_lane = pw == 0 && c.tma_rows > 0 && lane < BN / c.tma_rows;
-    u32 slot = by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane);
-    // TMA lane j (< BN / tma_rows) of warp 0 loads rows j·tma_rows .. + tma_rows − 1 of a tile,
-    // which lie in one page from the slot of its first row on (keys of TMA tiles are < kv_end).
-    int box = by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0;
+    u32 slot = first.slot;
+    int box = first.box;
     bool run = FDPP_RUN_BOXES && pw == 0 && by_tma > 0 && tile_is_run(c, box, lane, tma_lane);
+    TRACE(asm volatile("" ::"r"(box), "r"(slot)); if (t == 0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot_box()), "l"(clock64()) : "memory");)
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
         // Use u = it / STAGES of K (of V) in stage s waits until both consumers released K (V)
         // of use u − 1.
         const u32 prev = (u32)((it / STAGES) - 1) & 1u;
         if (it >= STAGES) mbar_wait(c.empty_k(s), prev);
+        TRACE(if (n == 0 && t == 0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
         if (n < by_tma) {
             load_tma(c, c.kmap, c.kmap_run, c.sk(s), c.full_k(s), box, run, pw, lane, tma_lane);
             if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
@@ -387,7 +428,8 @@ __device__ void produce(const Ctx& c, int& it) {
     }
 }
 
-// Consumer w loads its 64 rows of Q into the swizzled Q tile.
+// Consumer w requests its 64 rows of Q into the swizzled Q tile (one cp.async group; the caller
+// waits for it).
 __device__ __forceinline__ void load_q(const Ctx& c, int w) {
     const int t = threadIdx.x % 128;
     for (int i = t; i < WG_ROWS * CH; i += 128) {
@@ -397,7 +439,6 @@ __device__ __forceinline__ void load_q(const Ctx& c, int w) {
         cp_async16(c.sq() + swz(row, ch, BM), c.q + at, ok ? 16 : 0);
     }
     cp_async_commit();
-    cp_async_wait<0>();
 }
 
 // Row state of the two rows a thread holds (16·warp + g and + 8 within its warpgroup's 64);
@@ -407,6 +448,7 @@ struct Rows {
     float o[DT * 4];
     float m[2], l[2], mx[2];
     bool over[2];
+    TRACE(long long tk0;)  // the SM clock when K of the first tile was in
 };
 
 // What one consumer thread needs to walk the tiles: its warpgroup, its rows' positions, and
@@ -582,6 +624,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     };
     if (mine > 0) {
         mbar_wait(c.full_k(stage(it)), parity(it));
+        TRACE(st.tk0 = clock64();)
         fence_async_smem();
         turn_begin();
         wg_fence();
@@ -652,6 +695,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     // One tile at a time: S, softmax, P·V (the other consumer warpgroup fills the gaps).
     for (int n = 0; n < mine; ++n, ++it) {
         mbar_wait(c.full_k(stage(it)), parity(it));
+        TRACE(if (n == 0) st.tk0 = clock64();)
         fence_async_smem();
         wg_fence();
         issue_qk(c, k, sc, stage(it));
@@ -686,20 +730,49 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     }
 }
 
-// Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set.
+// Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set. A lane holds two
+// columns of each 8-column group of its row (wgmma's D fragment); the quad sharing the row trades
+// them (a 4 × 4 transpose per four groups: 2 × 2 blocks across lane pairs, then the off-diagonal
+// blocks across pairs of pairs) so that each lane stores whole groups: four 16-byte stores per
+// row and lane, a quad 64 contiguous bytes per instruction, where one 4-byte store per group and
+// lane made each warp instruction write 16 bytes of 8 rows. Every lane runs the shuffles (the
+// row tests only guard the stores): shuffles under a partial mask cost ptxas's divergence checks
+// around each one, and made the store three times slower. Measured (reports/NOTES.md, session
+// 21): a block's store took 1,900-2,900 SM cycles before and 1,000-1,400 after; 8 · 1024
+// +11 %, 1 · 1024 +8 %.
 __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* __restrict__ out, unsigned mask) {
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     const int g = lane / 4, tq = lane % 4;
+    const bool odd = tq & 1, high = tq & 2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = WG_ROWS * w + 16 * warp + g + 8 * r;
-        if (!(mask & (1u << r)) || row >= c.rows) continue;
+        const bool keep = (mask & (1u << r)) && row < c.rows;
         const float inv = 1.f / st.l[r];
         u16* o = out + ((size_t)(c.row0 + row) * c.H + c.h) * D;
 #pragma unroll
-        for (int j = 0; j < DT; ++j) {
-            const u32 v = pack2(st.o[4 * j + 2 * r] * inv, st.o[4 * j + 2 * r + 1] * inv);
-            *reinterpret_cast<u32*>(o + 8 * j + 2 * tq) = v;
+        for (int k = 0; k < DT / 4; ++k) {
+            // a[i]: this lane's columns 2tq, 2tq + 1 of group 4k + i; afterwards lane tq's
+            // a[i] holds lane i's columns of group 4k + tq.
+            u32 a[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = 4 * k + i;
+                a[i] = pack2(st.o[4 * j + 2 * r] * inv, st.o[4 * j + 2 * r + 1] * inv);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const u32 got = __shfl_xor_sync(0xffffffffu, odd ? a[i] : a[i + 1], 1);
+                if (odd) a[i] = got;
+                else a[i + 1] = got;
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const u32 got = __shfl_xor_sync(0xffffffffu, high ? a[i] : a[i + 2], 2);
+                if (high) a[i] = got;
+                else a[i + 2] = got;
+            }
+            if (keep) *reinterpret_cast<uint4*>(o + 8 * (4 * k + tq)) = make_uint4(a[0], a[1], a[2], a[3]);
         }
     }
 }
@@ -711,8 +784,10 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
                         u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows, const TmaMap* kmap_run,
                         const TmaMap* vmap_run) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    TRACE(const long long tc0 = clock64(); unsigned long long tg0; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tg0));)
     // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
     const TileHead th = tile_head(H, G, nsec);
+    TRACE(asm volatile("" ::"r"(th.tile), "r"(th.head)); const long long tcpre = clock64();)
     const int4 tv = tiles[th.tile];
     Ctx c;
     c.q = q;
@@ -733,8 +808,26 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.pos0 = tv.z;
     c.rows = tv.w;
     c.kv_end = c.pos0 + c.rows;
+    TRACE(asm volatile("" ::"r"(tv.x), "r"(tv.y), "r"(tv.z), "r"(tv.w)); const long long tct = clock64();)
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
     c.base = (smem_addr(smem) + 1023u) & ~1023u;
+    // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
+    // ring index and the wgmma descriptors derived from it) as warp-uniform and computes them in
+    // the uniform datapath. From threadIdx.x directly, every descriptor of the main loop was
+    // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
+    // instructions a consumer warp issued per key tile (SASS, session 7).
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+    // The first tile's page ids (producer) and the Q rows (consumers) are requested before the
+    // barriers are set up: they depend only on the tile entry, and the block's first S = Q·Kᵀ
+    // waits on both. Measured (reports/NOTES.md, session 21): +1-2.5 % at 1 · 1024 over
+    // requesting them after the setup; Q requested after the __syncthreads but before
+    // setmaxnreg.inc was 3-5 % slower than either at 1024 tokens.
+    Lookup first{NO_SLOT, 0};
+    if (wg == 0) {
+        first = first_lookup(c);
+    } else {
+        load_q(c, wg - 1);
+    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
@@ -746,19 +839,13 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         smem_st(c.vote_word(), 0);
     }
     __syncthreads();
-    // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
-    // ring index and the wgmma descriptors derived from it) as warp-uniform and computes them in
-    // the uniform datapath. From threadIdx.x directly, every descriptor of the main loop was
-    // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
-    // instructions a consumer warp issued per key tile (SASS, session 7).
-    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        produce(c, it);
+        produce(c, it, first);
         if (ASYNC) {
             mbar_wait(c.vote_bar(), 0);
-            if (smem_ld(c.vote_word())) produce(c, it);
+            if (smem_ld(c.vote_word())) produce(c, it, first_lookup(c));
         }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
@@ -766,9 +853,10 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int w = wg - 1;
-    load_q(c, w);
+    cp_async_wait<0>();
     fence_async_smem();
     named_sync(1 + w, 128);
+    TRACE(const long long tcq = clock64();)
     Walker k;
     k.w = w;
     k.lane = threadIdx.x % 32;
@@ -782,9 +870,31 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     k.phi2 = phi2;
     k.b2 = b2;
     Rows st;
+    TRACE(st.tk0 = 0;)
     walk<ASYNC>(c, k, it, st);
+    TRACE(const long long tcw = clock64(); const long long tk0 = st.tk0;
+          auto trace = [&]() {
+              const int rec = 2 * (int)blockIdx.x + w;
+              if (threadIdx.x % 128 == 0 && rec < TRACE_CAP) {
+                  unsigned smid;
+                  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+                  unsigned long long* r = fdpp_trace + TRACE_WORDS * (size_t)rec;
+                  r[0] = (unsigned long long)blockIdx.x | ((unsigned long long)smid << 32) | ((unsigned long long)w << 48) | (1ull << 56);
+                  r[1] = (unsigned long long)c.tiles_of(w) | ((unsigned long long)c.h << 16) | ((unsigned long long)c.pos0 << 32);
+                  r[2] = tg0;
+                  r[3] = tcq - tc0;
+                  r[4] = (long long)smem_ld64(c.trace_slot()) - tc0;
+                  r[5] = tk0 - tc0;
+                  r[6] = tcw - tc0;
+                  r[7] = clock64() - tc0;
+                  r[8] = (long long)smem_ld64(c.trace_slot_box()) - tc0;
+                  r[9] = tct - tc0;
+                  r[10] = tcpre - tc0;
+              }
+          };)
     if (!ASYNC) {
         store(c, w, st, out, 3u);
+        TRACE(trace();)
         return;
     }
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
@@ -812,6 +922,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         // One lane per quad counts its rows.
         if (lane % 4 == 0 && bad) atomicAdd(recomputed, __popc(bad));
     }
+    TRACE(trace();)
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)

@@ -239,7 +239,7 @@ pub const KEYS: &[KeyInfo] = &[
         key: Key::HopperDiag,
         name: "hopper_diag",
         env: "FDPP_HOPPER_DIAG",
-        values: "0|1|2",
+        values: "0|1|2|3",
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",

@@ -38,8 +38,9 @@ pub struct Schedule {
     /// dominate ([`Schedule::RUNS`]): in [`Schedule::DEFAULT`] the per-tile test cost 5 % with
     /// scattered pages (sync, 1 · 4096 and 1 · 16384, H100, session 19).
     pub runs: bool,
-    /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2`): 1 = no K/V copies,
-    /// 2 = no exponentials. The results are garbage; never a default.
+    /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2|3`): 1 = no K/V copies,
+    /// 2 = no exponentials (the results are garbage); 3 = a per-block timeline printed by the
+    /// kernel (results correct, every block slower). Never a default.
     pub diag: u8,
 }
 
@@ -141,15 +142,16 @@ impl Schedule {
         Ok(v)
     }
 
-    /// `FDPP_HOPPER_DIAG=0|1|2` on top of [`Schedule::parse`].
+    /// `FDPP_HOPPER_DIAG=0|1|2|3` on top of [`Schedule::parse`].
     fn parse_diag(mut self, diag: Option<&str>) -> Result<Self> {
         self.diag = match diag.map(str::trim).filter(|s| !s.is_empty()) {
             None | Some("0") => 0,
             Some("1") => 1,
             Some("2") => 2,
+            Some("3") => 3,
             Some(o) => {
                 return Err(FdppError::InvalidArgument(format!(
-                    "FDPP_HOPPER_DIAG={o}: expected 0, 1 or 2"
+                    "FDPP_HOPPER_DIAG={o}: expected 0, 1, 2 or 3"
                 )))
             }
         };
@@ -286,7 +288,7 @@ pub fn attend(
     let sched = Schedule::from_env(base)?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
-    launch_prefill(
+    let recomputed = launch_prefill(
         b,
         p,
         q,
@@ -302,7 +304,66 @@ pub fn attend(
             smem: smem_bytes(d, sched.stages),
             tma: Some(&maps),
         },
-    )
+    )?;
+    if sched.diag == 3 {
+        dump_trace(b, &src()?)?;
+    }
+    Ok(recomputed)
+}
+
+/// `hopper_diag=3`: append the launch's timeline records (the kernel's `fdpp_trace`, eleven words
+/// per consumer warpgroup and block; the kernel's FDPP_DIAG comment) to the file named by
+/// FDPP_HOPPER_TRACE_OUT (default `prefill-trace.tsv`) as tab-separated lines, then clear them
+/// for the next launch. Measurement only: it synchronises after every launch.
+fn dump_trace(b: &CudaBackend, src: &super::sources::KernelSource) -> Result<()> {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static LAUNCH: AtomicUsize = AtomicUsize::new(0);
+    let path = std::env::var("FDPP_HOPPER_TRACE_OUT").unwrap_or_else(|_| "prefill-trace.tsv".into());
+    let fail = |e: &dyn std::fmt::Debug| FdppError::device("cuda", format!("hopper_diag=3 trace ({path}): {e:?}"));
+    let module = b.module(src)?;
+    let mut g = module.get_global("fdpp_trace", b.stream()).map_err(|e| fail(&e))?;
+    let bytes: Vec<u8> = b.stream().clone_dtoh(&g).map_err(|e| fail(&e))?;
+    b.stream().memset_zeros(&mut g).map_err(|e| fail(&e))?;
+    let launch = LAUNCH.fetch_add(1, Ordering::Relaxed);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| fail(&e))?;
+    let mut text = String::new();
+    for rec in bytes.chunks_exact(88) {
+        let w: Vec<u64> = rec
+            .chunks_exact(8)
+            .map(|x| u64::from_le_bytes(x.try_into().unwrap_or([0; 8])))
+            .collect();
+        if w[0] >> 56 != 1 {
+            continue;
+        }
+        // launch block sm wg tiles head pos0 t_global, then SM clocks from entry: q, producer's
+        // first K issue, first K in, walk done, stored, producer's page ids, tile entry, tile entry
+        // asked for (signed:
+        // the producer's clock is its own warp's read of the same SM counter).
+        text.push_str(&format!(
+            "{launch}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+            w[0] & 0xffff_ffff,
+            (w[0] >> 32) & 0xffff,
+            (w[0] >> 48) & 0xff,
+            w[1] & 0xffff,
+            (w[1] >> 16) & 0xffff,
+            w[1] >> 32,
+            w[2],
+            w[3] as i64,
+            w[4] as i64,
+            w[5] as i64,
+            w[6] as i64,
+            w[7] as i64,
+            w[8] as i64,
+            w[9] as i64,
+            w[10] as i64
+        ));
+    }
+    f.write_all(text.as_bytes()).map_err(|e| fail(&e))
 }
 
 /// The share of the batch's whole key tiles (BN slots) that a BN-row TMA box covers: all of them
@@ -401,7 +462,8 @@ mod tests {
             "s2o0p0",
             "the overlap off takes the default ping-pong with it"
         );
-        assert!(d.parse_diag(Some("3")).is_err());
+        assert_eq!(d.parse_diag(Some("3")).unwrap().diag, 3);
+        assert!(d.parse_diag(Some("4")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }
