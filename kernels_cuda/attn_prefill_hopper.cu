@@ -68,9 +68,10 @@
 // eleven words per block into fdpp_trace (the host reads it after the launch, prefill_hopper.rs):
 // block, SM and warpgroup; its key tiles, head and first position; the global timer at entry;
 // the SM clock, from entry, when Q was in, when the producer issued the first K tile, when that
-// tile was in, when the walk ended, when O was stored, when the producer had the first tile's
-// page ids, when this thread had the block's tile (its entry in the tile list), and when it asked
-// for that entry. (Not printf: a call in the kernel makes ptxas serialise every wgmma.)
+// tile was in, when the walk ended, when O was stored, when the producer began its walk (the
+// first tile's page ids in hand), when this thread had the block's tile (its entry in the tile
+// list), and when it asked for that entry. (Not printf: a call in the kernel makes ptxas
+// serialise every wgmma.)
 #ifndef FDPP_DIAG
 #define FDPP_DIAG 0
 #endif

@@ -39,8 +39,9 @@ pub struct Schedule {
     /// scattered pages (sync, 1 · 4096 and 1 · 16384, H100, session 19).
     pub runs: bool,
     /// Measurement-only diagnostics (FDPP_DIAG, `FDPP_HOPPER_DIAG=1|2|3`): 1 = no K/V copies,
-    /// 2 = no exponentials (the results are garbage); 3 = a per-block timeline printed by the
-    /// kernel (results correct, every block slower). Never a default.
+    /// 2 = no exponentials (the results are garbage); 3 = a per-block timeline the kernel records
+    /// and [`attend`] appends to a file (results correct; ~1 % slower, and a synchronisation after
+    /// every launch). Never a default.
     pub diag: u8,
 }
 
@@ -314,7 +315,8 @@ pub fn attend(
 /// `hopper_diag=3`: append the launch's timeline records (the kernel's `fdpp_trace`, eleven words
 /// per consumer warpgroup and block; the kernel's FDPP_DIAG comment) to the file named by
 /// FDPP_HOPPER_TRACE_OUT (default `prefill-trace.tsv`) as tab-separated lines, then clear them
-/// for the next launch. Measurement only: it synchronises after every launch.
+/// for the next launch. Blocks past the kernel's TRACE_CAP / 2 (16384) are not recorded.
+/// Measurement only: it synchronises after every launch.
 fn dump_trace(b: &CudaBackend, src: &super::sources::KernelSource) -> Result<()> {
     use std::io::Write;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -340,10 +342,10 @@ fn dump_trace(b: &CudaBackend, src: &super::sources::KernelSource) -> Result<()>
         if w[0] >> 56 != 1 {
             continue;
         }
-        // launch block sm wg tiles head pos0 t_global, then SM clocks from entry: q, producer's
-        // first K issue, first K in, walk done, stored, producer's page ids, tile entry, tile entry
-        // asked for (signed:
-        // the producer's clock is its own warp's read of the same SM counter).
+        // launch block sm wg tiles head pos0 t_global, then SM clocks from entry: Q in, the
+        // producer's first K issue, first K in, walk done, stored, the producer's page ids in,
+        // tile entry in, tile entry asked for (signed: the producer's readings are its own warp's
+        // of the same SM counter).
         text.push_str(&format!(
             "{launch}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
             w[0] & 0xffff_ffff,
