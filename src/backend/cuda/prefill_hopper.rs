@@ -315,7 +315,8 @@ pub fn attend(
 /// `hopper_diag=3`: append the launch's timeline records (the kernel's `fdpp_trace`, eleven words
 /// per consumer warpgroup and block; the kernel's FDPP_DIAG comment) to the file named by
 /// FDPP_HOPPER_TRACE_OUT (default `prefill-trace.tsv`) as tab-separated lines, then clear them
-/// for the next launch. Blocks past the kernel's TRACE_CAP / 2 (16384) are not recorded.
+/// for the next launch (`scripts/prefill_trace.py` summarises the file). Blocks past the kernel's
+/// TRACE_CAP / 2 (16384) are not recorded.
 /// Measurement only: it synchronises after every launch.
 fn dump_trace(b: &CudaBackend, src: &super::sources::KernelSource) -> Result<()> {
     use std::io::Write;
