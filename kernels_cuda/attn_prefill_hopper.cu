@@ -1,8 +1,9 @@
 // Causal prefill attention for Hopper (sm_90a), in the FlashAttention-3 shape (Shah et al.,
-// 2024, §3.1): warp specialisation and wgmma. Same entry-point arguments, tile list and
-// semantics as attn_prefill.cu (causal mask, GQA, K/V read from the paged cache after the host
-// appended the new tokens, sync and async softmax with the recompute rule); only the schedule
-// and the instructions differ.
+// 2024, §3.1): warp specialisation and wgmma. The semantics of attn_prefill.cu (causal mask,
+// GQA, K/V read from the paged cache after the host appended the new tokens, sync and async
+// softmax with the recompute rule) and its block order; the schedule and the instructions
+// differ, and the host lists each block's tile, head and first key tile's slot (attn_plan.rs
+// `prefill_blocks`) where attn_prefill.cu derives them from the block index.
 //
 // A block owns BM = 128 query rows of one head and has three warpgroups:
 // - warpgroup 0, the producer, gives most of its registers back (setmaxnreg) and fills a ring of
@@ -121,7 +122,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 32 <= 128, "prefill_hopper.rs reserves 128 bytes of barriers (the vote word, the trace slots)");
+static_assert(4 * STAGES * 8 + 40 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers (the vote word, the trace slots, Q's)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -171,6 +172,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 // Expect `bytes` more of asynchronous (TMA) writes in the current phase, without arriving.
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrive on the barrier and expect `bytes` of asynchronous writes in the same phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // TMA: the box at (c0, c1, c2) of the 3-D tensor map lands at dst, its bytes completing on bar.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1, int c2) {
@@ -272,6 +277,8 @@ struct Ctx {
     // tile's page ids (8 bytes each).
     __device__ __forceinline__ u32 trace_slot() const { return vote_bar() + 16; }
     __device__ __forceinline__ u32 trace_slot_box() const { return vote_bar() + 24; }
+    // Q's rows by TMA (q_tma): the bytes complete on this one.
+    __device__ __forceinline__ u32 q_bar() const { return vote_bar() + 32; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -381,12 +388,31 @@ __device__ __forceinline__ Lookup first_lookup(const Ctx& c) {
     return {by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane), by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0};
 }
 
+// Tile 0 of the block's first walk, K and V into stage 0, issued by thread 0 right after it set
+// up the barriers and before the block's __syncthreads, from the slot the host looked up (`box0`,
+// attn_plan.rs `prefill_blocks`: the tile is one box per 64 columns, from the pool map when pages
+// hold a whole tile, else from the run map). The producer's walk then only arrives for it.
+// Before, the block's first K request waited for the tile entry, then the tile's page id, then
+// the barrier setup: ~3,300 SM cycles of an 8 · 1024 block's ~20,000 (reports/NOTES.md,
+// session 21's timeline).
+__device__ __forceinline__ void issue_first(const Ctx& c, int box0) {
+    const TmaMap* km = c.tma_rows >= BN ? c.kmap : c.kmap_run;
+    const TmaMap* vm = c.tma_rows >= BN ? c.vmap : c.vmap_run;
+#if FDPP_DIAG != 1
+    mbar_expect_tx(c.full_k(0), KV_BYTES);
+    tma_tile(c, km, c.sk(0), c.full_k(0), box0, 0);
+    mbar_expect_tx(c.full_v(0), KV_BYTES);
+    tma_tile(c, vm, c.sv(0), c.full_v(0), box0, 0);
+#endif
+    TRACE(asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
+}
+
 // The producer's walk over the key tiles; `it` counts stage uses across walks (the ring's
 // phases continue into the recompute walk). Tiles before `by_tma` come by TMA, issued by the
 // first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
 // size does not box) by cp.async from every producer thread. Each of the 128 producer threads
 // arrives once per stage use on each full barrier either way (the count they were made with).
-__device__ void produce(const Ctx& c, int& it, Lookup first) {
+__device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
@@ -401,8 +427,12 @@ __device__ void produce(const Ctx& c, int& it, Lookup first) {
         // of use u − 1.
         const u32 prev = (u32)((it / STAGES) - 1) & 1u;
         if (it >= STAGES) mbar_wait(c.empty_k(s), prev);
-        TRACE(if (n == 0 && t == 0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
-        if (n < by_tma) {
+        TRACE(if (n == 0 && t == 0 && !issued0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
+        if (n == 0 && issued0) {
+            // Thread 0 issued both boxes at entry (issue_first); the arrivals remain.
+            mbar_arrive(c.full_k(s));
+            mbar_arrive(c.full_v(s));
+        } else if (n < by_tma) {
             load_tma(c, c.kmap, c.kmap_run, c.sk(s), c.full_k(s), box, run, pw, lane, tma_lane);
             if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
             load_tma(c, c.vmap, c.vmap_run, c.sv(s), c.full_v(s), box, run, pw, lane, tma_lane);
@@ -427,6 +457,18 @@ __device__ void produce(const Ctx& c, int& it, Lookup first) {
             slot = row_slot(c, (n + 1) * BN + 32 * pw + lane);
         }
     }
+}
+
+// The block's Q rows [BM, D] by TMA from thread 0: one box of 128 rows per 64 columns (tma.rs
+// `query_map`, swizzled as the K/V boxes), rows past the last token zeros, the bytes on q_bar.
+// Rows past the block's own (a sequence's last tile) hold the next sequence's queries: their
+// scores are computed and never stored, as the zero rows of load_q are. Measured
+// (reports/NOTES.md, session 22): the consumers' 2,048 cp.async copies of Q took ~2,500 SM cycles
+// to land at a block's start.
+__device__ __forceinline__ void load_q_tma(const Ctx& c, const TmaMap* qmap) {
+    mbar_arrive_expect_tx(c.q_bar(), Q_BYTES);
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(c.sq() + (u32)cb * BM * 128, qmap, c.q_bar(), 64 * cb, c.h, c.row0);
 }
 
 // Consumer w requests its 64 rows of Q into the swizzled Q tile (one cp.async group; the caller
@@ -780,16 +822,23 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
 
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                        const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                        int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                        u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap, int tma_rows, const TmaMap* kmap_run,
-                        const TmaMap* vmap_run) {
+                        const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
+                        int H, int G, int entry_ahead, int q_tma, float scale2, float phi2, float a2, float b2,
+                        unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap,
+                        int tma_rows, const TmaMap* kmap_run, const TmaMap* vmap_run, const TmaMap* qmap) {
     extern __shared__ __align__(1024) unsigned char smem[];
     TRACE(const long long tc0 = clock64(); unsigned long long tg0; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tg0));)
-    // Which (query tile, head) this block computes: see tile_head() in attn_common.cuh.
-    const TileHead th = tile_head(H, G, nsec);
-    TRACE(asm volatile("" ::"r"(th.tile), "r"(th.head)); const long long tcpre = clock64();)
-    const int4 tv = tiles[th.tile];
+    // The block's entry, two int4 of the host's list (attn_plan.rs `prefill_blocks`, in the order
+    // of attn_common.cuh's tile_head): sequence, first row, first position, rows; head, the slot
+    // of the first key tile's box (−1: looked up here), KV head. Computing the (tile, head) here
+    // took ~170 instructions with six dependent integer divisions before the first load. The
+    // entry of the block `entry_ahead` on (a wave later: the one likely to follow this block on
+    // its SM) goes to L2 meanwhile; uploaded just before the launch, the list is read from DRAM
+    // otherwise (~900 SM cycles at 8 · 1024 against ~400 for the L2-resident tile list).
+    TRACE(const long long tcpre = clock64();)
+    const int4 tv = blocks[2 * blockIdx.x], te = blocks[2 * blockIdx.x + 1];
+    if (threadIdx.x == 0 && entry_ahead > 0 && blockIdx.x + (unsigned)entry_ahead < gridDim.x)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(blocks + 2 * (blockIdx.x + (unsigned)entry_ahead)));
     Ctx c;
     c.q = q;
     c.kp = kp;
@@ -803,13 +852,13 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = th.head;
-    c.kvh = c.h / (H / G);
+    c.h = te.x;
+    c.kvh = te.z;
     c.row0 = tv.y;
     c.pos0 = tv.z;
     c.rows = tv.w;
     c.kv_end = c.pos0 + c.rows;
-    TRACE(asm volatile("" ::"r"(tv.x), "r"(tv.y), "r"(tv.z), "r"(tv.w)); const long long tct = clock64();)
+    TRACE(asm volatile("" ::"r"(tv.x), "r"(tv.y), "r"(tv.z), "r"(tv.w), "r"(te.x), "r"(te.y), "r"(te.z)); const long long tct = clock64();)
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
     c.base = (smem_addr(smem) + 1023u) & ~1023u;
     // The warpgroup through a shuffle from lane 0: ptxas then treats it (and the tile counts, the
@@ -818,21 +867,34 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     // rebuilt in vector registers and moved over (R2UR) for each wgmma: 80 of the 480
     // instructions a consumer warp issued per key tile (SASS, session 7).
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-    // The first tile's page ids (producer) and the Q rows (consumers) are requested before the
-    // barriers are set up: they depend only on the tile entry, and the block's first S = Q·Kᵀ
-    // waits on both. Measured (reports/NOTES.md, session 21): +1-2.5 % at 1 · 1024 over
-    // requesting them after the setup; Q requested after the __syncthreads but before
-    // setmaxnreg.inc was 3-5 % slower than either at 1024 tokens.
+    // Everything the block's first S = Q·Kᵀ waits on is requested before the rest of the setup,
+    // as soon as the entry is in: with the host's slot (the tile comes by TMA: its keys all lie
+    // before kv_end) thread 0 issues K and V of tile 0 (issue_first) and, under q_tma, the Q rows
+    // (load_q_tma) right after initialising the three barriers they complete on; otherwise the
+    // producer looks up tile 0's pages and the consumers copy Q (measured, reports/NOTES.md,
+    // session 21: +1-2.5 % at 1 · 1024 for those two before the setup over after it).
+    const bool issued0 = te.y >= 0 && c.tma_rows > 0 && c.kv_end >= BN;
     Lookup first{NO_SLOT, 0};
     if (wg == 0) {
-        first = first_lookup(c);
-    } else {
+        if (!issued0) first = first_lookup(c);
+    } else if (!q_tma) {
         load_q(c, wg - 1);
     }
     if (threadIdx.x == 0) {
+        mbar_init(c.full_k(0), 128);  // one (deferred) arrival per producer thread
+        mbar_init(c.full_v(0), 128);
+        mbar_init(c.q_bar(), 1);  // thread 0's arrival with Q's bytes
+        if (issued0 || q_tma) {
+            // The initialised barriers visible to the TMA unit before it completes on them.
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            if (q_tma) load_q_tma(c, qmap);
+            if (issued0) issue_first(c, te.y);
+        }
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(c.full_k(s), 128);  // one (deferred) arrival per producer thread
-            mbar_init(c.full_v(s), 128);
+            if (s > 0) {
+                mbar_init(c.full_k(s), 128);
+                mbar_init(c.full_v(s), 128);
+            }
             mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
             mbar_init(c.empty_v(s), CONSUMERS * 4);
         }
@@ -843,10 +905,10 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     int it = 0;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        produce(c, it, first);
+        produce(c, it, first, issued0);
         if (ASYNC) {
             mbar_wait(c.vote_bar(), 0);
-            if (smem_ld(c.vote_word())) produce(c, it, first_lookup(c));
+            if (smem_ld(c.vote_word())) produce(c, it, first_lookup(c), false);
         }
         // Leave no copy in flight behind an exited thread.
         cp_async_wait<0>();
@@ -854,9 +916,13 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int w = wg - 1;
-    cp_async_wait<0>();
-    fence_async_smem();
-    named_sync(1 + w, 128);
+    if (q_tma) {
+        mbar_wait(c.q_bar(), 0);
+    } else {
+        cp_async_wait<0>();
+        fence_async_smem();
+        named_sync(1 + w, 128);
+    }
     TRACE(const long long tcq = clock64();)
     Walker k;
     k.w = w;
@@ -928,20 +994,22 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                         const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                         int H, int G, int nsec, float scale2, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
-                         const __grid_constant__ TmaMap vmap, int tma_rows, const __grid_constant__ TmaMap kmap_run,
-                         const __grid_constant__ TmaMap vmap_run) {
-    prefill<false>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, 0.f, 0.f, 0.f, nullptr, out, &kmap, &vmap,
-                   tma_rows, &kmap_run, &vmap_run);
+                         const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
+                         int H, int G, int entry_ahead, int q_tma, float scale2, u16* __restrict__ out,
+                         const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows,
+                         const __grid_constant__ TmaMap kmap_run, const __grid_constant__ TmaMap vmap_run,
+                         const __grid_constant__ TmaMap qmap) {
+    prefill<false>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, scale2, 0.f, 0.f, 0.f, nullptr, out,
+                   &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
-                          const int* __restrict__ table, const int4* __restrict__ tiles, int max_pages, int page_size,
-                          int H, int G, int nsec, float scale2, float phi2, float a2, float b2, unsigned* __restrict__ recomputed,
-                          u16* __restrict__ out, const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap,
-                          int tma_rows, const __grid_constant__ TmaMap kmap_run, const __grid_constant__ TmaMap vmap_run) {
-    prefill<true>(q, kp, vp, table, tiles, max_pages, page_size, H, G, nsec, scale2, phi2, a2, b2, recomputed, out, &kmap, &vmap,
-                  tma_rows, &kmap_run, &vmap_run);
+                          const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
+                          int H, int G, int entry_ahead, int q_tma, float scale2, float phi2, float a2, float b2,
+                          unsigned* __restrict__ recomputed, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
+                          const __grid_constant__ TmaMap vmap, int tma_rows, const __grid_constant__ TmaMap kmap_run,
+                          const __grid_constant__ TmaMap vmap_run, const __grid_constant__ TmaMap qmap) {
+    prefill<true>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, scale2, phi2, a2, b2, recomputed, out,
+                  &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }

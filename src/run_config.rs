@@ -26,12 +26,14 @@ pub enum Key {
     DecodeTcStages,
     SoftmaxWindows,
     HopperTma,
+    HopperQTma,
     HopperStages,
     HopperOverlap,
     HopperPingpong,
     HopperDiag,
     PrefillL2Share,
     PrefillSectionWaves,
+    PrefillEntryAhead,
     OpTimes,
     CpuIsa,
     CpuThreads,
@@ -209,6 +211,15 @@ pub const KEYS: &[KeyInfo] = &[
         what: "the Hopper prefill loads K/V with TMA (else cp.async)",
     },
     KeyInfo {
+        key: Key::HopperQTma,
+        name: "hopper_q_tma",
+        env: "FDPP_HOPPER_Q_TMA",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "the Hopper prefill loads each block's query rows with TMA (else cp.async)",
+    },
+    KeyInfo {
         key: Key::HopperStages,
         name: "hopper_stages",
         env: "FDPP_HOPPER_STAGES",
@@ -261,6 +272,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "1.25",
         kind: Kind::Behaviour,
         what: "blocks a section of a CUDA prefill launch keeps while its K/V is cut to 1/8 of the L2",
+    },
+    KeyInfo {
+        key: Key::PrefillEntryAhead,
+        name: "prefill_entry_ahead",
+        env: "FDPP_PREFILL_ENTRY_AHEAD",
+        values: "a block count, 0-65536 (0: none)",
+        default: "the SM count",
+        kind: Kind::Behaviour,
+        what: "how many blocks ahead a Hopper prefill block prefetches the block list's entry into L2",
     },
     KeyInfo {
         key: Key::GemmFallback,
@@ -534,7 +554,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 33);
+        assert_eq!(KEYS.len(), 35);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -331,17 +331,105 @@ pub fn prefill_sections(p: &PrefillParams, blocks: usize, b: &SectionBudget) -> 
         .clamp(1, g.num_kv_heads.max(1))
 }
 
-/// The block table and the tile list of a prefill launch as one i32 upload: the table, padding
-/// (-1) to a multiple of 4 ints (int4 loads of the tiles want 16-byte alignment), then the tiles
-/// at the returned index.
-pub fn prefill_ints(p: &PrefillParams, tiles: &[[i32; 4]]) -> (Vec<i32>, usize) {
+/// The block table and a list of `N`-int entries (the tiles, or the Hopper kernel's blocks) of
+/// a prefill launch as one i32 upload: the table, padding (-1) to a multiple of `N` ints (the
+/// kernels load an entry as int4s, which want 16-byte alignment; 32-byte entries stay within one
+/// sector), then the entries at the returned index.
+pub fn prefill_ints<const N: usize>(p: &PrefillParams, entries: &[[i32; N]]) -> (Vec<i32>, usize) {
     let mut host = p.tables.block_table.clone();
-    while !host.len().is_multiple_of(4) {
+    while !host.len().is_multiple_of(N) {
         host.push(-1);
     }
-    let tiles_at = host.len();
-    host.extend(tiles.iter().flatten());
-    (host, tiles_at)
+    let at = host.len();
+    host.extend(entries.iter().flatten());
+    (host, at)
+}
+
+/// `--set prefill_entry_ahead=N` (FDPP_PREFILL_ENTRY_AHEAD): each Hopper prefill block
+/// prefetches into L2 the block list's entry of the block N ahead in launch order, so that the
+/// block that follows it on its SM finds its entry there (`compute_units`, one wave, when unset;
+/// 0: none).
+pub fn prefill_entry_ahead(compute_units: usize) -> Result<i32> {
+    match crate::run_config::get().get(crate::run_config::Key::PrefillEntryAhead).map(str::trim) {
+        None | Some("") => i32_of(compute_units, "SM count"),
+        Some(v) => match v.parse::<i32>() {
+            Ok(n) if (0..=65536).contains(&n) => Ok(n),
+            _ => Err(FdppError::InvalidArgument(format!(
+                "prefill_entry_ahead={v}: expected a block count from 0 to 65536 (0: no prefetch)"
+            ))),
+        },
+    }
+}
+
+/// The (tile, head) of each block of a prefill launch over `ntiles` query tiles, in the order
+/// the blocks start (attn_common.cuh's `tile_head`, which attn_prefill.cu computes itself): the
+/// `groups` KV groups in `nsec` sections of consecutive groups, sizes differing by at most one
+/// (the first ones larger); within a section, tile by tile, the section's heads side by side.
+pub fn prefill_block_order(ntiles: usize, heads: usize, groups: usize, nsec: usize) -> Vec<(usize, usize)> {
+    let gs = heads / groups.max(1);
+    let nsec = nsec.clamp(1, groups.max(1));
+    let mut order = Vec::with_capacity(ntiles * heads);
+    let mut g0 = 0;
+    for sec in 0..nsec {
+        let size = groups / nsec + usize::from(sec < groups % nsec);
+        for t in 0..ntiles {
+            order.extend((g0 * gs..(g0 + size) * gs).map(|h| (t, h)));
+        }
+        g0 += size;
+    }
+    order
+}
+
+/// How the Hopper prefill's key tiles come by TMA, for [`prefill_blocks`]: the page size, the
+/// rows of a box (0: every tile by cp.async) and whether a tile of consecutive pages is one box
+/// (tma.rs's run maps are encoded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileBoxes {
+    pub page_size: usize,
+    pub tma_rows: usize,
+    pub runs: bool,
+}
+
+/// The Hopper prefill's block list (attn_prefill_hopper.cu reads its entry as two int4s): per
+/// block in [`prefill_block_order`], the tile's (sequence, first row, first position, rows), the
+/// head, the pool slot of the block's first key tile when that tile comes as one box per 64
+/// columns (-1 otherwise: the kernel looks its pages up), the KV head, and an int of padding. With the slot
+/// in the entry the kernel requests K and V of that tile as soon as the entry is in, where the
+/// page id was another dependent load (reports/NOTES.md, session 22). `bn` is the kernel's keys
+/// per tile.
+pub fn prefill_blocks(
+    p: &PrefillParams,
+    tiles: &[[i32; 4]],
+    nsec: usize,
+    boxes: TileBoxes,
+    bn: usize,
+) -> Result<Vec<[i32; 8]>> {
+    let g = p.geom;
+    let first_slot = |seq: usize, keys: usize| -> Result<i32> {
+        // The kernel takes tile 0 by TMA only when every key of it lies before the block's end.
+        if boxes.tma_rows == 0 || keys < bn || boxes.page_size == 0 {
+            return Ok(-1);
+        }
+        let mp = p.tables.max_pages;
+        let pages = p.tables.block_table.get(seq * mp..(seq + 1) * mp).unwrap_or(&[]);
+        let Some(&p0) = pages.first() else { return Ok(-1) };
+        let whole = boxes.tma_rows >= bn
+            || (boxes.runs
+                && (0..bn / boxes.page_size).all(|j| pages.get(j).is_some_and(|&pj| pj as i64 == p0 as i64 + j as i64)));
+        if !whole || p0 < 0 {
+            return Ok(-1);
+        }
+        i32_of(p0 as usize * boxes.page_size, "the first key tile's pool slot")
+    };
+    prefill_block_order(tiles.len(), g.num_heads, g.num_kv_heads, nsec)
+        .into_iter()
+        .map(|(t, h)| {
+            let [seq, row0, pos0, rows] = tiles[t];
+            let slot = first_slot(seq as usize, (pos0 + rows) as usize)?;
+            let kvh = h / (g.num_heads / g.num_kv_heads.max(1)).max(1);
+            Ok([seq, row0, pos0, rows, i32_of(h, "head")?, slot, i32_of(kvh, "kv head")?, 0])
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -688,6 +776,11 @@ mod tests {
                 got, want,
                 "{ntiles} tiles x {heads} heads / {groups} KV heads in {nsec} sections"
             );
+            assert_eq!(
+                prefill_block_order(ntiles, heads, groups, nsec),
+                want,
+                "the host's order (the Hopper kernel's block list) is the kernel's"
+            );
         }
     }
 
@@ -716,6 +809,82 @@ mod tests {
             assert!(tiles.windows(2).all(|w| w[0][2] + w[0][3] >= w[1][2] + w[1][3]));
         }
         assert!(prefill_tiles(&prefill(&[5], &[5]), 0).is_err());
+    }
+
+    #[test]
+    fn prefill_blocks_carry_the_first_tiles_slot_only_where_it_is_one_box() {
+        // Three sequences over pages of 16: 300 keys on pages 7.. (consecutive), 200 on
+        // scattered pages, 60 (no whole key tile). Pages picked by hand.
+        let l = PagedKvLayout::new(16, 4096, 2, 128, DType::F16).unwrap();
+        let pages_a: Vec<u32> = (7..7 + 19).collect();
+        let pages_b: Vec<u32> = vec![100, 101, 102, 50, 104, 105, 106, 107, 108, 109, 110, 111, 112];
+        let pages_c: Vec<u32> = vec![200, 201, 202, 203];
+        let ts = [(pages_a, 300), (pages_b, 200), (pages_c, 60)]
+            .into_iter()
+            .map(|(pages, seq_len)| BlockTable { pages, seq_len })
+            .collect::<Vec<_>>();
+        let p = PrefillParams {
+            geom: AttnGeometry::new(4, 2, 128).unwrap(),
+            dtype: DType::F16,
+            scheme: SoftmaxScheme::Sync,
+            tables: FlatBlockTables::new(&l, &ts).unwrap(),
+            new_lens: vec![300, 200, 60],
+        };
+        let tiles = prefill_tiles(&p, 128).unwrap();
+        let boxes = |tma_rows, runs| TileBoxes {
+            page_size: 16,
+            tma_rows,
+            runs,
+        };
+        let runs = prefill_blocks(&p, &tiles, 2, boxes(16, true), 128).unwrap();
+        assert_eq!(runs.len(), tiles.len() * 4);
+        let order = prefill_block_order(tiles.len(), 4, 2, 2);
+        for (e, &(t, h)) in runs.iter().zip(&order) {
+            assert_eq!(&e[..4], &tiles[t]);
+            assert_eq!(e[4], h as i32);
+            let (seq, keys) = (tiles[t][0], tiles[t][2] + tiles[t][3]);
+            let want = match seq {
+                // Tile 0's pages 7..15 follow one another: one box from slot 7·16.
+                0 if keys >= 128 => 7 * 16,
+                // Page 3 of the second sequence is 50: not a run.
+                _ => -1,
+            };
+            assert_eq!(e[5], want, "block of tile {t} (sequence {seq}, {keys} keys), head {h}");
+            assert_eq!(&e[6..], &[h as i32 / 2, 0], "KV head of head {h} (4 heads over 2)");
+        }
+        // Without the run maps, pages of 16 never box a whole tile; without TMA, nothing does.
+        for b in [boxes(16, false), boxes(0, true)] {
+            let none = prefill_blocks(&p, &tiles, 2, b, 128).unwrap();
+            assert!(none.iter().all(|e| e[5] == -1), "{b:?}");
+        }
+        // Pages that hold a whole tile box it from their first slot, scattered or not.
+        let l = PagedKvLayout::new(128, 64, 2, 128, DType::F16).unwrap();
+        let ts = vec![
+            BlockTable {
+                pages: vec![9, 4, 5],
+                seq_len: 300,
+            },
+            BlockTable {
+                pages: vec![1],
+                seq_len: 100,
+            },
+        ];
+        let p = PrefillParams {
+            tables: FlatBlockTables::new(&l, &ts).unwrap(),
+            new_lens: vec![300, 100],
+            ..p
+        };
+        let tiles = prefill_tiles(&p, 128).unwrap();
+        let whole = TileBoxes {
+            page_size: 128,
+            tma_rows: 128,
+            runs: false,
+        };
+        for e in prefill_blocks(&p, &tiles, 1, whole, 128).unwrap() {
+            let keys = e[2] + e[3];
+            let want = if e[0] == 0 && keys >= 128 { 9 * 128 } else { -1 };
+            assert_eq!(e[5], want, "{e:?}");
+        }
     }
 
     #[test]

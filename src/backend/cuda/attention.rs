@@ -13,7 +13,7 @@ use super::launch::Launch;
 use super::sources::{
     attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, KernelSource, PREFILL_BM,
 };
-use super::tma::PoolMaps;
+use super::tma::{PoolMaps, TmaMap};
 use super::upload::{i32_bytes, Upload};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::attn_plan::{self, i32_of, window, DecodePath, DecodePlan, LOG2E};
@@ -467,7 +467,7 @@ fn attend(
             threads: PREFILL_THREADS,
             tile_rows: PREFILL_BM,
             smem: prefill_smem_bytes(d),
-            tma: None,
+            hopper: None,
         },
     )?;
     Ok(AttnStats {
@@ -477,8 +477,10 @@ fn attend(
     })
 }
 
-/// One causal prefill kernel (attn_prefill.cu or attn_prefill_hopper.cu): both take the same
-/// arguments, so one launcher serves them.
+/// One causal prefill kernel (attn_prefill.cu or attn_prefill_hopper.cu): one launcher serves
+/// both. They differ in the list they read (attn_prefill.cu: the tiles, with the section count
+/// to order its blocks; the Hopper kernel: an entry per block, attn_plan.rs `prefill_blocks`)
+/// and in the Hopper kernel's trailing TMA arguments.
 pub(super) struct PrefillKernel<'a> {
     pub uri: String,
     pub source: &'a dyn Fn() -> Result<KernelSource>,
@@ -488,9 +490,23 @@ pub(super) struct PrefillKernel<'a> {
     /// Query rows per block (the tile list's granularity).
     pub tile_rows: usize,
     pub smem: u32,
-    /// The Hopper kernel's trailing arguments: TMA maps over the K and V pools, the rows of a
-    /// box, and the maps that box a tile of consecutive pages (attn_prefill.cu takes none).
-    pub tma: Option<&'a PoolMaps>,
+    /// The Hopper kernel's own arguments (attn_prefill.cu takes none). Present: the kernel reads
+    /// per-block entries instead of the tiles and the section count.
+    pub hopper: Option<&'a HopperArgs<'a>>,
+}
+
+/// What the Hopper prefill takes beyond attn_prefill.cu's arguments.
+pub(super) struct HopperArgs<'a> {
+    /// TMA maps over the K and V pools, the rows of a box, and the maps that box a tile of
+    /// consecutive pages.
+    pub pool: &'a PoolMaps,
+    /// A TMA map over the query rows, read when `q_tma` is 1 (else the block copies them with
+    /// cp.async).
+    pub q: TmaMap,
+    pub q_tma: i32,
+    /// Blocks ahead whose list entry a block prefetches into L2 (attn_plan.rs
+    /// `prefill_entry_ahead`).
+    pub entry_ahead: i32,
 }
 
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
@@ -520,11 +536,6 @@ pub(super) fn launch_prefill(
         return Ok(0);
     }
     let g = p.geom;
-    let mut sc = b.attn.borrow_mut();
-    // The tile list follows the table; int4 loads want it 16-byte aligned.
-    let (host, tiles_at) = attn_plan::prefill_ints(p, &tiles);
-    let table = upload_ints(b, &mut sc, &host)?;
-    let tiles_ptr = table + 4 * tiles_at as u64;
     let (max_pages, page_size) = (
         i32_of(p.tables.max_pages, "max_pages")?,
         i32_of(kv.layout.page_size, "page_size")?,
@@ -543,7 +554,25 @@ pub(super) fn launch_prefill(
         ))
     })?;
     let budget = attn_plan::SectionBudget::new(b.info().l2_bytes, b.info().compute_units as usize)?;
-    let nsec = i32_of(attn_plan::prefill_sections(p, blocks as usize, &budget), "sections")?;
+    let sections = attn_plan::prefill_sections(p, blocks as usize, &budget);
+    let nsec = i32_of(sections, "sections")?;
+    let mut sc = b.attn.borrow_mut();
+    // The list follows the table, aligned for its int4 loads: the tiles (attn_prefill.cu orders
+    // its blocks itself), or the Hopper kernel's per-block entries in that order.
+    let (host, list_at) = match k.hopper {
+        None => attn_plan::prefill_ints(p, &tiles),
+        Some(h) => {
+            let boxes = attn_plan::TileBoxes {
+                page_size: kv.layout.page_size,
+                tma_rows: h.pool.rows.max(0) as usize,
+                runs: h.pool.runs,
+            };
+            let entries = attn_plan::prefill_blocks(p, &tiles, sections, boxes, super::prefill_hopper::BN)?;
+            attn_plan::prefill_ints(p, &entries)
+        }
+    };
+    let table = upload_ints(b, &mut sc, &host)?;
+    let list_ptr = table + 4 * list_at as u64;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (k.threads, 1, 1),
@@ -554,16 +583,16 @@ pub(super) fn launch_prefill(
         SoftmaxScheme::Sync => {
             let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
-            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages)
-                .arg(&page_size)
-                .arg(&h32)
-                .arg(&g32)
-                .arg(&nsec)
-                .arg(&scale2)
-                .arg(&op);
-            if let Some(t) = k.tma {
-                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&list_ptr);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
+            match k.hopper {
+                None => l.arg(&nsec),
+                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma),
+            };
+            l.arg(&scale2).arg(&op);
+            if let Some(h) = k.hopper {
+                let t = h.pool;
+                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run).arg(&h.q);
             }
             // SAFETY: the caller validated lengths and tables; the tile list covers every new row
             // once; the shared memory is what the kernel lays out.
@@ -575,16 +604,17 @@ pub(super) fn launch_prefill(
             let counter = counter_ptr(b, &mut sc, counting)?;
             let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
             let mut l = b.stream().launch_builder(&f);
-            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&tiles_ptr);
-            l.arg(&max_pages)
-                .arg(&page_size)
-                .arg(&h32)
-                .arg(&g32)
-                .arg(&nsec)
-                .arg(&scale2);
+            l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&list_ptr);
+            l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
+            match k.hopper {
+                None => l.arg(&nsec),
+                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma),
+            };
+            l.arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);
-            if let Some(t) = k.tma {
-                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run);
+            if let Some(h) = k.hopper {
+                let t = h.pool;
+                l.arg(&t.k).arg(&t.v).arg(&t.rows).arg(&t.k_run).arg(&t.v_run).arg(&h.q);
             }
             // SAFETY: as above.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;

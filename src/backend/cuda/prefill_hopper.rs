@@ -2,16 +2,17 @@
 //! warpgroup and two consumer warpgroups, FlashAttention-3's shape) and choosing between it and
 //! the mma.sync kernel of attn_prefill.cu.
 //!
-//! The two kernels take the same arguments and tile list and have the same semantics; `prefill`
-//! in attention.rs appends the new K and V to the cache, then asks [`wanted`] which one attends.
+//! The two kernels take the same tiles (the Hopper one as a list of its blocks) and have the same
+//! semantics; `prefill` in attention.rs appends the new K and V to the cache, then asks
+//! [`wanted`] which one attends.
 //! `FDPP_PREFILL=mma` forces the mma.sync kernel, `FDPP_PREFILL=hopper` the Hopper one for every
 //! head_dim it is built for (an error on other devices), for A/B comparisons in one build.
 //! `FDPP_HOPPER_TMA=0` loads every K/V tile with cp.async instead of TMA (tma.rs), for the same
 //! kind of comparison.
 
-use super::attention::{launch_prefill, PrefillKernel};
+use super::attention::{launch_prefill, HopperArgs, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
-use super::tma::PoolMaps;
+use super::tma::{query_map, PoolMaps};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
@@ -185,10 +186,10 @@ pub const ARCH: &str = "sm_90a";
 /// (reports/NOTES.md, "Attention prefill").
 pub const DEFAULT_ON: bool = true;
 
-/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 128 bytes of
-/// mbarriers, and 1024 bytes of slack to align the swizzle atoms.
+/// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 256 bytes of
+/// mbarriers and words, and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 128 + 1024) as u32
+    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
@@ -289,6 +290,12 @@ pub fn attend(
     let sched = Schedule::from_env(base)?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
+    let hopper = HopperArgs {
+        pool: &maps,
+        q: query_map(b.ptr(q), p.tokens(), p.geom.num_heads, d)?,
+        q_tma: i32::from(q_tma_wanted()?),
+        entry_ahead: crate::backend::attn_plan::prefill_entry_ahead(b.info().compute_units as usize)?,
+    };
     let recomputed = launch_prefill(
         b,
         p,
@@ -303,13 +310,25 @@ pub fn attend(
             threads: THREADS,
             tile_rows: BM,
             smem: smem_bytes(d, sched.stages),
-            tma: Some(&maps),
+            hopper: Some(&hopper),
         },
     )?;
     if sched.diag == 3 {
         dump_trace(b, &src()?)?;
     }
     Ok(recomputed)
+}
+
+/// `--set hopper_q_tma=0|1` or FDPP_HOPPER_Q_TMA (default 1): whether thread 0 requests the
+/// block's query rows with TMA, where its consumer threads otherwise copy them with cp.async.
+fn q_tma_wanted() -> Result<bool> {
+    match crate::run_config::get().get(Key::HopperQTma).map(str::trim) {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(o) => Err(FdppError::InvalidArgument(format!(
+            "hopper_q_tma={o}: expected 0 or 1"
+        ))),
+    }
 }
 
 /// `hopper_diag=3`: append the launch's timeline records (the kernel's `fdpp_trace`, eleven words

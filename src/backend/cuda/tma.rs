@@ -17,6 +17,8 @@ use crate::kv::PagedKvLayout;
 
 /// Keys of the kernel's tile (attn_prefill_hopper.cu's BN).
 const TILE_KEYS: usize = 128;
+/// Query rows of the kernel's block (attn_prefill_hopper.cu's BM).
+const QUERY_ROWS: usize = 128;
 /// Columns of a box: 128 bytes of 16-bit values, the span of the 128-byte swizzle.
 const BOX_COLS: u32 = 64;
 
@@ -38,6 +40,9 @@ pub struct PoolMaps {
     pub rows: i32,
     pub k_run: TmaMap,
     pub v_run: TmaMap,
+    /// Whether `k_run` and `v_run` are encoded (the kernel may then take a tile of consecutive
+    /// pages as one box).
+    pub runs: bool,
 }
 
 /// Rows of a TMA box for this page size, or None where a box cannot hold a whole run of a tile's
@@ -59,6 +64,7 @@ impl PoolMaps {
             rows: 0,
             k_run: TmaMap([0; 16]),
             v_run: TmaMap([0; 16]),
+            runs: false,
         }
     }
 
@@ -72,7 +78,8 @@ impl PoolMaps {
             _ => return Ok(PoolMaps::off()),
         };
         // (A pool of fewer slots than a tile has no whole tile to box.)
-        let (k_run, v_run) = if runs && rows < TILE_KEYS && layout.num_pages * layout.page_size >= TILE_KEYS {
+        let runs = runs && rows < TILE_KEYS && layout.num_pages * layout.page_size >= TILE_KEYS;
+        let (k_run, v_run) = if runs {
             (encode(layout, k, TILE_KEYS, "K")?, encode(layout, v, TILE_KEYS, "V")?)
         } else {
             (TmaMap([0; 16]), TmaMap([0; 16]))
@@ -83,6 +90,7 @@ impl PoolMaps {
             rows: rows as i32,
             k_run,
             v_run,
+            runs,
         })
     }
 }
@@ -101,18 +109,42 @@ fn tma_wanted() -> Result<bool> {
     }
 }
 
+/// A map over the query rows of a prefill step, [tokens][heads][head_dim] 16-bit values at `q`:
+/// a box is 64 columns × 1 head × 128 rows (the kernel's query tile, BM), swizzled as the pool's
+/// boxes; rows past `tokens` read as zeros.
+pub fn query_map(q: u64, tokens: usize, heads: usize, head_dim: usize) -> Result<TmaMap> {
+    if tokens == 0 {
+        // No rows, no block to read it (the driver refuses an empty dimension).
+        return Ok(TmaMap([0; 16]));
+    }
+    encode_rows(q, head_dim, heads, tokens, QUERY_ROWS, "the query rows")
+}
+
 fn encode(l: &PagedKvLayout, base: u64, rows: usize, what: &str) -> Result<TmaMap> {
-    let spec = || format!("tma map of the {what} pool");
-    let d = l.head_dim as u64;
+    encode_rows(
+        base,
+        l.head_dim,
+        l.num_kv_heads,
+        l.num_pages * l.page_size,
+        rows,
+        &format!("the {what} pool"),
+    )
+}
+
+/// A map over `n` rows of `heads` × `d` 16-bit values at `base`, boxes of 64 columns × 1 head ×
+/// `rows` rows with the 128-byte swizzle.
+fn encode_rows(base: u64, d: usize, heads: usize, n: usize, rows: usize, what: &str) -> Result<TmaMap> {
+    let spec = || format!("tma map of {what}");
+    let d = d as u64;
     if !d.is_multiple_of(BOX_COLS as u64) {
         return Err(FdppError::Unsupported {
             spec: spec(),
             what: format!("head_dim {d} (a multiple of {BOX_COLS} is needed)"),
         });
     }
-    let dims: [u64; 3] = [d, l.num_kv_heads as u64, (l.num_pages * l.page_size) as u64];
+    let dims: [u64; 3] = [d, heads as u64, n as u64];
     // Byte strides of dims 1 and 2 (dim 0 is contiguous).
-    let strides: [u64; 2] = [d * 2, l.num_kv_heads as u64 * d * 2];
+    let strides: [u64; 2] = [d * 2, heads as u64 * d * 2];
     let boxes: [u32; 3] = [BOX_COLS, 1, rows as u32];
     let elem: [u32; 3] = [1, 1, 1];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
