@@ -388,21 +388,18 @@ __device__ __forceinline__ Lookup first_lookup(const Ctx& c) {
     return {by_tma > 0 ? NO_SLOT : row_slot(c, 32 * pw + lane), by_tma > 0 && tma_lane ? (int)row_slot(c, lane * c.tma_rows) : 0};
 }
 
-// Tile 0 of the block's first walk, K and V into stage 0, issued by thread 0 right after it set
-// up the barriers and before the block's __syncthreads, from the slot the host looked up (`box0`,
+// K of tile 0 of the block's first walk into stage 0, requested by thread 0 right after it set
+// up the barrier and before the block's __syncthreads, from the slot the host looked up (`box0`,
 // attn_plan.rs `prefill_blocks`: the tile is one box per 64 columns, from the pool map when pages
-// hold a whole tile, else from the run map). The producer's walk then only arrives for it.
-// Before, the block's first K request waited for the tile entry, then the tile's page id, then
-// the barrier setup: ~3,300 SM cycles of an 8 · 1024 block's ~20,000 (reports/NOTES.md,
-// session 21's timeline).
+// hold a whole tile, else from the run map). The producer's walk then arrives for it and requests
+// V of the tile, from the same slot. Before, the block's first K request waited for the tile
+// entry, then the tile's page id, then the barrier setup: ~3,300 SM cycles of an 8 · 1024
+// block's ~20,000 (reports/NOTES.md, session 21's timeline). V requested here as well measured
+// the same, and 1-2 % slower at 1 · 1024 (session 22).
 __device__ __forceinline__ void issue_first(const Ctx& c, int box0) {
-    const TmaMap* km = c.tma_rows >= BN ? c.kmap : c.kmap_run;
-    const TmaMap* vm = c.tma_rows >= BN ? c.vmap : c.vmap_run;
 #if FDPP_DIAG != 1
     mbar_expect_tx(c.full_k(0), KV_BYTES);
-    tma_tile(c, km, c.sk(0), c.full_k(0), box0, 0);
-    mbar_expect_tx(c.full_v(0), KV_BYTES);
-    tma_tile(c, vm, c.sv(0), c.full_v(0), box0, 0);
+    tma_tile(c, c.tma_rows >= BN ? c.kmap : c.kmap_run, c.sk(0), c.full_k(0), box0, 0);
 #endif
     TRACE(asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
 }
@@ -419,7 +416,8 @@ __device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
     const bool tma_lane = pw == 0 && c.tma_rows > 0 && lane < BN / c.tma_rows;
     u32 slot = first.slot;
     int box = first.box;
-    bool run = FDPP_RUN_BOXES && pw == 0 && by_tma > 0 && tile_is_run(c, box, lane, tma_lane);
+    // Tile 0 from the host's slot (issued0) is one box by construction.
+    bool run = FDPP_RUN_BOXES && pw == 0 && by_tma > 0 && (issued0 ? c.tma_rows < BN : tile_is_run(c, box, lane, tma_lane));
     TRACE(asm volatile("" ::"r"(box), "r"(slot)); if (t == 0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot_box()), "l"(clock64()) : "memory");)
     for (int n = 0; n < ntiles; ++n, ++it) {
         const int s = it % STAGES;
@@ -429,9 +427,9 @@ __device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
         if (it >= STAGES) mbar_wait(c.empty_k(s), prev);
         TRACE(if (n == 0 && t == 0 && !issued0) asm volatile("st.shared.u64 [%0], %1;" ::"r"(c.trace_slot()), "l"(clock64()) : "memory");)
         if (n == 0 && issued0) {
-            // Thread 0 issued both boxes at entry (issue_first); the arrivals remain.
+            // Thread 0 requested K at entry (issue_first); V of the tile goes out from here.
             mbar_arrive(c.full_k(s));
-            mbar_arrive(c.full_v(s));
+            load_tma(c, c.vmap, c.vmap_run, c.sv(s), c.full_v(s), box, run, pw, lane, tma_lane);
         } else if (n < by_tma) {
             load_tma(c, c.kmap, c.kmap_run, c.sk(s), c.full_k(s), box, run, pw, lane, tma_lane);
             if (it >= STAGES) mbar_wait(c.empty_v(s), prev);
@@ -869,14 +867,16 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     // Everything the block's first S = Q·Kᵀ waits on is requested before the rest of the setup,
     // as soon as the entry is in: with the host's slot (the tile comes by TMA: its keys all lie
-    // before kv_end) thread 0 issues K and V of tile 0 (issue_first) and, under q_tma, the Q rows
-    // (load_q_tma) right after initialising the three barriers they complete on; otherwise the
+    // before kv_end) thread 0 requests K of tile 0 (issue_first) and, under q_tma, the Q rows
+    // (load_q_tma) right after initialising the barriers they complete on; otherwise the
     // producer looks up tile 0's pages and the consumers copy Q (measured, reports/NOTES.md,
-    // session 21: +1-2.5 % at 1 · 1024 for those two before the setup over after it).
+    // session 21: +1-2.5 % at 1 · 1024 for those two before the setup over after it). Session
+    // 22, all of it together: 8 · 1024 +5 %, GQA 32/8 8 · 1024 +6 %, 1 · 1024 +2-4 %.
     const bool issued0 = te.y >= 0 && c.tma_rows > 0 && c.kv_end >= BN;
     Lookup first{NO_SLOT, 0};
     if (wg == 0) {
         if (!issued0) first = first_lookup(c);
+        else if (threadIdx.x == 0) first.box = te.y;
     } else if (!q_tma) {
         load_q(c, wg - 1);
     }

@@ -350,7 +350,10 @@ pub fn prefill_ints<const N: usize>(p: &PrefillParams, entries: &[[i32; N]]) -> 
 /// block that follows it on its SM finds its entry there (`compute_units`, one wave, when unset;
 /// 0: none).
 pub fn prefill_entry_ahead(compute_units: usize) -> Result<i32> {
-    match crate::run_config::get().get(crate::run_config::Key::PrefillEntryAhead).map(str::trim) {
+    match crate::run_config::get()
+        .get(crate::run_config::Key::PrefillEntryAhead)
+        .map(str::trim)
+    {
         None | Some("") => i32_of(compute_units, "SM count"),
         Some(v) => match v.parse::<i32>() {
             Ok(n) if (0..=65536).contains(&n) => Ok(n),
@@ -415,7 +418,8 @@ pub fn prefill_blocks(
         let Some(&p0) = pages.first() else { return Ok(-1) };
         let whole = boxes.tma_rows >= bn
             || (boxes.runs
-                && (0..bn / boxes.page_size).all(|j| pages.get(j).is_some_and(|&pj| pj as i64 == p0 as i64 + j as i64)));
+                && (0..bn / boxes.page_size)
+                    .all(|j| pages.get(j).is_some_and(|&pj| pj as i64 == p0 as i64 + j as i64)));
         if !whole || p0 < 0 {
             return Ok(-1);
         }
@@ -427,7 +431,16 @@ pub fn prefill_blocks(
             let [seq, row0, pos0, rows] = tiles[t];
             let slot = first_slot(seq as usize, (pos0 + rows) as usize)?;
             let kvh = h / (g.num_heads / g.num_kv_heads.max(1)).max(1);
-            Ok([seq, row0, pos0, rows, i32_of(h, "head")?, slot, i32_of(kvh, "kv head")?, 0])
+            Ok([
+                seq,
+                row0,
+                pos0,
+                rows,
+                i32_of(h, "head")?,
+                slot,
+                i32_of(kvh, "kv head")?,
+                0,
+            ])
         })
         .collect()
 }

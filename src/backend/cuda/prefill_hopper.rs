@@ -325,9 +325,7 @@ fn q_tma_wanted() -> Result<bool> {
     match crate::run_config::get().get(Key::HopperQTma).map(str::trim) {
         None | Some("") | Some("1") => Ok(true),
         Some("0") => Ok(false),
-        Some(o) => Err(FdppError::InvalidArgument(format!(
-            "hopper_q_tma={o}: expected 0 or 1"
-        ))),
+        Some(o) => Err(FdppError::InvalidArgument(format!("hopper_q_tma={o}: expected 0 or 1"))),
     }
 }
 
