@@ -770,29 +770,42 @@ mod tests {
             (3, 28, 4, 3),
             (9, 6, 6, 4),
         ] {
-            // The order built directly: sections of consecutive KV groups, sizes differing by at
-            // most one (larger first); in each, tile by tile with the section's heads side by side.
-            let gs = heads / groups;
-            let mut want = Vec::new();
-            let mut g0 = 0;
-            for sec in 0..nsec {
-                let size = groups / nsec + usize::from(sec < groups % nsec);
-                for t in 0..ntiles {
-                    want.extend((g0 * gs..(g0 + size) * gs).map(|h| (t, h)));
-                }
-                g0 += size;
-            }
-            assert_eq!(g0, groups);
             let blocks = ntiles * heads;
+            let order = prefill_block_order(ntiles, heads, groups, nsec);
             let got: Vec<(usize, usize)> = (0..blocks).map(|b| tile_head(blocks, heads, groups, nsec, b)).collect();
-            assert_eq!(
-                got, want,
-                "{ntiles} tiles x {heads} heads / {groups} KV heads in {nsec} sections"
-            );
-            assert_eq!(
-                prefill_block_order(ntiles, heads, groups, nsec),
-                want,
-                "the host's order (the Hopper kernel's block list) is the kernel's"
+            let what = format!("{ntiles} tiles x {heads} heads / {groups} KV heads in {nsec} sections");
+            // attn_prefill.cu computes its block's (tile, head) with tile_head; the Hopper kernel
+            // reads it from the host's list: the same order.
+            assert_eq!(got, order, "{what}");
+            // Every (tile, head) once.
+            let mut seen = order.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), blocks, "{what}");
+            // Sections of whole KV groups, sizes differing by at most one, larger first; within
+            // one, tile by tile with its heads side by side. (One tile: the heads in order, any
+            // split into sections alike.)
+            if ntiles == 1 {
+                assert!(order.iter().enumerate().all(|(i, &th)| th == (0, i)), "{what}");
+                continue;
+            }
+            let gs = heads / groups;
+            let mut at = 0;
+            let mut sizes = Vec::new();
+            while at < blocks {
+                let g0 = order[at].1 / gs;
+                let span = order[at..].iter().take_while(|&&(t, _)| t == 0).count();
+                assert!(span > 0 && span % gs == 0, "{what}: a section of whole groups");
+                for (i, &(t, h)) in order[at..at + span * ntiles].iter().enumerate() {
+                    assert_eq!((t, h), (i / span, g0 * gs + i % span), "{what}: block {}", at + i);
+                }
+                sizes.push(span / gs);
+                at += span * ntiles;
+            }
+            assert_eq!(sizes.len(), nsec, "{what}");
+            assert!(
+                sizes.windows(2).all(|w| w[0] >= w[1] && w[0] - w[1] <= 1),
+                "{what}: {sizes:?}"
             );
         }
     }
