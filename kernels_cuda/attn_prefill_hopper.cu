@@ -68,10 +68,10 @@
 // 3 = a timeline (results correct): each consumer warpgroup's first thread writes one record of
 // eleven words per block into fdpp_trace (the host reads it after the launch, prefill_hopper.rs):
 // block, SM and warpgroup; its key tiles, head and first position; the global timer at entry;
-// the SM clock, from entry, when Q was in, when the producer issued the first K tile, when that
-// tile was in, when the walk ended, when O was stored, when the producer began its walk (the
-// first tile's page ids in hand), when this thread had the block's tile (its entry in the tile
-// list), and when it asked for that entry. (Not printf: a call in the kernel makes ptxas
+// the SM clock, from entry, when Q was in, when the first K tile was requested (by thread 0 at
+// entry, or by the producer), when that tile was in, when the walk ended, when O was stored, when
+// the producer began its walk (the first tile's page ids in hand), when this thread had the
+// block's entry in the host's list, and when it asked for that entry. (Not printf: a call in the kernel makes ptxas
 // serialise every wgmma.)
 #ifndef FDPP_DIAG
 #define FDPP_DIAG 0
@@ -273,7 +273,7 @@ struct Ctx {
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
     __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
     __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
-    // FDPP_DIAG 3: the SM clock when the producer issued the first K tile, and when it had that
+    // FDPP_DIAG 3: the SM clock when the first K tile was requested, and when it had that
     // tile's page ids (8 bytes each).
     __device__ __forceinline__ u32 trace_slot() const { return vote_bar() + 16; }
     __device__ __forceinline__ u32 trace_slot_box() const { return vote_bar() + 24; }
@@ -462,7 +462,7 @@ __device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
 // Rows past the block's own (a sequence's last tile) hold the next sequence's queries: their
 // scores are computed and never stored, as the zero rows of load_q are. Measured
 // (reports/NOTES.md, session 22): the consumers' 2,048 cp.async copies of Q took ~2,500 SM cycles
-// to land at a block's start.
+// to land at a block's start; by TMA, 8 · 1024 ran 1-2 % faster and 1 · 1024 1 % slower.
 __device__ __forceinline__ void load_q_tma(const Ctx& c, const TmaMap* qmap) {
     mbar_arrive_expect_tx(c.q_bar(), Q_BYTES);
 #pragma unroll

@@ -7,8 +7,8 @@
 
 Each line of the file is one consumer warpgroup of one block (prefill_hopper.rs `dump_trace`):
 launch, block, SM, warpgroup, key tiles, head, first position, global timer at entry (ns), then
-SM clocks from entry: Q in, the producer's first K issue, first K in, walk done, O stored, the
-producer's walk begun, tile entry in, tile entry asked for.
+SM clocks from entry: Q in, the first K request (thread 0's at entry, or the producer's), first
+K in, walk done, O stored, the producer's walk begun, block entry in, block entry asked for.
 
 Prints, for the chosen launch (default: the last), the medians of each milestone by key-tile
 count and warpgroup, and per block (both warpgroups) the share of the SM cycles spent before K of

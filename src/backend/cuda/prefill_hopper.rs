@@ -12,7 +12,7 @@
 
 use super::attention::{launch_prefill, HopperArgs, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
-use super::tma::{query_map, PoolMaps};
+use super::tma::{query_map, PoolMaps, TmaMap};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
@@ -290,10 +290,15 @@ pub fn attend(
     let sched = Schedule::from_env(base)?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
+    let q_tma = q_tma_wanted()?;
     let hopper = HopperArgs {
         pool: &maps,
-        q: query_map(b.ptr(q), p.tokens(), p.geom.num_heads, d)?,
-        q_tma: i32::from(q_tma_wanted()?),
+        q: if q_tma {
+            query_map(b.ptr(q), p.tokens(), p.geom.num_heads, d)?
+        } else {
+            TmaMap::NONE
+        },
+        q_tma: i32::from(q_tma),
         entry_ahead: crate::backend::attn_plan::prefill_entry_ahead(b.info().compute_units as usize)?,
     };
     let recomputed = launch_prefill(
@@ -361,8 +366,8 @@ fn dump_trace(b: &CudaBackend, src: &super::sources::KernelSource) -> Result<()>
             continue;
         }
         // launch block sm wg tiles head pos0 t_global, then SM clocks from entry: Q in, the
-        // producer's first K issue, first K in, walk done, stored, the producer's page ids in,
-        // tile entry in, tile entry asked for (signed: the producer's readings are its own warp's
+        // first K request, first K in, walk done, stored, the producer's page ids in, block
+        // entry in, block entry asked for (signed: the producer's readings are its own warp's
         // of the same SM counter).
         text.push_str(&format!(
             "{launch}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",

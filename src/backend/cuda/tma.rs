@@ -1,5 +1,6 @@
 //! TMA tensor maps over the paged KV pool, for the Hopper prefill's producer
-//! (kernels_cuda/attn_prefill_hopper.cu, `produce`).
+//! (kernels_cuda/attn_prefill_hopper.cu, `produce`), and over a prefill step's query rows (the
+//! block's Q tile, `load_q_tma`).
 //!
 //! The pool holds K (or V) as [slots][kv heads][head_dim] 16-bit values, slot = page ·
 //! page_size + offset. One 3-D map covers all of it; a box is 64 columns × 1 kv head × `rows`
@@ -26,6 +27,11 @@ const BOX_COLS: u32 = 64;
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub struct TmaMap([u64; 16]);
+
+impl TmaMap {
+    /// A map the kernel is told not to read.
+    pub const NONE: TmaMap = TmaMap([0; 16]);
+}
 
 // SAFETY: plain bytes with the layout of the kernel's parameter type.
 unsafe impl DeviceRepr for TmaMap {}
@@ -59,11 +65,11 @@ impl PoolMaps {
     /// cp.async for every tile.
     pub fn off() -> Self {
         PoolMaps {
-            k: TmaMap([0; 16]),
-            v: TmaMap([0; 16]),
+            k: TmaMap::NONE,
+            v: TmaMap::NONE,
             rows: 0,
-            k_run: TmaMap([0; 16]),
-            v_run: TmaMap([0; 16]),
+            k_run: TmaMap::NONE,
+            v_run: TmaMap::NONE,
             runs: false,
         }
     }
@@ -82,7 +88,7 @@ impl PoolMaps {
         let (k_run, v_run) = if runs {
             (encode(layout, k, TILE_KEYS, "K")?, encode(layout, v, TILE_KEYS, "V")?)
         } else {
-            (TmaMap([0; 16]), TmaMap([0; 16]))
+            (TmaMap::NONE, TmaMap::NONE)
         };
         Ok(PoolMaps {
             k: encode(layout, k, rows, "K")?,
@@ -115,7 +121,7 @@ fn tma_wanted() -> Result<bool> {
 pub fn query_map(q: u64, tokens: usize, heads: usize, head_dim: usize) -> Result<TmaMap> {
     if tokens == 0 {
         // No rows, no block to read it (the driver refuses an empty dimension).
-        return Ok(TmaMap([0; 16]));
+        return Ok(TmaMap::NONE);
     }
     encode_rows(q, head_dim, heads, tokens, QUERY_ROWS, "the query rows")
 }
