@@ -425,12 +425,17 @@ pub fn prefill_blocks(
         }
         i32_of(p0 as usize * boxes.page_size, "the first key tile's pool slot")
     };
+    // Once per tile (every head of it shares the slot), then once per block.
+    let slots = tiles
+        .iter()
+        .map(|&[seq, _, pos0, rows]| first_slot(seq as usize, (pos0 + rows) as usize))
+        .collect::<Result<Vec<i32>>>()?;
     prefill_block_order(tiles.len(), g.num_heads, g.num_kv_heads, nsec)
         .into_iter()
         .map(|(t, h)| {
             let [seq, row0, pos0, rows] = tiles[t];
-            let slot = first_slot(seq as usize, (pos0 + rows) as usize)?;
-            let kvh = h / (g.num_heads / g.num_kv_heads.max(1)).max(1);
+            let slot = slots[t];
+            let kvh = h / g.group().max(1);
             Ok([
                 seq,
                 row0,

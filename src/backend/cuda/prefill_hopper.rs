@@ -12,7 +12,7 @@
 
 use super::attention::{launch_prefill, HopperArgs, PrefillKernel};
 use super::sources::attn_prefill_hopper_source;
-use super::tma::{query_map, PoolMaps, TmaMap};
+use super::tma::{q_tma_wanted, query_map, PoolMaps, TmaMap};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Backend;
 use crate::error::{FdppError, Result};
@@ -322,16 +322,6 @@ pub fn attend(
         dump_trace(b, &src()?)?;
     }
     Ok(recomputed)
-}
-
-/// `--set hopper_q_tma=0|1` or FDPP_HOPPER_Q_TMA (default 1): whether thread 0 requests the
-/// block's query rows with TMA, where its consumer threads otherwise copy them with cp.async.
-fn q_tma_wanted() -> Result<bool> {
-    match crate::run_config::get().get(Key::HopperQTma).map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(o) => Err(FdppError::InvalidArgument(format!("hopper_q_tma={o}: expected 0 or 1"))),
-    }
 }
 
 /// `hopper_diag=3`: append the launch's timeline records (the kernel's `fdpp_trace`, eleven words

@@ -103,15 +103,22 @@ impl PoolMaps {
 
 /// `--set hopper_tma=0|1` or `FDPP_HOPPER_TMA` (default 1).
 fn tma_wanted() -> Result<bool> {
-    match crate::run_config::get()
-        .get(crate::run_config::Key::HopperTma)
-        .map(str::trim)
-    {
+    switch_01(crate::run_config::Key::HopperTma, "FDPP_HOPPER_TMA")
+}
+
+/// `--set hopper_q_tma=0|1` or `FDPP_HOPPER_Q_TMA` (default 1): whether thread 0 requests the
+/// block's query rows with TMA ([`query_map`]), where its consumer threads otherwise copy them
+/// with cp.async.
+pub fn q_tma_wanted() -> Result<bool> {
+    switch_01(crate::run_config::Key::HopperQTma, "FDPP_HOPPER_Q_TMA")
+}
+
+/// A 0|1 switch that defaults to 1; any other value is an error naming the switch.
+fn switch_01(key: crate::run_config::Key, name: &str) -> Result<bool> {
+    match crate::run_config::get().get(key).map(str::trim) {
         None | Some("") | Some("1") => Ok(true),
         Some("0") => Ok(false),
-        Some(o) => Err(FdppError::InvalidArgument(format!(
-            "FDPP_HOPPER_TMA={o}: expected 0 or 1"
-        ))),
+        Some(o) => Err(FdppError::InvalidArgument(format!("{name}={o}: expected 0 or 1"))),
     }
 }
 
