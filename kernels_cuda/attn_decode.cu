@@ -495,6 +495,45 @@ __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int 
     return w;
 }
 
+// Keys whose K and V lines a block requests into L2 before pdl_wait() (switch decode_prefetch,
+// FDPP_DECODE_PREFETCH; 0: none, the default). Measured on the H100 at 64 (reports/NOTES.md,
+// session 23): Llama-3.1-8B's shape at 32768 tokens 6.512 against 6.527 ms per token, Llama2-7B
+// at 1024 level; alone, async +0.5-3.5 % at long splits but sync 2-12 % slower and short splits
+// 6-8 % slower (the page-id round trip now precedes the q load). Off until that is settled.
+#ifndef FDPP_DECODE_PREFETCH
+#define FDPP_DECODE_PREFETCH 0
+#endif
+constexpr int PREFETCH_KEYS = FDPP_DECODE_PREFETCH;
+
+// Before pdl_wait(): the K and V lines of the block's first PREFETCH_KEYS keys, requested into L2.
+//
+// Why: in a decode step this kernel follows qkv_rope_append, a short kernel, and with PDL
+// (launch.rs) its blocks are resident while that one runs; until now they spent that time in
+// griddepcontrol.wait and only then began the chain lens → page ids → K/V, so each layer's
+// attention started with a DRAM round trip the previous kernel could have hidden (the ramp that
+// session 4's ablation put at about half of attention's 12.5 µs per layer at 1024 tokens).
+// What is read here no kernel of the step writes: lens and the block table are host uploads,
+// queued ahead of every kernel after them (cuda/attention.rs, upload.rs); the rows below
+// len − 1 were appended by earlier steps. Row len − 1, the one qkv_rope_append writes now, is
+// left out. A prefetch moves nothing into registers, so even a stale line could not reach a
+// result: the loads after pdl_wait() read L2, the point of coherence.
+__device__ __forceinline__ void prefetch_first(const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                               const int* __restrict__ pages, int page_size, int G, int kvh,
+                                               int t0, int t1, int len) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int LPR = D / 64;  // 128-byte lines of one kv head's row (d64: 1, d256: 4)
+    const int n = min(PREFETCH_KEYS, min(t1, len - 1) - t0);
+    // Element e: key e / (2·LPR), K or V, line; neighbouring threads share a key's page id.
+    for (int e = threadIdx.x; e < n * 2 * LPR; e += blockDim.x) {
+        const int tok = t0 + e / (2 * LPR), r = e % (2 * LPR);
+        const int idx = tok / page_size;
+        const size_t row = ((size_t)pages[idx] * page_size + (tok - idx * page_size)) * G + kvh;
+        const u16* at = (r < LPR ? kp : vp) + row * D + 64 * (r % LPR);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+    }
+#endif
+}
+
 // Write the merged elements a[] of the heads in `mask` (live heads only), each divided by its
 // head's l.
 template <int NT, int U>
@@ -541,13 +580,14 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
                                             int splits, float scale2, float* __restrict__ part,
                                             u16* __restrict__ out) {
     using S = Shape<NT, U>;
-    pdl_wait();
-    pdl_trigger();
     __shared__ Smem<S::NW> sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
+    if (PREFETCH_KEYS > 0) prefetch_first(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, w.len);
+    pdl_wait();
+    pdl_trigger();
     float a[S::EPT];
     block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
                                      0.f);
@@ -680,8 +720,6 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
                                              float* __restrict__ ws, unsigned* __restrict__ recomputed,
                                              u16* __restrict__ out) {
     using S = Shape<NT, U>;
-    pdl_wait();
-    pdl_trigger();
     __shared__ Smem<S::NW> sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
@@ -689,6 +727,9 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
+    if (PREFETCH_KEYS > 0) prefetch_first(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, w.len);
+    pdl_wait();
+    pdl_trigger();
 
     float a[S::EPT];
     block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
@@ -810,11 +851,14 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5). With three
 // heads per block (GQA 3, 5, 6, 9) it is held to 128 registers, 4 blocks per SM (144 otherwise: 3;
 // ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 % faster at
-// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
-// registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
+// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. The one-head sync kernels are
+// held to the occupancy ptxas gives them without prefetch_first (72 registers, 7 blocks; the
+// latency path's 80, 6): with it ptxas took 80 and 96 (NVRTC 13.0, sm_90a), no spill either way.
+// Every other kernel keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16
+// more).
 #if FDPP_HG <= 4
-FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, HG == 1 ? 6 : 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 7 : 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 #endif
 
 // The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc

@@ -24,6 +24,7 @@ pub enum Key {
     DecodePath,
     DecodeTc,
     DecodeTcStages,
+    DecodePrefetch,
     SoftmaxWindows,
     HopperTma,
     HopperQTma,
@@ -191,6 +192,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Behaviour,
         what: "the tensor-core decode pass's bandwidth path with K/V staged through shared memory by cp.async, 2 or 3 stages per warp (0: the register pass)",
+    },
+    KeyInfo {
+        key: Key::DecodePrefetch,
+        name: "decode_prefetch",
+        env: "FDPP_DECODE_PREFETCH",
+        values: "a key count, 0-1024 (0: none)",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "how many keys' K/V lines a CUDA decode block requests into L2 before it waits for the previous kernel (PDL)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -554,7 +564,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 35);
+        assert_eq!(KEYS.len(), 36);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -277,7 +277,14 @@ pub fn decode(
         }
     };
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
-    let src = || Ok(attn_decode_source(p.dtype, d, hg));
+    let prefetch = super::decode_tc::prefetch_keys()?;
+    let src = || {
+        let mut s = attn_decode_source(p.dtype, d, hg);
+        if let Some(n) = prefetch {
+            s.defines.push(("FDPP_DECODE_PREFETCH".into(), n.to_string()));
+        }
+        Ok(s)
+    };
 
     let mut sc = b.attn.borrow_mut();
     // The split count from the occupancy of the kernel the shape's first plan takes

@@ -39,6 +39,26 @@ fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
     }
 }
 
+/// Keys per block whose K/V lines a decode kernel requests into L2 before its `pdl_wait()`
+/// (kernels_cuda/attn_decode.cu `prefetch_first`), from `decode_prefetch`
+/// (`FDPP_DECODE_PREFETCH`): `None` when unset (the kernel's default, 0: off, an experiment
+/// switch until it measures better: reports/NOTES.md, session 23), else the define's value.
+pub fn prefetch_keys() -> Result<Option<usize>> {
+    parse_prefetch(run_config::get().get(Key::DecodePrefetch)).map_err(FdppError::InvalidArgument)
+}
+
+fn parse_prefetch(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(t) => match t.parse::<usize>() {
+            Ok(n) if n <= 1024 => Ok(Some(n)),
+            _ => Err(format!(
+                "decode_prefetch (FDPP_DECODE_PREFETCH) = '{t}': expected a key count from 0 to 1024 (0: no prefetch)"
+            )),
+        },
+    }
+}
+
 /// The `decode_tc` switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcMode {
@@ -108,6 +128,18 @@ mod tests {
         for bad in ["1", "4", "yes"] {
             let e = parse_stages(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_TC_STAGES") && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_prefetch_switch_parses_and_refuses_other_values() {
+        assert_eq!(parse_prefetch(None), Ok(None));
+        assert_eq!(parse_prefetch(Some("")), Ok(None));
+        assert_eq!(parse_prefetch(Some(" 0 ")), Ok(Some(0)));
+        assert_eq!(parse_prefetch(Some("128")), Ok(Some(128)));
+        for bad in ["-1", "1025", "lots"] {
+            let e = parse_prefetch(Some(bad)).unwrap_err();
+            assert!(e.contains("FDPP_DECODE_PREFETCH") && e.contains(bad), "{e}");
         }
     }
 
