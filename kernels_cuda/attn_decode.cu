@@ -495,15 +495,19 @@ __device__ __forceinline__ Where where(const int* __restrict__ lens, int G, int 
     return w;
 }
 
-// Keys whose K and V lines a block requests into L2 before pdl_wait() (switch decode_prefetch,
-// FDPP_DECODE_PREFETCH; 0: none, the default). Measured on the H100 at 64 (reports/NOTES.md,
-// session 23): Llama-3.1-8B's shape at 32768 tokens 6.512 against 6.527 ms per token, Llama2-7B
-// at 1024 level; alone, async +0.5-3.5 % at long splits but sync 2-12 % slower and short splits
-// 6-8 % slower (the page-id round trip now precedes the q load). Off until that is settled.
+// Keys whose K and V lines an async block requests into L2 before pdl_wait() (switch
+// decode_prefetch, FDPP_DECODE_PREFETCH; 0: none), in splits of at least PREFETCH_MIN_SPLIT keys.
+// Measured on the H100 (reports/NOTES.md, session 23): with the QKV GEMV's rotary epilogue
+// (gemv_rope.cu) attention directly follows that GEMV, whose tail is the window, and Llama-3.1-8B's
+// shape at 32768 tokens decodes in 6.46 ms per token against 6.51 without it. Alone, the async
+// kernel gained 0.5-3.5 % at long splits, but lost 6-8 % at splits of 64 keys (the page-id round
+// trip then precedes the q load on the critical path) and the sync kernel lost 2-12 % (ptxas put
+// a spill into its main loop): hence async only, long splits only.
 #ifndef FDPP_DECODE_PREFETCH
-#define FDPP_DECODE_PREFETCH 0
+#define FDPP_DECODE_PREFETCH 64
 #endif
 constexpr int PREFETCH_KEYS = FDPP_DECODE_PREFETCH;
+constexpr int PREFETCH_MIN_SPLIT = 512;
 
 // Before pdl_wait(): the K and V lines of the block's first PREFETCH_KEYS keys, requested into L2.
 //
@@ -580,14 +584,13 @@ __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16
                                             int splits, float scale2, float* __restrict__ part,
                                             u16* __restrict__ out) {
     using S = Shape<NT, U>;
+    pdl_wait();
+    pdl_trigger();
     __shared__ Smem<S::NW> sm;
     const int group = H / G;
     const Where w = where(lens, G, group, splits);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
-    if (PREFETCH_KEYS > 0) prefetch_first(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, w.len);
-    pdl_wait();
-    pdl_trigger();
     float a[S::EPT];
     block_pass<false, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, 0.f,
                                      0.f);
@@ -727,7 +730,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     const auto [accs, ls, keys, overs, arrivals] = async_ws(ws, rows);
     const int row0 = w.b * H + w.h0;
     const int* pages = table + (size_t)w.b * max_pages;
-    if (PREFETCH_KEYS > 0) prefetch_first(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, w.len);
+    if (PREFETCH_KEYS > 0 && w.t1 - w.t0 >= PREFETCH_MIN_SPLIT)
+        prefetch_first(kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1, w.len);
     pdl_wait();
     pdl_trigger();
 
@@ -851,14 +855,11 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
 // held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5). With three
 // heads per block (GQA 3, 5, 6, 9) it is held to 128 registers, 4 blocks per SM (144 otherwise: 3;
 // ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 % faster at
-// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. The one-head sync kernels are
-// held to the occupancy ptxas gives them without prefetch_first (72 registers, 7 blocks; the
-// latency path's 80, 6): with it ptxas took 80 and 96 (NVRTC 13.0, sm_90a), no spill either way.
-// Every other kernel keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16
-// more).
+// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
+// registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 #if FDPP_HG <= 4
-FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, HG == 1 ? 6 : 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, HG == 1 ? 7 : 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
 #endif
 
 // The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc

@@ -17,6 +17,7 @@ use crate::error::{FdppError, Result};
 pub enum Key {
     FusedGemv,
     FusedGlu,
+    FusedRope,
     Graphs,
     Pdl,
     Pipeline,
@@ -93,6 +94,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "1",
         kind: Kind::Behaviour,
         what: "a fused decode step computes silu(gate)·up inside the FFN1 GEMV",
+    },
+    KeyInfo {
+        key: Key::FusedRope,
+        name: "fused_rope",
+        env: "FDPP_FUSED_ROPE",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "a fused decode step rotates q and k and appends k and v to the cache inside the QKV GEMV (whole-head rotate-half rotary)",
     },
     KeyInfo {
         key: Key::TpGraphs,
@@ -198,9 +208,9 @@ pub const KEYS: &[KeyInfo] = &[
         name: "decode_prefetch",
         env: "FDPP_DECODE_PREFETCH",
         values: "a key count, 0-1024 (0: none)",
-        default: "0",
+        default: "64",
         kind: Kind::Behaviour,
-        what: "how many keys' K/V lines a CUDA decode block requests into L2 before it waits for the previous kernel (PDL)",
+        what: "how many keys' K/V lines a CUDA async decode block with a split of 512+ keys requests into L2 before it waits for the previous kernel (PDL)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -564,7 +574,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 36);
+        assert_eq!(KEYS.len(), 37);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

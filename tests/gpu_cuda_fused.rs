@@ -6,6 +6,9 @@
 //!   never rounds the normalized x and rounds W·γ once, so it is close, not bit for bit;
 //! - gemm_rms_glu vs gemm_rms_in into [M, 2N] then silu_mul: bit for bit (the same roundings);
 //! - gemm_residual_out vs gemm into a temporary then add_rmsnorm's residual add: bit for bit;
+//! - gemm_rms_rope_append vs gemm_rms_in into qkv then qkv_rope_append: q and both whole pools
+//!   bit for bit (scattered pages, ragged lengths, positions past 130000, with and without bias);
+//!   partial and interleaved rotary decline;
 //! - cases without a fused kernel decline with `Unsupported`.
 //!
 //! `fused_timings_llama2_7b_m1` prints the µs of the fused and unfused ops (not asserted).
@@ -17,8 +20,11 @@ use fdpp::backend::Backend;
 use fdpp::bench::Stats;
 use fdpp::dtype::{random_bits, DType};
 use fdpp::error::FdppError;
+use fdpp::kv::{BlockTable, FlatBlockTables, PagedKv, PagedKvLayout};
+use fdpp::ops::attention::AttnGeometry;
 use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use fdpp::ops::layer::{RmsNormParams, SiluMulParams};
+use fdpp::ops::layer::{KvAppendParams, RmsNormParams, RopeLayout, RopeParams, SiluMulParams};
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 const DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
@@ -277,6 +283,178 @@ fn rms_glu_is_rms_in_then_silu_mul_bit_for_bit() {
             }
         }
         println!("rms_glu {dt}: {total} of {total} elements bit-identical");
+    }
+}
+
+/// One decode step's rotary inputs: `m` sequences at ragged lengths over scattered pages of a
+/// 16-token pool, one new token each; positions len − 1, past 130000 for every other sequence
+/// (sincosf's long-argument path; the rotary does not read the cache).
+fn rope_step(
+    r: &mut rand::rngs::SmallRng,
+    dt: DType,
+    (h, g, d): (usize, usize, usize),
+    m: usize,
+    rot: usize,
+    layout_kind: RopeLayout,
+) -> (RopeParams, KvAppendParams, PagedKvLayout) {
+    let layout = PagedKvLayout::new(16, 12 * m, g, d, dt).unwrap();
+    let mut pages: Vec<u32> = (0..12 * m as u32).collect();
+    pages.shuffle(r);
+    let lens: Vec<usize> = (0..m).map(|i| [1, 17, 100, 33, 160, 2, 64, 129][i % 8]).collect();
+    let mut at = 0;
+    let tables: Vec<BlockTable> = lens
+        .iter()
+        .map(|&len| {
+            let n = layout.pages_for(len);
+            at += n;
+            BlockTable {
+                pages: pages[at - n..at].to_vec(),
+                seq_len: len,
+            }
+        })
+        .collect();
+    let append = KvAppendParams {
+        tables: FlatBlockTables::new(&layout, &tables).unwrap(),
+        new_lens: vec![1; m],
+    };
+    let rope = RopeParams {
+        geom: AttnGeometry::new(h, g, d).unwrap(),
+        dtype: dt,
+        positions: lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l - 1 + if i % 2 == 1 { 130_000 } else { 0 }) as i32)
+            .collect(),
+        inv_freq: (0..rot / 2)
+            .map(|i| 500_000f32.powf(-2.0 * i as f32 / rot as f32))
+            .collect(),
+        layout: layout_kind,
+    };
+    (rope, append, layout)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rms_rope_append_is_rms_in_then_rope_append_bit_for_bit() {
+    let gpu = CudaBackend::open(0).expect("CUDA device 0");
+    let mut r = rng();
+    for dt in DTYPES {
+        let mut total = 0usize;
+        // (H, G, D, K, bias): Llama-3.1-8B's QKV, Llama2-7B's with a bias (Qwen2's form),
+        // head_dim 64 and 256, K of one warp's first loads and less.
+        for (h, g, d, k, with_bias) in [
+            (32, 8, 128, 4096, false),
+            (32, 32, 128, 4096, true),
+            (12, 4, 64, 8 * 131, true),
+            (8, 2, 256, 8 * 3, false),
+        ] {
+            let n = (h + 2 * g) * d;
+            if quick() && n * k >= 1 << 22 {
+                continue;
+            }
+            let w = gpu
+                .upload(dt, &random_bits(dt, n * k, 1.0 / (k as f32).sqrt(), r.gen()))
+                .unwrap();
+            let bias = with_bias.then(|| gpu.upload(dt, &random_bits(dt, n, 0.5, r.gen())).unwrap());
+            for m in ms() {
+                let (rope, append, layout) = rope_step(&mut r, dt, (h, g, d), m, d, RopeLayout::Half);
+                let res = gpu.upload(dt, &residual_rows(dt, m, k, r.gen())).unwrap();
+                let pool_k = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+                let pool_v = random_bits(dt, layout.pool_elems(), 1.0, r.gen());
+                let new_kv = |gpu: &CudaBackend| PagedKv {
+                    layout,
+                    k: gpu.upload(dt, &pool_k).unwrap(),
+                    v: gpu.upload(dt, &pool_v).unwrap(),
+                };
+                let dims = GemmDims::new(m, n, k).unwrap();
+                let what = format!("rms_rope_append {dt} H{h}/G{g} d{d} K={k} M={m} bias={with_bias}");
+                // The reference: the same K split as the fused entries (bn1: K over 4 warps).
+                let mut qkv = poisoned(&gpu, dt, m * n);
+                gpu.gemm_rms_in(&gemv(dt, 1), dims, 1e-5, &res, &w, &mut qkv).unwrap();
+                let mut kv_want = new_kv(&gpu);
+                let mut q_want = poisoned(&gpu, dt, m * h * d);
+                let mut k_tmp = poisoned(&gpu, dt, m * g * d);
+                let mut v_tmp = poisoned(&gpu, dt, m * g * d);
+                gpu.qkv_rope_append(
+                    &rope,
+                    &append,
+                    &qkv,
+                    bias.as_ref(),
+                    &mut q_want,
+                    &mut k_tmp,
+                    &mut v_tmp,
+                    &mut kv_want,
+                )
+                .unwrap();
+                let mut kv_got = new_kv(&gpu);
+                let mut q_got = poisoned(&gpu, dt, m * h * d);
+                // The profile's layout for the QKV spec does not matter: the entries have their own.
+                gpu.gemm_rms_rope_append(
+                    &gemv(dt, 16),
+                    dims,
+                    1e-5,
+                    &res,
+                    &w,
+                    &rope,
+                    &append,
+                    bias.as_ref(),
+                    &mut q_got,
+                    &mut kv_got,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                for (name, got, want) in [
+                    ("q", &q_got, &q_want),
+                    ("K pool", &kv_got.k, &kv_want.k),
+                    ("V pool", &kv_got.v, &kv_want.v),
+                ] {
+                    let (g_bits, w_bits) = (gpu.download(got).unwrap(), gpu.download(want).unwrap());
+                    let (same, rel) = compare(dt, &g_bits, &w_bits, &format!("{what}: {name}"));
+                    assert_eq!(
+                        same,
+                        w_bits.len(),
+                        "{what}: {name}: {} of {} differ (max rel {rel:.3e})",
+                        w_bits.len() - same,
+                        w_bits.len()
+                    );
+                    total += same;
+                }
+            }
+        }
+        println!("rms_rope_append {dt}: {total} of {total} elements bit-identical (q and whole pools)");
+    }
+    // What the kernel does not rotate: declined, nothing written.
+    let dt = DType::F16;
+    for (h, g, d, rot, kind) in [
+        (32, 2, 128, 64, RopeLayout::Interleaved),
+        (8, 2, 256, 32, RopeLayout::Half),
+        (4, 4, 64, 0, RopeLayout::Half),
+    ] {
+        let (rope, append, layout) = rope_step(&mut r, dt, (h, g, d), 1, rot, kind);
+        let (n, k) = ((h + 2 * g) * d, 64);
+        let w = gpu.upload(dt, &random_bits(dt, n * k, 0.1, r.gen())).unwrap();
+        let res = gpu.upload(dt, &residual_rows(dt, 1, k, r.gen())).unwrap();
+        let mut q = poisoned(&gpu, dt, h * d);
+        let mut kv = PagedKv {
+            layout,
+            k: poisoned(&gpu, dt, layout.pool_elems()),
+            v: poisoned(&gpu, dt, layout.pool_elems()),
+        };
+        let e = gpu.gemm_rms_rope_append(
+            &gemv(dt, 1),
+            GemmDims::new(1, n, k).unwrap(),
+            1e-5,
+            &res,
+            &w,
+            &rope,
+            &append,
+            None,
+            &mut q,
+            &mut kv,
+        );
+        assert!(
+            matches!(e, Err(FdppError::Unsupported { .. })),
+            "rotary {rot} of {d} {kind:?}: {e:?}"
+        );
     }
 }
 

@@ -201,6 +201,29 @@ pub trait Backend {
         Err(op_unsupported(self.info(), "gemm_rms_glu"))
     }
 
+    /// A decode step's QKV in one launch: [`gemm_rms_in`](Self::gemm_rms_in) into qkv [M, N]
+    /// (N = the rotary's qkv width) followed by [`qkv_rope_append`](Self::qkv_rope_append):
+    /// q [M, H·D] rotated, the new tokens' rotated k and their v written into the cache. For the
+    /// whole-head rotate-half rotary at small M; `Unsupported` elsewhere (the caller then takes
+    /// the two ops).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_rms_rope_append(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        eps: f32,
+        residual: &Self::Buffer,
+        w: &Self::Buffer,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        bias: Option<&Self::Buffer>,
+        q: &mut Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+    ) -> Result<()> {
+        let _ = (spec, dims, eps, residual, w, rope, append, bias, q, kv);
+        Err(op_unsupported(self.info(), "gemm_rms_rope_append"))
+    }
+
     /// w[n, k] = round(w[n, k] · scale[k]) in place, for w [rows, cols] and scale [cols]: folds
     /// an RMSNorm's γ into the weights of the GEMM that consumes the norm (for
     /// [`gemm_rms_in`](Self::gemm_rms_in)).

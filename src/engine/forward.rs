@@ -90,6 +90,9 @@ pub struct Model<'b, B: Backend> {
     folded: bool,
     /// A fused step runs FFN1 and the GLU as one launch (`gemm_rms_glu`).
     fused_glu: bool,
+    /// A fused decode step runs QKV, the rotary and the KV append as one launch
+    /// (`gemm_rms_rope_append`) where the backend has it.
+    fused_rope: bool,
     /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
     comm: Option<Arc<dyn Communicator<B> + 'b>>,
     /// With tp: the vocabulary rows of this rank's embedding and LM head when it holds a slice
@@ -139,6 +142,7 @@ impl<'b, B: Backend> Model<'b, B> {
             score_stats: RefCell::new(None),
             folded,
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
+            fused_rope: crate::run_config::get().on(Key::FusedRope),
             comm: None,
             vocab_slice: None,
             gathered_logits: RefCell::new(None),
@@ -597,8 +601,8 @@ impl<'b, B: Backend> Model<'b, B> {
     ) -> Result<()> {
         // The step's attention params serve every layer; only the softmax window is per layer.
         a.attn.set_scheme(self.scheme_for(l));
-        self.attn_in(a, l, prev_ffn2, acts)?;
-        self.attend(a, l, kv, acts)?;
+        let roped = self.attn_in(a, l, prev_ffn2, kv, acts)?;
+        self.attend(a, l, roped, kv, acts)?;
         self.attn_out(a, l, acts)?;
         self.mlp_in(a, l, acts)?;
         self.mlp_act(a, l, acts)?;
@@ -606,16 +610,38 @@ impl<'b, B: Backend> Model<'b, B> {
     }
 
     /// Norm (with the previous layer's residual add) and the QKV GEMM; fused: one GEMV that
-    /// normalizes its input.
+    /// normalizes its input, and in a decode step also rotates q and k and appends k and v to
+    /// the cache where the backend can (`fused_rope`; returns true when it did: the layer's
+    /// rotary is then done).
     fn attn_in(
         &self,
         a: &LayerArgs,
         l: usize,
         prev_ffn2: Option<usize>,
+        kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let (w, s, h, t) = (&self.weights.layers[l], acts.plan.layers[l], self.arch.hidden, a.tokens);
         let n = self.arch.qkv_width();
+        if let (true, true, Attn::Decode(ap, _)) = (a.fused, self.fused_rope, &a.attn) {
+            let dims = GemmDims::new(t, n, h)?;
+            let [r, q] = acts.many([a.residual, s.q])?;
+            let eps = self.arch.eps as f32;
+            let bias = w.qkv_bias.as_ref();
+            let cache = &mut kv.layers[l];
+            match self
+                .b
+                .gemm_rms_rope_append(&a.gemms.qkv, dims, eps, r, &w.qkv, &a.rope, ap, bias, q, cache)
+            {
+                Ok(()) => {
+                    self.op_times.lap(self.b, "gemm qkv + rope")?;
+                    return Ok(true);
+                }
+                // Partial or interleaved rotary, or a backend without the kernel: the two ops.
+                Err(FdppError::Unsupported { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         if a.fused {
             self.gemm_rms_in(&a.gemms.qkv, t, n, h, acts, a.residual, &w.qkv, s.qkv)?;
         } else {
@@ -623,28 +649,30 @@ impl<'b, B: Backend> Model<'b, B> {
             self.op_times.lap(self.b, self.norm_tag())?;
             self.gemm(&a.gemms.qkv, t, n, h, acts, s.normed_attn, &w.qkv, s.qkv)?;
         }
-        self.op_times.lap(self.b, "gemm qkv")
+        self.op_times.lap(self.b, "gemm qkv")?;
+        Ok(false)
     }
 
-    /// QKV split with bias and rotary, the KV append of a decode step, attention, and the
-    /// softmax statistics when they are gathered.
+    /// QKV split with bias and rotary, the KV append of a decode step (unless `roped`: the QKV
+    /// GEMV did both), attention, and the softmax statistics when they are gathered.
     fn attend(
         &self,
         a: &LayerArgs,
         l: usize,
+        roped: bool,
         kv: &mut KvCache<B::Buffer>,
         acts: &mut Activations<B::Buffer>,
     ) -> Result<()> {
         let (b, w, s) = (self.b, &self.weights.layers[l], acts.plan.layers[l]);
         let cache = &mut kv.layers[l];
-        {
+        if !roped {
             let [qkv, q, k, v] = acts.many([s.qkv, s.q, s.k, s.v])?;
             // The new tokens' k and v go to the cache in the same kernel as the rotation (one
             // launch and one pass over them fewer per layer on a GPU); attention reads them there.
             let (Attn::Prefill(ap, _) | Attn::Decode(ap, _)) = &a.attn;
             b.qkv_rope_append(&a.rope, ap, qkv, w.qkv_bias.as_ref(), q, k, v, cache)?;
+            self.op_times.lap(b, "qkv_rope")?;
         }
-        self.op_times.lap(b, "qkv_rope")?;
         // The enqueue entry points: a GPU backend counts recomputed rows on the device and
         // the step reads the count once, after its last layer, instead of waiting for the
         // device in every layer.

@@ -41,8 +41,8 @@ fn parse_stages(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
 
 /// Keys per block whose K/V lines a decode kernel requests into L2 before its `pdl_wait()`
 /// (kernels_cuda/attn_decode.cu `prefetch_first`), from `decode_prefetch`
-/// (`FDPP_DECODE_PREFETCH`): `None` when unset (the kernel's default, 0: off, an experiment
-/// switch until it measures better: reports/NOTES.md, session 23), else the define's value.
+/// (`FDPP_DECODE_PREFETCH`): `None` when unset (the kernel's default, 64, async kernels with
+/// splits of 512+ keys: reports/NOTES.md, session 23), else the define's value (0: off).
 pub fn prefetch_keys() -> Result<Option<usize>> {
     parse_prefetch(run_config::get().get(Key::DecodePrefetch)).map_err(FdppError::InvalidArgument)
 }

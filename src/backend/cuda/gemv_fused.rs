@@ -16,7 +16,9 @@ use super::sources::{self, GEMV_WARPS};
 use super::{drv, CudaBackend, CudaBuffer};
 use crate::backend::DeviceBuffer;
 use crate::error::{FdppError, Result};
+use crate::kv::PagedKv;
 use crate::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
+use crate::ops::layer::{KvAppendParams, RopeParams};
 
 /// Rows of x one fused launch takes (the kernels hold M rows of accumulators in registers).
 pub const MAX_M: usize = 8;
@@ -41,6 +43,17 @@ const GLU_M: [&str; MAX_M] = [
     "gemv_rms_glu_m6",
     "gemv_rms_glu_m7",
     "gemv_rms_glu_m8",
+];
+
+const ROPE_M: [&str; MAX_M] = [
+    "gemv_rms_rope_m1",
+    "gemv_rms_rope_m2",
+    "gemv_rms_rope_m3",
+    "gemv_rms_rope_m4",
+    "gemv_rms_rope_m5",
+    "gemv_rms_rope_m6",
+    "gemv_rms_rope_m7",
+    "gemv_rms_rope_m8",
 ];
 
 const RES_M: [&str; MAX_M] = [
@@ -187,6 +200,97 @@ pub fn rms_glu(
     unsafe { launch_rms(b, OP, spec, &d, &f, cfg, (residual, w, y), eps) }
 }
 
+/// QKV of a decode step in one launch: q [M, H·D] and the new tokens' k and v in the pools at
+/// their slots from rmsnorm(residual) · W'ᵀ (W' [(H + 2G)·D, K] with the norm's γ folded in),
+/// rotated by the whole-head rotate-half rotary (kernels_cuda/gemv_rope.cu): `gemm_rms_in` into
+/// qkv followed by `qkv_rope_append`, bit for bit when that gemm splits K over 4 warps as these
+/// entries do (sources::GEMV_GLU_LAYOUT). Other rotary forms and shapes are `Unsupported`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_rope_append(
+    b: &CudaBackend,
+    spec: &GemmSpec,
+    d: GemmDims,
+    eps: f32,
+    residual: &CudaBuffer,
+    w: &CudaBuffer,
+    rope: &RopeParams,
+    append: &KvAppendParams,
+    bias: Option<&CudaBuffer>,
+    q: &mut CudaBuffer,
+    kv: &mut PagedKv<CudaBuffer>,
+) -> Result<()> {
+    const OP: &str = "gemm_rms_rope_append";
+    check_supported(OP, spec, &d)?;
+    rope.require_whole_half(OP)?;
+    check_eps(OP, spec, eps)?;
+    let g = rope.geom;
+    if d.n != rope.qkv_width() || d.m != rope.tokens() || !d.n.is_multiple_of(2) {
+        return Err(FdppError::InvalidArgument(format!(
+            "{OP} {spec} at {}: the rotary is over {} tokens of width {} (N must be that width, even)",
+            d.label(),
+            rope.tokens(),
+            rope.qkv_width()
+        )));
+    }
+    let kv_elems = d.m * g.num_kv_heads * g.head_dim;
+    rope.validate(d.m * d.n, bias.map(|x| x.len()), q.len(), kv_elems, kv_elems)?;
+    let layout = kv.layout;
+    layout.validate()?;
+    append.validate(&layout, kv_elems, kv_elems, (kv.k.len(), kv.v.len()))?;
+    if append.tokens() != d.m || layout.token_elems() != g.num_kv_heads * g.head_dim {
+        return Err(FdppError::InvalidArgument(format!(
+            "{OP} {spec}: {} appended tokens of width {} for {} rotated tokens of {} kv heads × {}",
+            append.tokens(),
+            layout.token_elems(),
+            d.m,
+            g.num_kv_heads,
+            g.head_dim
+        )));
+    }
+    d.check_lens(spec, residual.len(), w.len(), d.m * d.n)?;
+    check_dtypes(
+        OP,
+        spec,
+        &[
+            ("residual", residual),
+            ("w", w),
+            ("q", q),
+            ("K pool", &kv.k),
+            ("V pool", &kv.v),
+        ],
+    )?;
+    if let Some(x) = bias {
+        check_dtypes(OP, spec, &[("bias", x)])?;
+    }
+    let src = sources::gemv_rope_source(spec.dtype);
+    let f = b.function_of(&src.uri.clone(), ROPE_M[d.m - 1], 0, || Ok(src))?;
+    let slots = super::layer::slot_rows(b, append, &layout)?;
+    let (pos, freq) = super::layer::rope_args(b, rope)?;
+    let cfg = LaunchConfig {
+        // One row pair (a rotated pair of q or k, or two v rows) per block.
+        grid_dim: ((d.n / 2) as u32, 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n, k) = (i32_of(d.n, "N", spec)?, i32_of(d.k, "K", spec)?);
+    let heads = [
+        i32_of(g.num_heads, "heads", spec)?,
+        i32_of(g.num_kv_heads, "kv heads", spec)?,
+        i32_of(g.head_dim, "head_dim", spec)?,
+    ];
+    let (rp, wp, bp, qp) = (b.ptr(residual), b.ptr(w), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
+    let (kp, vp) = (b.ptr(&kv.k), b.ptr(&kv.v));
+    let mut l = Launch::chained(b, &f);
+    l.arg(&rp).arg(&wp).arg(&n).arg(&k).arg(&eps);
+    l.arg(&bp).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&freq).arg(&slots);
+    l.arg(&heads[0]).arg(&heads[1]).arg(&heads[2]);
+    // SAFETY: residual covers [M, K], w [N, K], q [M, H·D], the bias N elements (checked above);
+    // every slot row lies in the pools (append.validate); positions (M i32), inv_freq (D/2 f32)
+    // and the slots are in the layer scratch; one row group per rotated pair or v pair.
+    unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {OP} {spec}")))?;
+    b.check_launch(&format!("{OP} {spec} at {}", d.label()))
+}
+
 fn check_eps(op: &str, spec: &GemmSpec, eps: f32) -> Result<()> {
     if eps.is_finite() && eps > 0.0 {
         Ok(())
@@ -258,5 +362,11 @@ mod tests {
             assert!(glu.defines.iter().any(|(a, b)| a == k && b == v), "{k}={v}");
         }
         assert!(!src.defines.iter().any(|(a, _)| a == "FDPP_GLU_OFF"));
+        // The rotary entries are in their own source, which inlines gemv.cu for its helpers.
+        let rope = sources::gemv_rope_source(DType::F16);
+        for name in ROPE_M {
+            assert!(rope.text.contains(&name[..name.len() - 1]), "{name}");
+        }
+        assert!(rope.text.contains("gemv_vec") && !rope.text.contains("#include \"gemv.cu\""));
     }
 }

@@ -180,14 +180,28 @@ pub fn qkv_rope_append(
         rope.dtype,
         &[("qkv", qkv), ("q", q), ("K pool", &kv.k), ("V pool", &kv.v)],
     )?;
-    let slots = {
-        let mut st = b.layer.borrow_mut();
-        st.pack.clear();
-        st.pack.push_i32s(plan::kv_slot_rows(append, &layout)?);
-        upload_pack(b, &mut st, Slot::KvSlots)?
-    };
+    let slots = slot_rows(b, append, &layout)?;
     let pools = (b.ptr(&kv.k), b.ptr(&kv.v));
     launch_rope(b, rope, qkv, bias, q, pools, Some(slots))
+}
+
+/// The device address of the pool row of each appended token (uploaded when it changed).
+pub(super) fn slot_rows(b: &CudaBackend, append: &KvAppendParams, layout: &crate::kv::PagedKvLayout) -> Result<u64> {
+    let mut st = b.layer.borrow_mut();
+    st.pack.clear();
+    st.pack.push_i32s(plan::kv_slot_rows(append, layout)?);
+    upload_pack(b, &mut st, Slot::KvSlots)
+}
+
+/// The device addresses of the tokens' positions and the inverse frequencies a rotary launch
+/// reads (uploaded when they changed).
+pub(super) fn rope_args(b: &CudaBackend, p: &RopeParams) -> Result<(u64, u64)> {
+    let mut st = b.layer.borrow_mut();
+    st.pack.clear();
+    let pos_at = st.pack.push_i32s(p.positions.iter().copied());
+    let freq_at = st.pack.push_f32s(&p.inv_freq);
+    let base = upload_pack(b, &mut st, Slot::Rope)?;
+    Ok((base + pos_at as u64, base + freq_at as u64))
 }
 
 /// The qkv_rope launch: k and v rows go to `kv.0` / `kv.1` at row t, or at row slots[t] when the
@@ -211,13 +225,8 @@ fn launch_rope(
         i32_dim(g.num_kv_heads, "num_kv_heads", "qkv_rope")?,
         i32_dim(g.head_dim, "head_dim", "qkv_rope")?,
     ];
-    let mut st = b.layer.borrow_mut();
-    let f = kernel(b, &mut st, p.dtype, l.kernel)?;
-    st.pack.clear();
-    let pos_at = st.pack.push_i32s(p.positions.iter().copied());
-    let freq_at = st.pack.push_f32s(&p.inv_freq);
-    let base = upload_pack(b, &mut st, Slot::Rope)?;
-    let (pos, freq) = (base + pos_at as u64, base + freq_at as u64);
+    let f = kernel(b, &mut b.layer.borrow_mut(), p.dtype, l.kernel)?;
+    let (pos, freq) = rope_args(b, p)?;
     let (xp, bp, qp) = (b.ptr(qkv), bias.map_or(0, |x| b.ptr(x)), b.ptr(q));
     let (kp, vp) = kv;
     let sp = slots.unwrap_or(0);

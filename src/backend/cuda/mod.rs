@@ -312,6 +312,22 @@ impl Backend for CudaBackend {
         gemv_fused::rms_glu(self, spec, dims, eps, residual, w, y)
     }
 
+    fn gemm_rms_rope_append(
+        &self,
+        spec: &GemmSpec,
+        dims: GemmDims,
+        eps: f32,
+        residual: &CudaBuffer,
+        w: &CudaBuffer,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        bias: Option<&CudaBuffer>,
+        q: &mut CudaBuffer,
+        kv: &mut PagedKv<CudaBuffer>,
+    ) -> Result<()> {
+        gemv_fused::rms_rope_append(self, spec, dims, eps, residual, w, rope, append, bias, q, kv)
+    }
+
     fn gemm_residual_out(
         &self,
         spec: &GemmSpec,

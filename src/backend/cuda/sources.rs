@@ -20,6 +20,7 @@ const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 const SAMPLE: &str = include_str!("../../../kernels_cuda/sample.cu");
+const GEMV_ROPE: &str = include_str!("../../../kernels_cuda/gemv_rope.cu");
 
 /// The files of the GEMM kernels: their hash is the profiles' kernel hash (a profile holds GEMM
 /// timings; an edit to another kernel does not invalidate it).
@@ -75,7 +76,8 @@ pub fn gemm_launch_constants() -> String {
 }
 
 fn expand(file: &str) -> String {
-    file.replace("#include \"common.cuh\"", COMMON)
+    file.replace("#include \"gemv.cu\"", GEMV)
+        .replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
         .replace("#include \"attn_decode_tc.cuh\"", ATTN_DECODE_TC)
 }
@@ -97,6 +99,23 @@ pub fn gemv_glu_source(dt: DType) -> KernelSource {
             ("FDPP_KSPLIT".into(), ksplit.to_string()),
             ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
             ("FDPP_GLU_OFF".into(), "0".into()),
+        ],
+    }
+}
+
+/// The QKV GEMV with the rotary and KV append (`gemv_rms_rope_m*`, kernels_cuda/gemv_rope.cu) in
+/// `dt`: gemv.cu's helpers at the GLU layout, a row pair per block. Not part of the kernel hash:
+/// no profile times it (it takes the QKV spec's place only in a fused decode step).
+pub fn gemv_rope_source(dt: DType) -> KernelSource {
+    let (rows, ksplit) = GEMV_GLU_LAYOUT;
+    KernelSource {
+        uri: format!("gemv_rope_{dt}"),
+        text: expand(GEMV_ROPE),
+        defines: vec![
+            dtype_define(dt),
+            ("FDPP_ROWS".into(), rows.to_string()),
+            ("FDPP_KSPLIT".into(), ksplit.to_string()),
+            ("FDPP_INFLIGHT".into(), GEMV_INFLIGHT.to_string()),
         ],
     }
 }
@@ -177,6 +196,7 @@ pub fn all_sources() -> Vec<KernelSource> {
         .filter_map(|s| gemm_source(&s))
         .collect();
     v.extend(dtypes.iter().map(|&dt| gemv_glu_source(dt)));
+    v.extend(dtypes.iter().map(|&dt| gemv_rope_source(dt)));
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));
     v.extend(dtypes.iter().map(|&dt| sample_source(dt)));
     for dt in dtypes {
