@@ -91,7 +91,7 @@ pub struct Model<'b, B: Backend> {
     /// A fused step runs FFN1 and the GLU as one launch (`gemm_rms_glu`).
     fused_glu: bool,
     /// A fused decode step runs QKV, the rotary and the KV append as one launch
-    /// (`gemm_rms_rope_append`) where the backend has it.
+    /// (`gemm_rms_rope_append`): the switch is on and the rotary is whole-head rotate-half.
     fused_rope: bool,
     /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
     comm: Option<Arc<dyn Communicator<B> + 'b>>,
@@ -127,7 +127,7 @@ impl<'b, B: Backend> Model<'b, B> {
         if folded {
             fold_norms(b, &arch, dtype, &mut weights)?;
         }
-        Ok(Model {
+        let mut model = Model {
             b,
             cfg,
             arch,
@@ -142,11 +142,17 @@ impl<'b, B: Backend> Model<'b, B> {
             score_stats: RefCell::new(None),
             folded,
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
-            fused_rope: crate::run_config::get().on(Key::FusedRope),
+            fused_rope: false,
             comm: None,
             vocab_slice: None,
             gathered_logits: RefCell::new(None),
-        })
+        };
+        // Decided once: a rotary the fused kernel does not run (partial, interleaved, none) would
+        // otherwise be offered to it, and declined, in every layer of every step.
+        model.fused_rope = folded
+            && crate::run_config::get().on(Key::FusedRope)
+            && model.rope_params(Vec::new()).require_whole_half("gemv_rope").is_ok();
+        Ok(model)
     }
 
     /// Run as one rank of a tensor-parallel group (its weights already its shard,
@@ -637,7 +643,7 @@ impl<'b, B: Backend> Model<'b, B> {
                     self.op_times.lap(self.b, "gemm qkv + rope")?;
                     return Ok(true);
                 }
-                // Partial or interleaved rotary, or a backend without the kernel: the two ops.
+                // A backend or a shape without the kernel: the two ops.
                 Err(FdppError::Unsupported { .. }) => {}
                 Err(e) => return Err(e),
             }

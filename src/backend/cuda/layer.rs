@@ -17,7 +17,7 @@ use crate::backend::layer_plan::{self as plan, i32_dim, ArgPack, LayerKernel, La
 use crate::backend::DeviceBuffer;
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
-use crate::kv::PagedKv;
+use crate::kv::{PagedKv, PagedKvLayout};
 use crate::ops::layer::{
     BiasActParams, EmbeddingParams, GatherParams, GluParams, KvAppendParams, LayerNormParams, PositionParams,
     RmsNormParams, RopeParams, SiluMulParams,
@@ -186,7 +186,7 @@ pub fn qkv_rope_append(
 }
 
 /// The device address of the pool row of each appended token (uploaded when it changed).
-pub(super) fn slot_rows(b: &CudaBackend, append: &KvAppendParams, layout: &crate::kv::PagedKvLayout) -> Result<u64> {
+pub(super) fn slot_rows(b: &CudaBackend, append: &KvAppendParams, layout: &PagedKvLayout) -> Result<u64> {
     let mut st = b.layer.borrow_mut();
     st.pack.clear();
     st.pack.push_i32s(plan::kv_slot_rows(append, layout)?);
