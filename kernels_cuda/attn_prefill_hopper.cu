@@ -59,6 +59,14 @@
 #ifndef FDPP_RUN_BOXES
 #define FDPP_RUN_BOXES 0
 #endif
+// 1: a persistent kernel (FA3 §3.1's persistent tile scheduler, sync softmax only): one block
+// per SM takes the host's list entries from a counter, and the producer loads the next entry's Q
+// and first K/V tiles while the consumers finish the current one (the start of a short block,
+// ~20 % of an 8 · 1024 block's time, was the wait for exactly those; reports/NOTES.md, sessions
+// 21-22). Q is double-buffered where shared memory allows (QBUF).
+#ifndef FDPP_PERSIST
+#define FDPP_PERSIST 0
+#endif
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
@@ -113,7 +121,11 @@ constexpr int KS = D / 16;                // k16 steps of Q·Kᵀ
 constexpr int PS = BN / 16;               // k16 steps of P·V
 constexpr u32 Q_BYTES = BM * D * 2;
 constexpr u32 KV_BYTES = BN * D * 2;      // K (or V) of one stage
-constexpr u32 BAR_AT = Q_BYTES + 2 * STAGES * KV_BYTES;
+// Q tiles in shared memory: two under FDPP_PERSIST where they fit the 227 KiB opt-in (the host's
+// prefill_hopper.rs `q_buffers` makes the same choice), so that the next block's Q lands while
+// this one is walked; else one, refilled once both consumers' last Q·Kᵀ is done.
+constexpr int QBUF = FDPP_PERSIST && 2 * Q_BYTES + 2 * STAGES * KV_BYTES + 256 + 1024 <= 227 * 1024 ? 2 : 1;
+constexpr u32 BAR_AT = QBUF * Q_BYTES + 2 * STAGES * KV_BYTES;
 // Registers per thread after setmaxnreg: 128·48 + 256·224 = 63488 ≤ 65536, the pool of one
 // 384-thread block launched at 168 (FA3 gives its producers 24–32; these ones compute the
 // page addresses of their copies, so more: at 40 ptxas spilled in some schedules; the
@@ -122,7 +134,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 40 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers (the vote word, the trace slots, Q's)");
+static_assert(4 * STAGES * 8 + 136 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers (the vote word, the trace slots, Q's, the persistent kernel's entries)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -263,9 +275,10 @@ struct Ctx {
     int tma_rows;  // rows of a TMA box (min(page_size, BN)), 0: every tile by cp.async
     int page_size, H, G, h, kvh, kv_end;
     int row0, pos0, rows;
+    int qb;    // the Q buffer this block uses (0 unless QBUF = 2)
     u32 base;  // shared address of the 1024-byte aligned tile area
-    __device__ __forceinline__ u32 sq() const { return base; }
-    __device__ __forceinline__ u32 sk(int s) const { return base + Q_BYTES + 2 * s * KV_BYTES; }
+    __device__ __forceinline__ u32 sq() const { return base + (u32)qb * Q_BYTES; }
+    __device__ __forceinline__ u32 sk(int s) const { return base + QBUF * Q_BYTES + 2 * s * KV_BYTES; }
     __device__ __forceinline__ u32 sv(int s) const { return sk(s) + KV_BYTES; }
     __device__ __forceinline__ u32 full_k(int s) const { return base + BAR_AT + 8 * s; }
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
@@ -277,8 +290,15 @@ struct Ctx {
     // tile's page ids (8 bytes each).
     __device__ __forceinline__ u32 trace_slot() const { return vote_bar() + 16; }
     __device__ __forceinline__ u32 trace_slot_box() const { return vote_bar() + 24; }
-    // Q's rows by TMA (q_tma): the bytes complete on this one.
-    __device__ __forceinline__ u32 q_bar() const { return vote_bar() + 32; }
+    // Q's rows by TMA (q_tma): the bytes complete on this one (one per Q buffer).
+    __device__ __forceinline__ u32 q_bar() const { return vote_bar() + 32 + 8 * qb; }
+    // FDPP_PERSIST: both consumers' last Q·Kᵀ of the buffer's block is done (one arrival per
+    // consumer thread), and the block's entry (two int4, written by the producer before Q's
+    // arrival) for the consumers.
+    __device__ __forceinline__ u32 q_empty() const { return vote_bar() + 48 + 8 * qb; }
+    __device__ __forceinline__ u32 entry_at() const { return vote_bar() + 64 + 32 * qb; }
+    // FDPP_PERSIST: the producer's ticket of the block, one word per block parity.
+    __device__ __forceinline__ u32 ticket_word(int parity) const { return vote_bar() + 128 + 4 * parity; }
     // Key tiles of the block, and those consumer w needs (its last row's position + 1 keys).
     __device__ __forceinline__ int tiles() const { return (kv_end + BN - 1) / BN; }
     __device__ __forceinline__ int tiles_of(int w) const {
@@ -409,7 +429,13 @@ __device__ __forceinline__ void issue_first(const Ctx& c, int box0) {
 // first BN / tma_rows lanes of warp 0; the rest (the one holding kv_end, or all when the page
 // size does not box) by cp.async from every producer thread. Each of the 128 producer threads
 // arrives once per stage use on each full barrier either way (the count they were made with).
-__device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
+__device__ __forceinline__ void load_q_tma(const Ctx& c, const TmaMap* qmap);
+__device__ __forceinline__ void next_q(const Ctx& c, const TmaMap* qmap, const int4& tv, const int4& te, u32 parity);
+
+// `qmap` (FDPP_PERSIST with one Q buffer): once K and V of the walk's first tile are requested,
+// warp 0 waits for the Q buffer to be free and its lane 0 requests this block's Q (next_q).
+__device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0, const TmaMap* qmap = nullptr,
+                        int4 tv = int4{}, int4 te = int4{}, u32 q_parity = 0) {
     const int t = threadIdx.x % 128, pw = t / 32, lane = t % 32;
     const int ntiles = c.tiles();
     const int by_tma = c.tma_rows > 0 ? c.kv_end / BN : 0;
@@ -447,6 +473,7 @@ __device__ void produce(const Ctx& c, int& it, Lookup first, bool issued0) {
 #endif
             cp_async_arrive(c.full_v(s));
         }
+        if (FDPP_PERSIST && n == 0 && qmap != nullptr && pw == 0) next_q(c, qmap, tv, te, q_parity);
         // The next tile's rows, looked up while the consumers work on this one.
         if (n + 1 < by_tma) {
             if (tma_lane) box = (int)row_slot(c, (n + 1) * BN + lane * c.tma_rows);
@@ -467,6 +494,21 @@ __device__ __forceinline__ void load_q_tma(const Ctx& c, const TmaMap* qmap) {
     mbar_arrive_expect_tx(c.q_bar(), Q_BYTES);
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(c.sq() + (u32)cb * BM * 128, qmap, c.q_bar(), 64 * cb, c.h, c.row0);
+}
+
+// FDPP_PERSIST: warp 0 of the producer waits until both consumers are done with the Q buffer's
+// previous block (use parity `parity` of its q_empty), then lane 0 writes the block's entry next
+// to it and requests Q, arriving on q_bar (release: the consumers read the entry after waiting
+// there); with no `qmap`, the entry is the list's end marker and lane 0 only arrives.
+__device__ __forceinline__ void next_q(const Ctx& c, const TmaMap* qmap, const int4& tv, const int4& te, u32 parity) {
+    mbar_wait(c.q_empty(), parity);
+    if (threadIdx.x % 32 == 0) {
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(c.entry_at()), "r"(tv.x), "r"(tv.y), "r"(tv.z), "r"(tv.w) : "memory");
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(c.entry_at() + 16), "r"(te.x), "r"(te.y), "r"(te.z), "r"(te.w) : "memory");
+        if (qmap != nullptr) load_q_tma(c, qmap);
+        else mbar_arrive(c.q_bar());  // the end marker (zero rows), no bytes
+    }
+    __syncwarp();
 }
 
 // Consumer w requests its 64 rows of Q into the swizzled Q tile (one cp.async group; the caller
@@ -501,6 +543,10 @@ struct Walker {
     u32 q_at;  // this warpgroup's 64 rows of the Q tile
     u64 q_desc;  // and its wgmma descriptor
     float scale2, phi2, b2;
+    // FDPP_PERSIST under ping-pong: the turns chain across the CTA's blocks (warpgroup 0 waits
+    // for warpgroup 1's last turn of the previous block, which then arrives for it), so that
+    // warpgroup 0 cannot arrive twice on a turn barrier before warpgroup 1 has waited once.
+    bool chain_in = false, chain_out = false;
 };
 
 // S = Q · Kᵀ of stage s issued (not waited): 64 rows × BN keys, K-major A and B, k16 steps
@@ -608,9 +654,14 @@ __device__ __forceinline__ void keep_all(float* x, int n) {
 }
 
 // Consumer w walks every key tile with one scheme; O, l and the flags end in `st`. `it` counts
-// stage uses (the ring's phases continue into the recompute walk).
-template <bool ASYNC>
-__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
+// stage uses (the ring's phases continue into the recompute walk). `q_done` runs once this
+// warpgroup's last Q·Kᵀ has completed (at once when it has no tile): FDPP_PERSIST frees the Q
+// buffer then.
+struct NoQDone {
+    __device__ void operator()() const {}
+};
+template <bool ASYNC, class QDone = NoQDone>
+__device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st, QDone q_done = QDone{}) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         st.m[r] = ASYNC ? k.phi2 : -FDPP_INF;
@@ -621,6 +672,11 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
 #pragma unroll
     for (int i = 0; i < DT * 4; ++i) st.o[i] = 0.f;
     const int ntiles = c.tiles(), mine = c.tiles_of(k.w);
+    int qk_left = mine;
+    if (mine == 0) q_done();
+    auto qk_done = [&]() {
+        if (--qk_left == 0) q_done();
+    };
     auto stage = [](int i) { return i % STAGES; };
     auto parity = [](int i) { return (u32)(i / STAGES) & 1u; };
     // This warp's part of every wgmma that read K (V) of use i is complete.
@@ -647,7 +703,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
     auto turn_begin = [&]() {
 #if FDPP_PINGPONG
         if (k.w == 0) {
-            if (phase > 0) named_sync(3, 256);
+            if (phase > 0 || k.chain_in) named_sync(3, 256);
         } else {
             named_sync(4, 256);
         }
@@ -657,7 +713,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
 #if FDPP_PINGPONG
         if (k.w == 0) {
             named_arrive(4, 256);
-        } else if (phase < ntiles) {
+        } else if (phase < ntiles || k.chain_out) {
             named_arrive(3, 256);
         }
 #endif
@@ -673,6 +729,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         turn_end();
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        qk_done();
         release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, 0);
         pack_p(sc, pa);
@@ -689,6 +746,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
             turn_end();
             wg_wait<1>();
             keep_all(sc, NT * 4);
+            qk_done();
             release_k(it + 1);
             // The softmax of tile n + 1 is what runs under P·V of tile n, but ptxas schedules
             // straight-line code past WARPGROUP.DEPBAR: with the call unguarded, every one of the
@@ -742,6 +800,7 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         issue_qk(c, k, sc, stage(it));
         wg_wait<0>();
         keep_all(sc, NT * 4);
+        qk_done();
         release_k(it);
         softmax_tile<ASYNC>(k, sc, st, corr, n);
         pack_p(sc, pa);
@@ -769,6 +828,37 @@ __device__ void walk(const Ctx& c, const Walker& k, int& it, Rows& st) {
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
     }
+}
+
+// The block's part of the context, from its entry (prefill's comment has the fields).
+__device__ __forceinline__ void set_block(Ctx& c, const int4& tv, const int4& te, const int* table, int max_pages) {
+    c.pages = table + (size_t)tv.x * max_pages;
+    c.h = te.x;
+    c.kvh = te.z;
+    c.row0 = tv.y;
+    c.pos0 = tv.z;
+    c.rows = tv.w;
+    c.kv_end = c.pos0 + c.rows;
+}
+
+// An int4 of shared memory as lane 0 read it (warp-uniform for ptxas).
+__device__ __forceinline__ int4 shfl_entry(u32 at) {
+    int4 v;
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at) : "memory");
+    v.x = __shfl_sync(0xffffffffu, v.x, 0);
+    v.y = __shfl_sync(0xffffffffu, v.y, 0);
+    v.z = __shfl_sync(0xffffffffu, v.z, 0);
+    v.w = __shfl_sync(0xffffffffu, v.w, 0);
+    return v;
+}
+
+// The consumer's per-block walker state: its rows' positions and its Q rows' descriptor.
+__device__ __forceinline__ void set_walker(Walker& k, const Ctx& c) {
+    k.warp_pos0 = c.pos0 + WG_ROWS * k.w + 16 * ((threadIdx.x % 128) / 32);
+    k.qpos[0] = k.warp_pos0 + k.lane / 4;
+    k.qpos[1] = k.qpos[0] + 8;
+    k.q_at = c.sq() + WG_ROWS * k.w * 128;
+    k.q_desc = desc_sw128(k.q_at, 16, 1024);
 }
 
 // Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set. A lane holds two
@@ -821,7 +911,7 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
 template <bool ASYNC>
 __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                         const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
-                        int H, int G, int entry_ahead, int q_tma, float scale2, float phi2, float a2, float b2,
+                        int H, int G, int entry_ahead, int q_tma, int nblocks, unsigned* __restrict__ sched, float scale2, float phi2, float a2, float b2,
                         unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap,
                         int tma_rows, const TmaMap* kmap_run, const TmaMap* vmap_run, const TmaMap* qmap) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -841,7 +931,6 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.q = q;
     c.kp = kp;
     c.vp = vp;
-    c.pages = table + (size_t)tv.x * max_pages;
     c.kmap = kmap;
     c.vmap = vmap;
     c.kmap_run = kmap_run;
@@ -850,12 +939,8 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     c.page_size = page_size;
     c.H = H;
     c.G = G;
-    c.h = te.x;
-    c.kvh = te.z;
-    c.row0 = tv.y;
-    c.pos0 = tv.z;
-    c.rows = tv.w;
-    c.kv_end = c.pos0 + c.rows;
+    c.qb = 0;
+    set_block(c, tv, te, table, max_pages);
     TRACE(asm volatile("" ::"r"(tv.x), "r"(tv.y), "r"(tv.z), "r"(tv.w), "r"(te.x), "r"(te.y), "r"(te.z)); const long long tct = clock64();)
     // The swizzle atoms must be 1024-byte aligned; the host adds 1024 bytes of slack.
     c.base = (smem_addr(smem) + 1023u) & ~1023u;
@@ -884,6 +969,14 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         mbar_init(c.full_k(0), 128);  // one (deferred) arrival per producer thread
         mbar_init(c.full_v(0), 128);
         mbar_init(c.q_bar(), 1);  // thread 0's arrival with Q's bytes
+        if (FDPP_PERSIST) {
+            for (int b = 0; b < QBUF; ++b) {
+                Ctx x = c;
+                x.qb = b;
+                if (b > 0) mbar_init(x.q_bar(), 1);
+                mbar_init(x.q_empty(), CONSUMERS * 128);  // one arrival per consumer thread
+            }
+        }
         if (issued0 || q_tma) {
             // The initialised barriers visible to the TMA unit before it completes on them.
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -903,6 +996,86 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     }
     __syncthreads();
     int it = 0;
+#if FDPP_PERSIST
+    static_assert(!ASYNC, "the persistent kernel is sync only: async's recompute vote would hold the producer at every block's end");
+    // Block 0 of this CTA is entry blockIdx.x, set up above as the non-persistent kernel's; each
+    // later one is the next entry of the host's list (longest first) that no CTA has taken:
+    // gridDim.x + a ticket from `sched` (zeroed by the host before the launch). The producer
+    // takes it when it begins the block's loads, a block ahead of the consumers, and passes the
+    // entry to them beside the block's Q (next_q), or an entry of zero rows when the list is
+    // done. A static stride of the grid instead measured 7-17 % slower than one block per entry
+    // at batch 1 (each stride of the longest-first list, cut in sections, gives its first CTA
+    // the heaviest block, every stride; H100, reports/NOTES.md, session 24). Q comes by TMA
+    // only (the host keeps q_tma on).
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        produce(c, it, first, issued0);
+        for (int j = 1;; ++j) {
+            // The ticket to the whole producer warpgroup through a word per block parity: the
+            // barrier of block j + 1 orders every read of the word of block j before its rewrite.
+            if (threadIdx.x == 0) smem_st(c.ticket_word(j & 1), gridDim.x + atomicAdd(sched, 1u));
+            named_sync(5, 128);
+            const int e = (int)smem_ld(c.ticket_word(j & 1));
+            c.qb = j % QBUF;
+            // Use u = j / QBUF of the Q buffer waits for use u − 1's release.
+            const u32 q_parity = (u32)(j / QBUF - 1) & 1u;
+            if (e >= nblocks) {
+                if (threadIdx.x < 32) next_q(c, nullptr, int4{0, 0, 0, 0}, int4{0, 0, 0, 0}, q_parity);
+                break;
+            }
+            const int4 ntv = blocks[2 * e], nte = blocks[2 * e + 1];
+            // About the entry this CTA's next ticket will name, into L2 meanwhile.
+            if (threadIdx.x == 0 && e + (int)gridDim.x < nblocks)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(blocks + 2 * (e + gridDim.x)));
+            set_block(c, ntv, nte, table, max_pages);
+            // The host's slot of tile 0's box stands for the page lookup where one box is the tile.
+            const bool known = nte.y >= 0 && c.tma_rows >= BN && c.kv_end >= BN;
+            const Lookup nfirst = known ? Lookup{NO_SLOT, nte.y} : first_lookup(c);
+            if (QBUF == 2) {
+                if (threadIdx.x < 32) next_q(c, qmap, ntv, nte, q_parity);
+                produce(c, it, nfirst, false);
+            } else {
+                produce(c, it, nfirst, false, qmap, ntv, nte, q_parity);
+            }
+        }
+        cp_async_wait<0>();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    {
+        Walker k;
+        k.w = wg - 1;
+        k.lane = threadIdx.x % 32;
+        k.tq = k.lane % 4;
+        k.scale2 = scale2;
+        k.phi2 = phi2;
+        k.b2 = b2;
+        for (int j = 0;; ++j) {
+            c.qb = j % QBUF;
+            mbar_wait(c.q_bar(), (u32)(j / QBUF) & 1u);
+            if (j > 0) {
+                // The entry through lane 0: uniform values keep the walk's loop bounds and
+                // descriptors in the uniform datapath (see `wg` above).
+                const int4 ntv = shfl_entry(c.entry_at()), nte = shfl_entry(c.entry_at() + 16);
+                if (ntv.w <= 0) {
+                    // The list is done. Warpgroup 0 takes warpgroup 1's arrival after the
+                    // previous block's last turn (chain_out), so no arrival is left pending.
+                    if (FDPP_PINGPONG && k.w == 0) named_sync(3, 256);
+                    break;
+                }
+                set_block(c, ntv, nte, table, max_pages);
+            }
+            set_walker(k, c);
+            k.chain_in = j > 0;
+            k.chain_out = true;
+            Rows st;
+            const Ctx& cc = c;
+            walk<false>(c, k, it, st, [&]() { mbar_arrive(cc.q_empty()); });
+            store(c, k.w, st, out, 3u);
+        }
+    }
+    return;
+#endif
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         produce(c, it, first, issued0);
@@ -928,11 +1101,7 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     k.w = w;
     k.lane = threadIdx.x % 32;
     k.tq = k.lane % 4;
-    k.warp_pos0 = c.pos0 + WG_ROWS * w + 16 * ((threadIdx.x % 128) / 32);
-    k.qpos[0] = k.warp_pos0 + k.lane / 4;
-    k.qpos[1] = k.qpos[0] + 8;
-    k.q_at = c.sq() + WG_ROWS * w * 128;
-    k.q_desc = desc_sw128(k.q_at, 16, 1024);
+    set_walker(k, c);
     k.scale2 = scale2;
     k.phi2 = phi2;
     k.b2 = b2;
@@ -995,21 +1164,23 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                          const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
-                         int H, int G, int entry_ahead, int q_tma, float scale2, u16* __restrict__ out,
+                         int H, int G, int entry_ahead, int q_tma, int nblocks, unsigned* __restrict__ sched, float scale2, u16* __restrict__ out,
                          const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, int tma_rows,
                          const __grid_constant__ TmaMap kmap_run, const __grid_constant__ TmaMap vmap_run,
                          const __grid_constant__ TmaMap qmap) {
-    prefill<false>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, scale2, 0.f, 0.f, 0.f, nullptr, out,
+    prefill<false>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, nblocks, sched, scale2, 0.f, 0.f, 0.f, nullptr, out,
                    &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }
 
+#if !FDPP_PERSIST
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
-                          int H, int G, int entry_ahead, int q_tma, float scale2, float phi2, float a2, float b2,
+                          int H, int G, int entry_ahead, int q_tma, int nblocks, unsigned* __restrict__ sched, float scale2, float phi2, float a2, float b2,
                           unsigned* __restrict__ recomputed, u16* __restrict__ out, const __grid_constant__ TmaMap kmap,
                           const __grid_constant__ TmaMap vmap, int tma_rows, const __grid_constant__ TmaMap kmap_run,
                           const __grid_constant__ TmaMap vmap_run, const __grid_constant__ TmaMap qmap) {
-    prefill<true>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, scale2, phi2, a2, b2, recomputed, out,
-                  &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
+    prefill<true>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, nblocks, sched, scale2, phi2, a2, b2, recomputed,
+                  out, &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }
+#endif

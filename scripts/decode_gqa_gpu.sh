@@ -9,7 +9,7 @@
 #   check: `fdpp check --backend cuda --op attention` (CHECK_CASE: only those cases; SEED: inputs).
 #   san:   compute-sanitizer memcheck, racecheck, synccheck on small reference-checked bench
 #          calls that split a row more than 64 ways (the combine's old limit) and on the
-#          latency path.
+#          latency path, and on splits of 512+ keys (the async kernel's prefetch before its wait).
 #
 # Usage: FDPP=.carry/fdpp BASE=.carry/fdpp-base scripts/decode_gqa_gpu.sh [OUT_DIR]
 #   STEPS (default bench,read), SHAPES ("32/8 32/4"), BATCH (1,4,16,64), LENS (4096,32768,131072),
@@ -158,6 +158,7 @@ if has san; then
         "g4x132|--heads 32 --kv-heads 4 --batch 1 --kv-len 9001"
         "g3d64|--heads 9 --kv-heads 3 --batch 1 --kv-len 12001 --head-dim 64"
         "lat|--heads 32 --kv-heads 4 --batch 1 --kv-len 8191"
+        "pf|--heads 32 --kv-heads 8 --batch 1 --kv-len 33001"
     )
     for tool in memcheck racecheck synccheck; do
         for r in "${runs[@]}"; do

@@ -36,6 +36,7 @@ pub enum Key {
     PrefillL2Share,
     PrefillSectionWaves,
     PrefillEntryAhead,
+    PrefillPersist,
     OpTimes,
     CpuIsa,
     CpuThreads,
@@ -301,6 +302,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "the SM count",
         kind: Kind::Behaviour,
         what: "how many blocks ahead a Hopper prefill block prefetches the block list's entry into L2",
+    },
+    KeyInfo {
+        key: Key::PrefillPersist,
+        name: "prefill_persist",
+        env: "FDPP_PREFILL_PERSIST",
+        values: "auto|0|1",
+        default: "auto",
+        kind: Kind::Behaviour,
+        what: "the Hopper sync prefill as a persistent kernel (a block per SM taking tiles from a counter; auto: up to 8192 keys; needs hopper_q_tma=1)",
     },
     KeyInfo {
         key: Key::GemmFallback,
@@ -574,7 +584,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 37);
+        assert_eq!(KEYS.len(), 38);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

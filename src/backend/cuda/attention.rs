@@ -32,6 +32,9 @@ const PREFILL_THREADS: u32 = (PREFILL_BM / 16 * 32) as u32;
 /// paths reset and read.
 const RUNNING: usize = 0;
 const PER_CALL: usize = 1;
+/// The persistent Hopper prefill's next-block counter, zeroed before each launch.
+const SCHED: usize = 2;
+const COUNTERS: usize = 3;
 
 /// Device scratch of the attention launches, grown on demand and kept.
 #[derive(Default)]
@@ -153,7 +156,7 @@ fn check_dtypes(what: &str, want: crate::dtype::DType, bufs: &[&CudaBuffer]) -> 
 
 /// Reset the per-call counter slot (counting calls only).
 fn reset_counter(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
-    grow(b, &mut sc.counters, 2, "counters")?;
+    grow(b, &mut sc.counters, COUNTERS, "counters")?;
     let c = sc
         .counters
         .as_mut()
@@ -164,11 +167,25 @@ fn reset_counter(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
     Ok(ptr_of(b, &sc.counters)? + 4 * PER_CALL as u64)
 }
 
+/// The persistent prefill's block counter, zeroed on the stream (its blocks take list entries
+/// from it past the first wave).
+fn sched_counter_ptr(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
+    grow(b, &mut sc.counters, COUNTERS, "counters")?;
+    let c = sc
+        .counters
+        .as_mut()
+        .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
+    b.stream()
+        .memset_zeros(&mut c.slice_mut(SCHED..SCHED + 1))
+        .map_err(drv("resetting the prefill block counter"))?;
+    Ok(ptr_of(b, &sc.counters)? + 4 * SCHED as u64)
+}
+
 pub(super) fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
     if counting {
         reset_counter(b, sc)
     } else {
-        grow(b, &mut sc.counters, 2, "counters")?;
+        grow(b, &mut sc.counters, COUNTERS, "counters")?;
         Ok(ptr_of(b, &sc.counters)? + 4 * RUNNING as u64)
     }
 }
@@ -514,6 +531,9 @@ pub(super) struct HopperArgs<'a> {
     /// Blocks ahead whose list entry a block prefetches into L2 (attn_plan.rs
     /// `prefill_entry_ahead`).
     pub entry_ahead: i32,
+    /// The persistent kernel's grid (blocks, at most one per SM: the kernel strides through the
+    /// list); None: one block per entry.
+    pub persistent_grid: Option<u32>,
 }
 
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
@@ -580,8 +600,13 @@ pub(super) fn launch_prefill(
     };
     let table = upload_ints(b, &mut sc, &host)?;
     let list_ptr = table + 4 * list_at as u64;
+    let nblocks = i32_of(blocks as usize, "blocks")?;
+    let (grid, sched) = match k.hopper.and_then(|h| h.persistent_grid) {
+        Some(cap) => (blocks.min(cap.max(1)), sched_counter_ptr(b, &mut sc)?),
+        None => (blocks, 0u64),
+    };
     let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
+        grid_dim: (grid, 1, 1),
         block_dim: (k.threads, 1, 1),
         shared_mem_bytes: k.smem,
     };
@@ -594,7 +619,7 @@ pub(super) fn launch_prefill(
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
             match k.hopper {
                 None => l.arg(&nsec),
-                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma),
+                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma).arg(&nblocks).arg(&sched),
             };
             l.arg(&scale2).arg(&op);
             if let Some(h) = k.hopper {
@@ -615,7 +640,7 @@ pub(super) fn launch_prefill(
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
             match k.hopper {
                 None => l.arg(&nsec),
-                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma),
+                Some(h) => l.arg(&h.entry_ahead).arg(&h.q_tma).arg(&nblocks).arg(&sched),
             };
             l.arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&counter).arg(&op);

@@ -44,6 +44,10 @@ pub struct Schedule {
     /// and [`attend`] appends to a file (results correct; ~1 % slower, and a synchronisation after
     /// every launch). Never a default.
     pub diag: u8,
+    /// A persistent kernel (FDPP_PERSIST, [`persistent`], sync softmax only): one
+    /// block per SM walks the block list, the producer loading the next block's Q and first K/V
+    /// tiles under the current one's end (FA3 §3.1's persistent scheduler).
+    pub persist: bool,
 }
 
 impl Schedule {
@@ -59,6 +63,7 @@ impl Schedule {
         pingpong: false,
         runs: false,
         diag: 0,
+        persist: false,
     };
 
     /// The default where most key tiles come as one TMA box per 64 columns (pages of 128 slots
@@ -74,7 +79,9 @@ impl Schedule {
     };
 
     /// Every schedule `fdpp kernels check` compiles.
-    pub const ALL: [Schedule; 7] = [
+    pub const ALL: [Schedule; 9] = [
+        Schedule::DEFAULT.persistent(),
+        Schedule::RUNS.persistent(),
         Schedule::DEFAULT,
         Schedule::RUNS,
         Schedule::new(3, true, true),
@@ -91,7 +98,28 @@ impl Schedule {
             pingpong,
             runs: false,
             diag: 0,
+            persist: false,
         }
+    }
+
+    /// This schedule as the persistent kernel.
+    pub const fn persistent(self) -> Self {
+        Schedule { persist: true, ..self }
+    }
+
+    /// Q tiles in shared memory (the kernel's QBUF): two for the persistent kernel where they
+    /// fit the 227 KiB an sm_90a block may opt into, else one.
+    pub fn q_buffers(&self, head_dim: usize) -> usize {
+        if self.persist && smem_for(head_dim, self.stages, 2) <= 227 << 10 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Dynamic shared memory of a block of this schedule.
+    pub fn smem(&self, head_dim: usize) -> u32 {
+        smem_for(head_dim, self.stages, self.q_buffers(head_dim))
     }
 
     /// The URI suffix, e.g. `s3o1p1` (`-diagN` appended for the measurement-only variants).
@@ -104,6 +132,9 @@ impl Schedule {
         );
         if self.runs {
             t.push('r');
+        }
+        if self.persist {
+            t.push_str("-persist");
         }
         if self.diag != 0 {
             t.push_str(&format!("-diag{}", self.diag));
@@ -189,7 +220,53 @@ pub const DEFAULT_ON: bool = true;
 /// Dynamic shared memory of a block: Q [BM, D], `stages` × (K and V [BN, D]), 256 bytes of
 /// mbarriers and words, and 1024 bytes of slack to align the swizzle atoms.
 pub fn smem_bytes(head_dim: usize, stages: usize) -> u32 {
-    ((BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
+    smem_for(head_dim, stages, 1)
+}
+
+/// [`smem_bytes`] with `q_buffers` Q tiles (the persistent kernel's QBUF).
+fn smem_for(head_dim: usize, stages: usize, q_buffers: usize) -> u32 {
+    ((q_buffers * BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
+}
+
+/// `--set prefill_persist=auto|0|1` (FDPP_PREFILL_PERSIST): whether a sync prefill runs the
+/// persistent kernel ([`persistent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Persist {
+    Auto,
+    Off,
+    On,
+}
+
+impl Persist {
+    pub fn parse(v: Option<&str>) -> Result<Self> {
+        match v.map(str::trim) {
+            None | Some("") | Some("auto") => Ok(Persist::Auto),
+            Some("0") => Ok(Persist::Off),
+            Some("1") => Ok(Persist::On),
+            Some(o) => Err(FdppError::InvalidArgument(format!(
+                "prefill_persist={o}: expected auto, 0 or 1"
+            ))),
+        }
+    }
+}
+
+/// Under `auto`, the prefill runs persistent while no sequence attends over more keys than this.
+pub const PERSIST_AUTO_KEYS: usize = 8192;
+
+/// Whether the prefill runs the persistent kernel. It exists for the sync softmax only (async's
+/// recompute vote would hold its producer at every block's end), its producer loads Q by TMA,
+/// and it records no timeline (`hopper_diag=3`). Under `auto`, while `max_keys` ≤
+/// [`PERSIST_AUTO_KEYS`]: there it hides the start of a short block under the previous one's
+/// end, and measured 1.04-1.18× one block per tile at batch 8 · 1024 and up to 1.07× at 4096;
+/// at 16384 it measured level with pages of 128 (d128), 2-4 % slower with pages of 16 and at
+/// d64 (H100, reports/NOTES.md, session 24).
+pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> bool {
+    let able = sync && q_tma && sched.diag != 3;
+    able && match choice {
+        Persist::Off => false,
+        Persist::On => true,
+        Persist::Auto => max_keys <= PERSIST_AUTO_KEYS,
+    }
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
@@ -287,10 +364,18 @@ pub fn attend(
     } else {
         Schedule::DEFAULT
     };
-    let sched = Schedule::from_env(base)?;
+    let mut sched = Schedule::from_env(base)?;
+    let q_tma = q_tma_wanted()?;
+    let max_keys = p.spans().iter().map(|&(_, prefix, n)| prefix + n).max().unwrap_or(0);
+    sched.persist = persistent(
+        Persist::parse(crate::run_config::get().get(Key::PrefillPersist))?,
+        matches!(p.scheme, crate::ops::attention::SoftmaxScheme::Sync),
+        q_tma,
+        &sched,
+        max_keys,
+    );
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
-    let q_tma = q_tma_wanted()?;
     let hopper = HopperArgs {
         pool: &maps,
         q: if q_tma {
@@ -300,6 +385,11 @@ pub fn attend(
         },
         q_tma: i32::from(q_tma),
         entry_ahead: crate::backend::attn_plan::prefill_entry_ahead(b.info().compute_units as usize)?,
+        persistent_grid: if sched.persist {
+            Some(b.info().compute_units)
+        } else {
+            None
+        },
     };
     let recomputed = launch_prefill(
         b,
@@ -314,7 +404,7 @@ pub fn attend(
             entries: ["attn_prefill_hopper_sync", "attn_prefill_hopper_async"],
             threads: THREADS,
             tile_rows: BM,
-            smem: smem_bytes(d, sched.stages),
+            smem: sched.smem(d),
             hopper: Some(&hopper),
         },
     )?;
@@ -481,6 +571,48 @@ mod tests {
         assert!(d.parse_diag(Some("4")).is_err());
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
+    }
+
+    #[test]
+    fn the_persistent_kernel_is_sync_with_q_by_tma_and_auto_follows_the_measurements() {
+        assert_eq!(Persist::parse(None).unwrap(), Persist::Auto);
+        assert_eq!(Persist::parse(Some(" auto")).unwrap(), Persist::Auto);
+        assert_eq!(Persist::parse(Some("0")).unwrap(), Persist::Off);
+        assert_eq!(Persist::parse(Some("1")).unwrap(), Persist::On);
+        assert!(Persist::parse(Some("yes")).is_err());
+        let (d, r) = (Schedule::DEFAULT, Schedule::RUNS);
+        let long = PERSIST_AUTO_KEYS + 1;
+        // auto: up to the bound, whatever the schedule.
+        assert!(persistent(Persist::Auto, true, true, &r, PERSIST_AUTO_KEYS));
+        assert!(persistent(Persist::Auto, true, true, &d, PERSIST_AUTO_KEYS));
+        assert!(!persistent(Persist::Auto, true, true, &d, long));
+        assert!(!persistent(Persist::Auto, true, true, &r, long));
+        assert!(persistent(Persist::On, true, true, &d, long));
+        assert!(!persistent(Persist::Off, true, true, &r, 1024));
+        // Never for async, without Q by TMA, or when tracing, whatever was asked.
+        for c in [Persist::Auto, Persist::On] {
+            assert!(!persistent(c, false, true, &r, 1024), "async");
+            assert!(!persistent(c, true, false, &r, 1024), "q by cp.async");
+            assert!(
+                !persistent(c, true, true, &d.parse_diag(Some("3")).unwrap(), 1024),
+                "trace"
+            );
+        }
+        assert!(persistent(
+            Persist::On,
+            true,
+            true,
+            &d.parse_diag(Some("1")).unwrap(),
+            1024
+        ));
+        // Two Q tiles where they fit 227 KiB: d128 with two stages, d64 with three.
+        assert_eq!(d.persistent().q_buffers(128), 2);
+        assert_eq!(r.persistent().q_buffers(128), 1);
+        assert_eq!(r.persistent().q_buffers(64), 2);
+        assert_eq!(d.q_buffers(128), 1);
+        assert!(r.persistent().smem(128) <= 227 << 10 && d.persistent().smem(128) <= 227 << 10);
+        assert_eq!(d.persistent().smem(128), smem_bytes(128, 2) + (BM * 128 * 2) as u32);
+        assert_eq!(d.persistent().tag(), "s2o0p0-persist");
     }
 
     #[test]
