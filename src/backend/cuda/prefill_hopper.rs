@@ -259,14 +259,23 @@ pub const PERSIST_AUTO_KEYS: usize = 8192;
 /// [`PERSIST_AUTO_KEYS`]: there it hides the start of a short block under the previous one's
 /// end, and measured 1.04-1.18× one block per tile at batch 8 · 1024 and up to 1.07× at 4096;
 /// at 16384 it measured level with pages of 128 (d128), 2-4 % slower with pages of 16 and at
-/// d64 (H100, reports/NOTES.md, session 24).
-pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> bool {
-    let able = sync && q_tma && sched.diag != 3;
-    able && match choice {
-        Persist::Off => false,
-        Persist::On => true,
-        Persist::Auto => max_keys <= PERSIST_AUTO_KEYS,
+/// d64 (H100, reports/NOTES.md, session 24). Forced on with Q by cp.async it is an error naming
+/// both switches; an async prefill or a trace under `1` quietly runs one block per tile (a bench
+/// times sync and async in one run).
+pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> Result<bool> {
+    if choice == Persist::On && !q_tma {
+        return Err(FdppError::InvalidArgument(
+            "prefill_persist=1 needs hopper_q_tma=1: the persistent kernel's producer loads every block's Q by TMA"
+                .into(),
+        ));
     }
+    let able = sync && q_tma && sched.diag != 3;
+    Ok(able
+        && match choice {
+            Persist::Off => false,
+            Persist::On => true,
+            Persist::Auto => max_keys <= PERSIST_AUTO_KEYS,
+        })
 }
 
 /// Which prefill kernel `FDPP_PREFILL` asks for.
@@ -373,7 +382,7 @@ pub fn attend(
         q_tma,
         &sched,
         max_keys,
-    );
+    )?;
     let src = || Ok(attn_prefill_hopper_source(p.dtype, d, sched));
     let maps = PoolMaps::new(&kv.layout, b.ptr(&kv.k), b.ptr(&kv.v), sched.runs)?;
     let hopper = HopperArgs {
@@ -582,29 +591,24 @@ mod tests {
         assert!(Persist::parse(Some("yes")).is_err());
         let (d, r) = (Schedule::DEFAULT, Schedule::RUNS);
         let long = PERSIST_AUTO_KEYS + 1;
+        let on = |c, sync, q_tma, s: &Schedule, keys| persistent(c, sync, q_tma, s, keys).unwrap();
         // auto: up to the bound, whatever the schedule.
-        assert!(persistent(Persist::Auto, true, true, &r, PERSIST_AUTO_KEYS));
-        assert!(persistent(Persist::Auto, true, true, &d, PERSIST_AUTO_KEYS));
-        assert!(!persistent(Persist::Auto, true, true, &d, long));
-        assert!(!persistent(Persist::Auto, true, true, &r, long));
-        assert!(persistent(Persist::On, true, true, &d, long));
-        assert!(!persistent(Persist::Off, true, true, &r, 1024));
-        // Never for async, without Q by TMA, or when tracing, whatever was asked.
+        assert!(on(Persist::Auto, true, true, &r, PERSIST_AUTO_KEYS));
+        assert!(on(Persist::Auto, true, true, &d, PERSIST_AUTO_KEYS));
+        assert!(!on(Persist::Auto, true, true, &d, long));
+        assert!(!on(Persist::Auto, true, true, &r, long));
+        assert!(on(Persist::On, true, true, &d, long));
+        assert!(!on(Persist::Off, true, true, &r, 1024));
+        // Never for async or when tracing, whatever was asked; auto without Q by TMA stays off,
+        // forced on it is an error naming both switches.
         for c in [Persist::Auto, Persist::On] {
-            assert!(!persistent(c, false, true, &r, 1024), "async");
-            assert!(!persistent(c, true, false, &r, 1024), "q by cp.async");
-            assert!(
-                !persistent(c, true, true, &d.parse_diag(Some("3")).unwrap(), 1024),
-                "trace"
-            );
+            assert!(!on(c, false, true, &r, 1024), "async");
+            assert!(!on(c, true, true, &d.parse_diag(Some("3")).unwrap(), 1024), "trace");
         }
-        assert!(persistent(
-            Persist::On,
-            true,
-            true,
-            &d.parse_diag(Some("1")).unwrap(),
-            1024
-        ));
+        assert!(!on(Persist::Auto, true, false, &r, 1024));
+        let e = persistent(Persist::On, true, false, &r, 1024).unwrap_err().to_string();
+        assert!(e.contains("prefill_persist=1") && e.contains("hopper_q_tma=1"), "{e}");
+        assert!(on(Persist::On, true, true, &d.parse_diag(Some("1")).unwrap(), 1024));
         // Two Q tiles where they fit 227 KiB: d128 with two stages, d64 with three.
         assert_eq!(d.persistent().q_buffers(128), 2);
         assert_eq!(r.persistent().q_buffers(128), 1);
