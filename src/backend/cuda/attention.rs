@@ -154,36 +154,29 @@ fn check_dtypes(what: &str, want: crate::dtype::DType, bufs: &[&CudaBuffer]) -> 
     Ok(())
 }
 
-/// Reset the per-call counter slot (counting calls only).
-fn reset_counter(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
+/// Zero counter `slot` on the stream and return its device address.
+fn zeroed_counter(b: &CudaBackend, sc: &mut Scratch, slot: usize, what: &str) -> Result<u64> {
     grow(b, &mut sc.counters, COUNTERS, "counters")?;
     let c = sc
         .counters
         .as_mut()
         .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
     b.stream()
-        .memset_zeros(&mut c.slice_mut(PER_CALL..PER_CALL + 1))
-        .map_err(drv("resetting the recompute counter"))?;
-    Ok(ptr_of(b, &sc.counters)? + 4 * PER_CALL as u64)
+        .memset_zeros(&mut c.slice_mut(slot..slot + 1))
+        .map_err(drv(&format!("resetting the {what}")))?;
+    Ok(ptr_of(b, &sc.counters)? + 4 * slot as u64)
 }
 
-/// The persistent prefill's block counter, zeroed on the stream (its blocks take list entries
-/// from it past the first wave).
+/// The persistent prefill's block counter, zeroed (its blocks take list entries from it past the
+/// first wave).
 fn sched_counter_ptr(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
-    grow(b, &mut sc.counters, COUNTERS, "counters")?;
-    let c = sc
-        .counters
-        .as_mut()
-        .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
-    b.stream()
-        .memset_zeros(&mut c.slice_mut(SCHED..SCHED + 1))
-        .map_err(drv("resetting the prefill block counter"))?;
-    Ok(ptr_of(b, &sc.counters)? + 4 * SCHED as u64)
+    zeroed_counter(b, sc, SCHED, "prefill block counter")
 }
 
 pub(super) fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
     if counting {
-        reset_counter(b, sc)
+        // The per-call slot, zeroed for this call.
+        zeroed_counter(b, sc, PER_CALL, "recompute counter")
     } else {
         grow(b, &mut sc.counters, COUNTERS, "counters")?;
         Ok(ptr_of(b, &sc.counters)? + 4 * RUNNING as u64)
