@@ -524,8 +524,8 @@ pub(super) struct HopperArgs<'a> {
     /// Blocks ahead whose list entry a block prefetches into L2 (attn_plan.rs
     /// `prefill_entry_ahead`).
     pub entry_ahead: i32,
-    /// The persistent kernel's grid (blocks, at most one per SM: the kernel strides through the
-    /// list); None: one block per entry.
+    /// The persistent kernel's grid (blocks, at most one per SM: past its first block each takes
+    /// list entries from a counter); None: one block per entry.
     pub persistent_grid: Option<u32>,
 }
 
