@@ -59,7 +59,8 @@
 #ifndef FDPP_RUN_BOXES
 #define FDPP_RUN_BOXES 0
 #endif
-// 1: a persistent kernel (FA3 §3.1's persistent tile scheduler, sync softmax only): one block
+// 1: a persistent kernel (FA3 §3.1's persistent tile scheduler; async redoes a flagged block
+// after the next one, see `prefill`): one block
 // per SM takes the host's list entries from a counter, and the producer loads the next entry's Q
 // and first K/V tiles while the consumers finish the current one (the start of a short block,
 // ~20 % of an 8 · 1024 block's time, was the wait for exactly those; reports/NOTES.md, sessions
@@ -134,7 +135,7 @@ constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS = 224;
 
 static_assert(D == 64 || D == 128, "the Hopper prefill handles head_dim 64 and 128");
-static_assert(4 * STAGES * 8 + 136 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers (the vote word, the trace slots, Q's, the persistent kernel's entries)");
+static_assert(4 * STAGES * 8 + 152 <= 256, "prefill_hopper.rs reserves 256 bytes of barriers (the votes, the trace slots, Q's, the persistent kernel's entries and words)");
 static_assert(BN == 4 * 32, "four producer warps stage 32 rows each");
 
 // ---- wgmma, mbarrier and proxy plumbing (PTX ISA 8.0, sm_90a) ----
@@ -155,6 +156,14 @@ __device__ __forceinline__ u32 swz(int r, int c, int rows) {
 __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
     return (u64)(addr >> 4) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
            ((u64)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
+}
+
+// The descriptor of addr + 16·units, added in the low word alone (it never carries, above), for
+// the persistent kernel's S = Q·Kᵀ (issue_qk).
+__device__ __forceinline__ u64 desc_add(u64 desc, u32 units) {
+    u64 r;
+    asm("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, %1;\nadd.u32 lo, lo, %2;\nmov.b64 %0, {lo, hi};\n}" : "=l"(r) : "l"(desc), "r"(units));
+    return r;
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -284,8 +293,14 @@ struct Ctx {
     __device__ __forceinline__ u32 full_v(int s) const { return base + BAR_AT + 8 * (STAGES + s); }
     __device__ __forceinline__ u32 empty_k(int s) const { return base + BAR_AT + 8 * (2 * STAGES + s); }
     __device__ __forceinline__ u32 empty_v(int s) const { return base + BAR_AT + 8 * (3 * STAGES + s); }
-    __device__ __forceinline__ u32 vote_bar() const { return base + BAR_AT + 8 * (4 * STAGES); }
-    __device__ __forceinline__ u32 vote_word() const { return vote_bar() + 8; }
+    // The async vote's mbarrier and word. FDPP_PERSIST keeps two of each, for the CTA's async
+    // blocks by parity (the producer reads block k's vote after the consumers may have begun
+    // block k + 1's; the rest of the area hangs off parity 0's).
+    __device__ __forceinline__ u32 vote_bar(int p = 0) const { return base + BAR_AT + 8 * (4 * STAGES) + 136u * (u32)p; }
+    __device__ __forceinline__ u32 vote_word(int p = 0) const { return vote_bar(p) + 8; }
+    // FDPP_PERSIST, async: whether the producer streams the pending block again (thread 0 to the
+    // producer warpgroup).
+    __device__ __forceinline__ u32 redo_word() const { return vote_bar() + 148; }
     // FDPP_DIAG 3: the SM clock when the first K tile was requested, and when it had that
     // tile's page ids (8 bytes each).
     __device__ __forceinline__ u32 trace_slot() const { return vote_bar() + 16; }
@@ -542,6 +557,9 @@ struct Walker {
     int qpos[2];
     u32 q_at;  // this warpgroup's 64 rows of the Q tile
     u64 q_desc;  // and its wgmma descriptor
+#if FDPP_PERSIST
+    u64 qd[KS];  // and those of its k-steps (issue_qk)
+#endif
     float scale2, phi2, b2;
     // FDPP_PERSIST under ping-pong: the turns chain across the CTA's blocks (warpgroup 0 waits
     // for warpgroup 1's last turn of the previous block, which then arrives for it), so that
@@ -555,8 +573,20 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const u32 kb = (u32)(ks >> 2) * 128u, ko = (u32)(ks & 3) * 32u;
+#if FDPP_PERSIST
+        // Each k-step's Q descriptor set per block, K's added in the low word: with the 64-bit
+        // adds below, ptxas kept no descriptor across the persistent kernel's key tiles (as it
+        // does for one block per tile) and rebuilt each with an add with carry and its constant
+        // high word: a consumer warp's async loop took 622 instructions per tile against 574
+        // (s3o1p1r d128), sync 687 against 634; this way 583 and 643. One block per tile keeps
+        // its form, which this one made 8 instructions longer at s2o0p0 (SASS, NVRTC 13.0,
+        // reports/NOTES.md, session 25).
+        const u64 da = k.qd[ks];
+        const u64 db = desc_add(desc_sw128(c.sk(s), 16, 1024), (kb * BN + ko) >> 4);
+#else
         const u64 da = k.q_desc + ((kb * BM + ko) >> 4);
         const u64 db = desc_sw128(c.sk(s), 16, 1024) + ((kb * BN + ko) >> 4);
+#endif
         wgmma_ss_n128(sc, da, db, ks);
     }
     wg_commit();
@@ -859,6 +889,10 @@ __device__ __forceinline__ void set_walker(Walker& k, const Ctx& c) {
     k.qpos[1] = k.qpos[0] + 8;
     k.q_at = c.sq() + WG_ROWS * k.w * 128;
     k.q_desc = desc_sw128(k.q_at, 16, 1024);
+#if FDPP_PERSIST
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) k.qd[ks] = desc_sw128(k.q_at + (u32)(ks >> 2) * 128u * BM + (u32)(ks & 3) * 32u, 16, 1024);
+#endif
 }
 
 // Write rows whose bit in `mask` (bit 0: first row, bit 1: second) is set. A lane holds two
@@ -905,6 +939,46 @@ __device__ __forceinline__ void store(const Ctx& c, int w, const Rows& st, u16* 
             }
             if (keep) *reinterpret_cast<uint4*>(o + 8 * (4 * k + tq)) = make_uint4(a[0], a[1], a[2], a[3]);
         }
+    }
+}
+
+// The async walk's rows this thread holds that the sync scheme must redo (bit r for row r of
+// its two; FlashDecoding++ §3): a score above the window (`over`), a row maximum below it, or a
+// sum or output that is not finite. The quad shares the row, so any lane's view flags it; rows
+// past the block's own are never flagged.
+__device__ __forceinline__ u32 flagged_rows(const Ctx& c, int w, const Rows& st, float phi2, float a2) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    u32 bad = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        bool fin = st.l[r] > 0.f && finite(st.l[r]);
+#pragma unroll
+        for (int j = 0; j < DT; ++j) fin = fin && finite(st.o[4 * j + 2 * r]) && finite(st.o[4 * j + 2 * r + 1]);
+        const bool flag_lane = st.over[r] || st.mx[r] - phi2 < a2 || !fin;
+        const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
+        const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * r < c.rows;
+        if ((quad & 0xfu) && row_ok) bad |= 1u << r;
+    }
+    return bad;
+}
+
+// FDPP_PERSIST's producer: block (tv, te) as the CTA's `j`-th (end markers and async redos
+// counted): its entry and Q into buffer j % QBUF once that buffer's previous block let go of it,
+// its tiles into the ring.
+__device__ void next_block(Ctx& c, int& it, int j, const int4& tv, const int4& te, const int* table, int max_pages,
+                           const TmaMap* qmap) {
+    c.qb = j % QBUF;
+    // Use u = j / QBUF of the Q buffer waits for use u − 1's release.
+    const u32 q_parity = (u32)(j / QBUF - 1) & 1u;
+    set_block(c, tv, te, table, max_pages);
+    // The host's slot of tile 0's box stands for the page lookup where one box is the tile.
+    const bool known = te.y >= 0 && c.tma_rows >= BN && c.kv_end >= BN;
+    const Lookup first = known ? Lookup{NO_SLOT, te.y} : first_lookup(c);
+    if (QBUF == 2) {
+        if (threadIdx.x < 32) next_q(c, qmap, tv, te, q_parity);
+        produce(c, it, first, false);
+    } else {
+        produce(c, it, first, false, qmap, tv, te, q_parity);
     }
 }
 
@@ -991,13 +1065,14 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
             mbar_init(c.empty_k(s), CONSUMERS * 4);  // one arrival per consumer warp
             mbar_init(c.empty_v(s), CONSUMERS * 4);
         }
-        mbar_init(c.vote_bar(), CONSUMERS * 128);  // one arrival per consumer thread
-        smem_st(c.vote_word(), 0);
+        for (int p = 0; p < 1 + FDPP_PERSIST; ++p) {
+            mbar_init(c.vote_bar(p), CONSUMERS * 128);  // one arrival per consumer thread
+            smem_st(c.vote_word(p), 0);
+        }
     }
     __syncthreads();
     int it = 0;
 #if FDPP_PERSIST
-    static_assert(!ASYNC, "the persistent kernel is sync only: async's recompute vote would hold the producer at every block's end");
     // Block 0 of this CTA is entry blockIdx.x, set up above as the non-persistent kernel's; each
     // later one is the next entry of the host's list (longest first) that no CTA has taken:
     // gridDim.x + a ticket from `sched` (zeroed by the host before the launch). The producer
@@ -1007,35 +1082,55 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
     // at batch 1 (each stride of the longest-first list, cut in sections, gives its first CTA
     // the heaviest block, every stride; H100, reports/NOTES.md, session 24). Q comes by TMA
     // only (the host keeps q_tma on).
+    //
+    // Async (FlashDecoding++ §3): a block's recompute vote is known only at its end, so the
+    // producer reads it one block late, after it has streamed the next block, and then streams
+    // the flagged block again as a block of its own (its Q reloaded, te.w = 1 + the vote's
+    // parity), which the consumers walk with the sync scheme, storing only the flagged rows.
+    // Waiting for the vote before the next block instead would leave the ring empty across
+    // every block's end, which is what the persistent kernel is for.
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         produce(c, it, first, issued0);
-        for (int j = 1;; ++j) {
-            // The ticket to the whole producer warpgroup through a word per block parity: the
-            // barrier of block j + 1 orders every read of the word of block j before its rewrite.
-            if (threadIdx.x == 0) smem_st(c.ticket_word(j & 1), gridDim.x + atomicAdd(sched, 1u));
+        int4 ptv = tv, pte = te;  // async: the produced block whose vote is still to be read
+        int j = 1;                // blocks handed to the consumers, redos included
+        for (int n = 1;; ++n) {
+            // The ticket to the whole producer warpgroup through a word per ticket parity: the
+            // barrier of ticket n + 1 orders every read of the word of ticket n before its rewrite.
+            if (threadIdx.x == 0) smem_st(c.ticket_word(n & 1), gridDim.x + atomicAdd(sched, 1u));
             named_sync(5, 128);
-            const int e = (int)smem_ld(c.ticket_word(j & 1));
-            c.qb = j % QBUF;
-            // Use u = j / QBUF of the Q buffer waits for use u − 1's release.
-            const u32 q_parity = (u32)(j / QBUF - 1) & 1u;
-            if (e >= nblocks) {
-                if (threadIdx.x < 32) next_q(c, nullptr, int4{0, 0, 0, 0}, int4{0, 0, 0, 0}, q_parity);
-                break;
+            const int e = (int)smem_ld(c.ticket_word(n & 1));
+            int4 ntv{}, nte{};
+            if (e < nblocks) {
+                ntv = blocks[2 * e];
+                nte = blocks[2 * e + 1];
+                // About the entry this CTA's next ticket will name, into L2 meanwhile.
+                if (threadIdx.x == 0 && e + (int)gridDim.x < nblocks)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(blocks + 2 * (e + gridDim.x)));
+                next_block(c, it, j++, ntv, nte, table, max_pages, qmap);
             }
-            const int4 ntv = blocks[2 * e], nte = blocks[2 * e + 1];
-            // About the entry this CTA's next ticket will name, into L2 meanwhile.
-            if (threadIdx.x == 0 && e + (int)gridDim.x < nblocks)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(blocks + 2 * (e + gridDim.x)));
-            set_block(c, ntv, nte, table, max_pages);
-            // The host's slot of tile 0's box stands for the page lookup where one box is the tile.
-            const bool known = nte.y >= 0 && c.tma_rows >= BN && c.kv_end >= BN;
-            const Lookup nfirst = known ? Lookup{NO_SLOT, nte.y} : first_lookup(c);
-            if (QBUF == 2) {
-                if (threadIdx.x < 32) next_q(c, qmap, ntv, nte, q_parity);
-                produce(c, it, nfirst, false);
-            } else {
-                produce(c, it, nfirst, false, qmap, ntv, nte, q_parity);
+            if (ASYNC) {
+                // Vote n − 1 (of the CTA's async block n − 1) is on the barrier of its parity;
+                // thread 0 reads it and clears the word before block n + 1, whose vote reuses
+                // it, is streamed.
+                const int p = (n - 1) & 1;
+                if (threadIdx.x == 0) {
+                    mbar_wait(c.vote_bar(p), (u32)((n - 1) >> 1) & 1u);
+                    smem_st(c.redo_word(), smem_ld(c.vote_word(p)));
+                    smem_st(c.vote_word(p), 0);
+                }
+                named_sync(5, 128);
+                if (smem_ld(c.redo_word())) {
+                    pte.w = 1 + p;
+                    next_block(c, it, j++, ptv, pte, table, max_pages, qmap);
+                }
+                ptv = ntv;
+                pte = nte;
+            }
+            if (e >= nblocks) {
+                c.qb = j % QBUF;
+                if (threadIdx.x < 32) next_q(c, nullptr, int4{0, 0, 0, 0}, int4{0, 0, 0, 0}, (u32)(j / QBUF - 1) & 1u);
+                break;
             }
         }
         cp_async_wait<0>();
@@ -1050,9 +1145,12 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         k.scale2 = scale2;
         k.phi2 = phi2;
         k.b2 = b2;
+        u32 flags = 0;  // async: this thread's flagged rows of the CTA's last two async blocks, two bits per vote parity
+        int votes = 0;  // async blocks walked
         for (int j = 0;; ++j) {
             c.qb = j % QBUF;
             mbar_wait(c.q_bar(), (u32)(j / QBUF) & 1u);
+            int redo = 0;
             if (j > 0) {
                 // The entry through lane 0: uniform values keep the walk's loop bounds and
                 // descriptors in the uniform datapath (see `wg` above).
@@ -1064,14 +1162,30 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
                     break;
                 }
                 set_block(c, ntv, nte, table, max_pages);
+                redo = nte.w;
             }
             set_walker(k, c);
             k.chain_in = j > 0;
             k.chain_out = true;
             Rows st;
             const Ctx& cc = c;
-            walk<false>(c, k, it, st, [&]() { mbar_arrive(cc.q_empty()); });
-            store(c, k.w, st, out, 3u);
+            const auto q_done = [&]() { mbar_arrive(cc.q_empty()); };
+            if (!ASYNC || redo) {
+                walk<false>(c, k, it, st, q_done);
+                const u32 mask = ASYNC ? (flags >> (2 * (redo - 1))) & 3u : 3u;
+                store(c, k.w, st, out, mask);
+                // One lane per quad counts its rows.
+                if (ASYNC && k.lane % 4 == 0 && mask) atomicAdd(recomputed, __popc(mask));
+            } else {
+                walk<true>(c, k, it, st, q_done);
+                const u32 bad = flagged_rows(c, k.w, st, phi2, a2);
+                store(c, k.w, st, out, ~bad & 3u);
+                const int p = votes & 1;
+                if (bad) smem_or(c.vote_word(p), 1u);
+                mbar_arrive(c.vote_bar(p));
+                flags = (flags & ~(3u << (2 * p))) | (bad << (2 * p));
+                ++votes;
+            }
         }
     }
     return;
@@ -1133,19 +1247,8 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
         TRACE(trace();)
         return;
     }
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    unsigned bad = 0;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        bool fin = st.l[r] > 0.f && finite(st.l[r]);
-#pragma unroll
-        for (int j = 0; j < DT; ++j) fin = fin && finite(st.o[4 * j + 2 * r]) && finite(st.o[4 * j + 2 * r + 1]);
-        // The quad shares the row: any lane's view flags it.
-        const bool flag_lane = st.over[r] || st.mx[r] - phi2 < a2 || !fin;
-        const unsigned quad = __ballot_sync(0xffffffffu, flag_lane) >> (lane & ~3);
-        const bool row_ok = WG_ROWS * w + 16 * warp + lane / 4 + 8 * r < c.rows;
-        if ((quad & 0xfu) && row_ok) bad |= 1u << r;
-    }
+    const int lane = threadIdx.x % 32;
+    const u32 bad = flagged_rows(c, w, st, phi2, a2);
     store(c, w, st, out, ~bad & 3u);
     // The vote: the producer waits on the same mbarrier and, when any row is flagged, streams the
     // keys again.
@@ -1172,7 +1275,6 @@ attn_prefill_hopper_sync(const u16* __restrict__ q, const u16* __restrict__ kp, 
                    &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }
 
-#if !FDPP_PERSIST
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
                           const int* __restrict__ table, const int4* __restrict__ blocks, int max_pages, int page_size,
@@ -1183,4 +1285,3 @@ attn_prefill_hopper_async(const u16* __restrict__ q, const u16* __restrict__ kp,
     prefill<true>(q, kp, vp, table, blocks, max_pages, page_size, H, G, entry_ahead, q_tma, nblocks, sched, scale2, phi2, a2, b2, recomputed,
                   out, &kmap, &vmap, tma_rows, &kmap_run, &vmap_run, &qmap);
 }
-#endif

@@ -59,6 +59,11 @@ pub enum Force {
     Overflow,
     /// Every score of one row has x − φ ≤ a − 2.
     Underflow,
+    /// Prefill: as `Underflow`, for every head's rows at every fifth new token of two query
+    /// tiles in three (tiles 0, 2, 3, 5, …), every key made non-negative: flagged blocks spread
+    /// through the list, several to a CTA of the persistent kernel, some back to back, clean ones
+    /// between, and clean rows inside flagged blocks.
+    Spread,
 }
 
 /// One attention case.
@@ -134,6 +139,7 @@ impl AttnCase {
             Force::None => {}
             Force::Overflow => s.push_str(" force=overflow"),
             Force::Underflow => s.push_str(" force=underflow"),
+            Force::Spread => s.push_str(" force=spread"),
         }
         s
     }
@@ -194,6 +200,10 @@ fn cases_for(dt: DType, full: bool) -> Vec<AttnCase> {
         // overlapped schedule these take by default (prefill_hopper.rs `run_share`).
         AttnCase::new(Prefill, dt, r4, &[700, 300], &[600, 300], n).in_runs(),
         AttnCase::new(Prefill, dt, r8, &[1000], &[1000], Force::Overflow).in_runs(),
+        // Many flagged blocks, scattered pages and pages in order (one Q buffer under the
+        // persistent kernel at d128 with three stages, two at d64).
+        AttnCase::new(Prefill, dt, r8, &[1000, 700], &[1000, 600], Force::Spread),
+        AttnCase::new(Prefill, dt, r4, &[1000, 700], &[1000, 600], Force::Spread).in_runs(),
     ]
 }
 
@@ -469,6 +479,7 @@ fn force(c: &AttnCase, inp: &mut Inputs) {
     let sqrt_d = (d as f32).sqrt();
     let (seq, head) = match c.force {
         Force::None => return,
+        Force::Spread => return force_spread(c, inp, phi + a - 2.0),
         Force::Overflow => (0, 0),
         Force::Underflow => (c.kv_lens.len() - 1, g.num_heads - 1),
     };
@@ -481,7 +492,7 @@ fn force(c: &AttnCase, inp: &mut Inputs) {
     let qat = (qrow * g.num_heads + head) * d;
     let keys = c.kv_lens[seq];
     match c.force {
-        Force::None => {}
+        Force::None | Force::Spread => {}
         Force::Overflow => {
             // k_t = c · sign(q) for the middle key: q·k_t/√d = c · Σ|q| / √d = φ + b + 2.
             let qv: Vec<f32> = inp.q[qat..qat + d].iter().map(|&x| dt.to_f32(x)).collect();
@@ -495,15 +506,50 @@ fn force(c: &AttnCase, inp: &mut Inputs) {
         Force::Underflow => {
             // Every key of the row made non-negative (sign bit cleared), q = −m·(1, …, 1):
             // every score is −m·Σ|k|/√d ≤ φ + a − 2.
-            let mut min_l1 = f32::INFINITY;
-            for t in 0..keys {
-                let k = key_at(c, inp, seq, kvh, t);
-                k.iter_mut().for_each(|x| *x &= 0x7fff);
-                min_l1 = min_l1.min(k.iter().map(|&x| dt.to_f32(x)).sum());
-            }
+            let min_l1 = nonnegative_keys(c, inp, seq, kvh);
             let m = -(phi + a - 2.0) * sqrt_d / min_l1.max(1e-3);
             for x in &mut inp.q[qat..qat + d] {
                 *x = dt.from_f32(-m);
+            }
+        }
+    }
+}
+
+/// Keys made non-negative (sign bit cleared) with the smallest L1 norm `min_l1` among them.
+fn nonnegative_keys(c: &AttnCase, inp: &mut Inputs, seq: usize, kvh: usize) -> f32 {
+    let mut min_l1 = f32::INFINITY;
+    for t in 0..c.kv_lens[seq] {
+        let k = key_at(c, inp, seq, kvh, t);
+        k.iter_mut().for_each(|x| *x &= 0x7fff);
+        min_l1 = min_l1.min(k.iter().map(|&x| c.dtype.to_f32(x)).sum());
+    }
+    min_l1
+}
+
+/// The new tokens (within their sequence) whose rows [`Force::Spread`] flags.
+fn spread_rows(new_len: usize) -> impl Iterator<Item = usize> {
+    (0..new_len).filter(|i| (i / 128) % 3 != 1 && i % 5 == 0)
+}
+
+/// Rows [`Force::Spread`] flags, over every head.
+fn spread_count(c: &AttnCase) -> usize {
+    c.new_lens.iter().map(|&n| spread_rows(n).count()).sum::<usize>() * c.geom.num_heads
+}
+
+/// [`Force::Spread`]: q = −m·(1, …, 1) over non-negative keys puts every score at or below `top`.
+fn force_spread(c: &AttnCase, inp: &mut Inputs, top: f32) {
+    let (g, dt) = (c.geom, c.dtype);
+    let d = g.head_dim;
+    for seq in 0..c.new_lens.len() {
+        let row0: usize = c.new_lens[..seq].iter().sum();
+        for kvh in 0..g.num_kv_heads {
+            let min_l1 = nonnegative_keys(c, inp, seq, kvh);
+            let m = -top * (d as f32).sqrt() / min_l1.max(1e-3);
+            for i in spread_rows(c.new_lens[seq]) {
+                for head in kvh * g.group()..(kvh + 1) * g.group() {
+                    let at = ((row0 + i) * g.num_heads + head) * d;
+                    inp.q[at..at + d].iter_mut().for_each(|x| *x = dt.from_f32(-m));
+                }
             }
         }
     }
@@ -786,9 +832,15 @@ fn extra_checks(
             "async recomputed {} of {} rows on inputs inside [a, b]",
             stats.recomputed, stats.rows
         )),
-        (SoftmaxScheme::Async { .. }, Force::Overflow | Force::Underflow) if stats.recomputed == 0 => {
+        (SoftmaxScheme::Async { .. }, Force::Overflow | Force::Underflow | Force::Spread) if stats.recomputed == 0 => {
             Status::Fail("inputs built to leave [a, b] were not recomputed".into())
         }
+        // Every forced row once: a block redone twice, or a row of it missed, shows here.
+        (SoftmaxScheme::Async { .. }, Force::Spread) if stats.recomputed != spread_count(c) => Status::Fail(format!(
+            "recomputed {} rows, {} were built to leave [a, b]",
+            stats.recomputed,
+            spread_count(c)
+        )),
         (SoftmaxScheme::Async { .. }, _) => match sync_out {
             Some(s) if nmse(out, s) > attention_nmse_limit(c.dtype) => {
                 Status::Fail(format!("async and sync outputs differ: NMSE {:.3e}", nmse(out, s)))
@@ -821,6 +873,9 @@ mod tests {
                             of.iter().any(|c| c.kind == kind && c.force == f),
                             "{dt}: {kind:?} {f:?}"
                         );
+                    }
+                    if kind == AttnKind::Prefill {
+                        assert!(of.iter().any(|c| c.kind == kind && c.force == Force::Spread));
                     }
                     assert!(
                         of.iter()
@@ -951,14 +1006,14 @@ mod tests {
             let inp = build_inputs(c, 7).expect("inputs");
             let g = c.geom;
             let d = g.head_dim;
-            let (seq, head) = if c.force == Force::Overflow {
-                (0, 0)
-            } else {
-                (c.kv_lens.len() - 1, g.num_heads - 1)
+            let (seq, head) = match c.force {
+                Force::Overflow | Force::Spread => (0, 0),
+                _ => (c.kv_lens.len() - 1, g.num_heads - 1),
             };
-            let qrow = match c.kind {
-                AttnKind::Decode => seq,
-                AttnKind::Prefill => c.new_lens[..=seq].iter().sum::<usize>() - 1,
+            let qrow = match (c.kind, c.force) {
+                (AttnKind::Prefill, Force::Spread) => 0,
+                (AttnKind::Decode, _) => seq,
+                (AttnKind::Prefill, _) => c.new_lens[..=seq].iter().sum::<usize>() - 1,
             };
             let q: Vec<f32> = inp.q[(qrow * g.num_heads + head) * d..][..d]
                 .iter()

@@ -44,9 +44,10 @@ pub struct Schedule {
     /// and [`attend`] appends to a file (results correct; ~1 % slower, and a synchronisation after
     /// every launch). Never a default.
     pub diag: u8,
-    /// A persistent kernel (FDPP_PERSIST, [`persistent`], sync softmax only): one
-    /// block per SM walks the block list, the producer loading the next block's Q and first K/V
-    /// tiles under the current one's end (FA3 §3.1's persistent scheduler).
+    /// A persistent kernel (FDPP_PERSIST, [`persistent`]): one block per SM walks the block
+    /// list, the producer loading the next block's Q and first K/V tiles under the current one's
+    /// end (FA3 §3.1's persistent scheduler); under async, a block the vote flags is walked
+    /// again after the next one.
     pub persist: bool,
 }
 
@@ -250,18 +251,22 @@ impl Persist {
     }
 }
 
-/// Under `auto`, the prefill runs persistent while no sequence attends over more keys than this.
+/// Under `auto`, a sync prefill runs persistent while no sequence attends over more keys than
+/// this.
 pub const PERSIST_AUTO_KEYS: usize = 8192;
 
-/// Whether the prefill runs the persistent kernel. It exists for the sync softmax only (async's
-/// recompute vote would hold its producer at every block's end), its producer loads Q by TMA,
-/// and it records no timeline (`hopper_diag=3`). Under `auto`, while `max_keys` ≤
-/// [`PERSIST_AUTO_KEYS`]: there it hides the start of a short block under the previous one's
-/// end, and measured 1.04-1.18× one block per tile at batch 8 · 1024 and up to 1.07× at 4096;
-/// at 16384 it measured level with pages of 128 (d128), 2-4 % slower with pages of 16 and at
-/// d64 (H100, reports/NOTES.md, session 24). Forced on with Q by cp.async it is an error naming
-/// both switches; an async prefill or a trace under `1` quietly runs one block per tile (a bench
-/// times sync and async in one run).
+/// The same bound for an async prefill.
+pub const PERSIST_AUTO_KEYS_ASYNC: usize = 2048;
+
+/// Whether the prefill runs the persistent kernel. Its producer loads Q by TMA, and it records no
+/// timeline (`hopper_diag=3`). Under `auto`, while `max_keys` ≤ [`PERSIST_AUTO_KEYS`] (sync) or
+/// [`PERSIST_AUTO_KEYS_ASYNC`]: there it hides the start of a short block under the previous
+/// one's end. Sync measured 1.04-1.18× one block per tile at batch 8 · 1024 and up to 1.08× at
+/// 4096; at 16384 level with pages of 128 (d128), 2-4 % slower with pages of 16 and at d64
+/// (sessions 24-25). Async measured 1.08-1.14× at 8 · 1024 and 1.03-1.05× at 8 · 2048, level at
+/// batch 1 up to 4096, and 2-7 % slower from 8192 keys on (H100, reports/NOTES.md, session 25).
+/// Forced on with Q by cp.async it is an error naming both switches; a trace under `1` quietly
+/// runs one block per tile.
 pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> Result<bool> {
     if choice == Persist::On && !q_tma {
         return Err(FdppError::InvalidArgument(
@@ -269,12 +274,19 @@ pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, ma
                 .into(),
         ));
     }
-    let able = sync && q_tma && sched.diag != 3;
+    let able = q_tma && sched.diag != 3;
     Ok(able
         && match choice {
             Persist::Off => false,
             Persist::On => true,
-            Persist::Auto => max_keys <= PERSIST_AUTO_KEYS,
+            Persist::Auto => {
+                max_keys
+                    <= if sync {
+                        PERSIST_AUTO_KEYS
+                    } else {
+                        PERSIST_AUTO_KEYS_ASYNC
+                    }
+            }
         })
 }
 
@@ -583,7 +595,7 @@ mod tests {
     }
 
     #[test]
-    fn the_persistent_kernel_is_sync_with_q_by_tma_and_auto_follows_the_measurements() {
+    fn the_persistent_kernel_takes_q_by_tma_and_auto_follows_the_measurements() {
         assert_eq!(Persist::parse(None).unwrap(), Persist::Auto);
         assert_eq!(Persist::parse(Some(" auto")).unwrap(), Persist::Auto);
         assert_eq!(Persist::parse(Some("0")).unwrap(), Persist::Off);
@@ -591,24 +603,28 @@ mod tests {
         assert!(Persist::parse(Some("yes")).is_err());
         let (d, r) = (Schedule::DEFAULT, Schedule::RUNS);
         let long = PERSIST_AUTO_KEYS + 1;
-        let on = |c, sync, q_tma, s: &Schedule, keys| persistent(c, sync, q_tma, s, keys).unwrap();
-        // auto: up to the bound, whatever the schedule.
-        assert!(on(Persist::Auto, true, true, &r, PERSIST_AUTO_KEYS));
-        assert!(on(Persist::Auto, true, true, &d, PERSIST_AUTO_KEYS));
-        assert!(!on(Persist::Auto, true, true, &d, long));
-        assert!(!on(Persist::Auto, true, true, &r, long));
-        assert!(on(Persist::On, true, true, &d, long));
-        assert!(!on(Persist::Off, true, true, &r, 1024));
-        // Never for async or when tracing, whatever was asked; auto without Q by TMA stays off,
-        // forced on it is an error naming both switches.
+        let on = |c, q_tma, s: &Schedule, keys| persistent(c, true, q_tma, s, keys).unwrap();
+        // auto: up to the bound of the softmax, whatever the schedule; 1 and 0 for either.
+        assert!(on(Persist::Auto, true, &r, PERSIST_AUTO_KEYS));
+        assert!(on(Persist::Auto, true, &d, PERSIST_AUTO_KEYS));
+        assert!(!on(Persist::Auto, true, &d, long));
+        assert!(!on(Persist::Auto, true, &r, long));
+        assert!(on(Persist::On, true, &d, long));
+        assert!(!on(Persist::Off, true, &r, 1024));
+        let on_async = |c, keys| persistent(c, false, true, &r, keys).unwrap();
+        assert!(on_async(Persist::Auto, PERSIST_AUTO_KEYS_ASYNC));
+        assert!(!on_async(Persist::Auto, PERSIST_AUTO_KEYS_ASYNC + 1));
+        assert!(on_async(Persist::On, long));
+        assert!(!on_async(Persist::Off, 1024));
+        // Never when tracing, whatever was asked; auto without Q by TMA stays off, forced on it
+        // is an error naming both switches.
         for c in [Persist::Auto, Persist::On] {
-            assert!(!on(c, false, true, &r, 1024), "async");
-            assert!(!on(c, true, true, &d.parse_diag(Some("3")).unwrap(), 1024), "trace");
+            assert!(!on(c, true, &d.parse_diag(Some("3")).unwrap(), 1024), "trace");
         }
-        assert!(!on(Persist::Auto, true, false, &r, 1024));
+        assert!(!on(Persist::Auto, false, &r, 1024));
         let e = persistent(Persist::On, true, false, &r, 1024).unwrap_err().to_string();
         assert!(e.contains("prefill_persist=1") && e.contains("hopper_q_tma=1"), "{e}");
-        assert!(on(Persist::On, true, true, &d.parse_diag(Some("1")).unwrap(), 1024));
+        assert!(on(Persist::On, true, &d.parse_diag(Some("1")).unwrap(), 1024));
         // Two Q tiles where they fit 227 KiB: d128 with two stages, d64 with three.
         assert_eq!(d.persistent().q_buffers(128), 2);
         assert_eq!(r.persistent().q_buffers(128), 1);
