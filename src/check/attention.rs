@@ -504,10 +504,7 @@ fn force(c: &AttnCase, inp: &mut Inputs) {
             }
         }
         Force::Underflow => {
-            // Every key of the row made non-negative (sign bit cleared), q = −m·(1, …, 1):
-            // every score is −m·Σ|k|/√d ≤ φ + a − 2.
-            let min_l1 = nonnegative_keys(c, inp, seq, kvh);
-            let m = -(phi + a - 2.0) * sqrt_d / min_l1.max(1e-3);
+            let m = underflow_scale(c, inp, seq, kvh, phi + a - 2.0);
             for x in &mut inp.q[qat..qat + d] {
                 *x = dt.from_f32(-m);
             }
@@ -515,15 +512,16 @@ fn force(c: &AttnCase, inp: &mut Inputs) {
     }
 }
 
-/// Keys made non-negative (sign bit cleared) with the smallest L1 norm `min_l1` among them.
-fn nonnegative_keys(c: &AttnCase, inp: &mut Inputs, seq: usize, kvh: usize) -> f32 {
+/// Makes every key of (`seq`, `kvh`) non-negative (sign bit cleared) and returns the m for which
+/// q = −m·(1, …, 1) puts every score, −m·Σ|k|/√d, at or below `top`.
+fn underflow_scale(c: &AttnCase, inp: &mut Inputs, seq: usize, kvh: usize, top: f32) -> f32 {
     let mut min_l1 = f32::INFINITY;
     for t in 0..c.kv_lens[seq] {
         let k = key_at(c, inp, seq, kvh, t);
         k.iter_mut().for_each(|x| *x &= 0x7fff);
         min_l1 = min_l1.min(k.iter().map(|&x| c.dtype.to_f32(x)).sum());
     }
-    min_l1
+    -top * (c.geom.head_dim as f32).sqrt() / min_l1.max(1e-3)
 }
 
 /// The new tokens (within their sequence) whose rows [`Force::Spread`] flags.
@@ -536,15 +534,14 @@ fn spread_count(c: &AttnCase) -> usize {
     c.new_lens.iter().map(|&n| spread_rows(n).count()).sum::<usize>() * c.geom.num_heads
 }
 
-/// [`Force::Spread`]: q = −m·(1, …, 1) over non-negative keys puts every score at or below `top`.
+/// [`Force::Spread`]: the flagged rows' scores all at or below `top` ([`underflow_scale`]).
 fn force_spread(c: &AttnCase, inp: &mut Inputs, top: f32) {
     let (g, dt) = (c.geom, c.dtype);
     let d = g.head_dim;
     for seq in 0..c.new_lens.len() {
         let row0: usize = c.new_lens[..seq].iter().sum();
         for kvh in 0..g.num_kv_heads {
-            let min_l1 = nonnegative_keys(c, inp, seq, kvh);
-            let m = -top * (d as f32).sqrt() / min_l1.max(1e-3);
+            let m = underflow_scale(c, inp, seq, kvh, top);
             for i in spread_rows(c.new_lens[seq]) {
                 for head in kvh * g.group()..(kvh + 1) * g.group() {
                     let at = ((row0 + i) * g.num_heads + head) * d;

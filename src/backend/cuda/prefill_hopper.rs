@@ -275,18 +275,16 @@ pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, ma
         ));
     }
     let able = q_tma && sched.diag != 3;
+    let bound = if sync {
+        PERSIST_AUTO_KEYS
+    } else {
+        PERSIST_AUTO_KEYS_ASYNC
+    };
     Ok(able
         && match choice {
             Persist::Off => false,
             Persist::On => true,
-            Persist::Auto => {
-                max_keys
-                    <= if sync {
-                        PERSIST_AUTO_KEYS
-                    } else {
-                        PERSIST_AUTO_KEYS_ASYNC
-                    }
-            }
+            Persist::Auto => max_keys <= bound,
         })
 }
 
