@@ -5,6 +5,8 @@
 //
 //   nvcc -O3 -arch=sm_90a scripts/read_bw.cu -o /tmp/read_bw && /tmp/read_bw [GiB]
 //   /tmp/read_bw sizes BYTES[,BYTES...]   the ceiling at each size (below)
+//   /tmp/read_bw layout HEADS TOKENS[,TOKENS...] [all]   the MHA decode pattern in fdpp's pool and
+//                                                         in SDPA's layout (all: every configuration)
 //
 // `sizes`: the same sweep over a buffer of exactly BYTES, read again and again as a benchmark
 // reads one KV cache, each launch timed alone with events and the median of 20 taken, as `fdpp
@@ -118,6 +120,99 @@ static double time_rows(const uint4* p, size_t n, unsigned* out, int splits, dou
     return bytes / (ms[0] * 1e-3) / 1e12;
 }
 
+static uint4* filled_buffer(size_t bytes, unsigned** out);
+static double best_read(const uint4* p, size_t n, unsigned* out, int sms, int reps, char* cfg, size_t cfg_len);
+
+// `layout`: the MHA decode pattern against the layout of its peer. K and V pools of `tokens`
+// token rows of `heads` rows of 256 bytes (d128 fp16), one block per (head, range of tokens),
+// 16 lanes per 256-byte row, U rows of K and of V in flight per thread. `head_major` 0: fdpp's
+// pool, a token's heads side by side (row (tok, h) at (tok·heads + h)·256 B, so a head's rows lie
+// heads·256 B apart); 1: SDPA's [heads, tokens, 128] tensors, each head's rows contiguous.
+template <int U>
+__global__ void read_layout(const uint4* __restrict__ k, const uint4* __restrict__ v, size_t tokens, int heads,
+                            int ranges, int head_major, unsigned* out) {
+    const int h = blockIdx.x % heads, range = blockIdx.x / heads;
+    const size_t per = (tokens + ranges - 1) / ranges;
+    const size_t t0 = range * per, t1 = t0 + per < tokens ? t0 + per : tokens;
+    const int lane = threadIdx.x % 16, rows = blockDim.x / 16;
+    unsigned acc = 0;
+    for (size_t t = t0 + threadIdx.x / 16; t < t1; t += (size_t)U * rows) {
+        uint4 r[2 * U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const size_t tok = t + (size_t)u * rows < t1 ? t + (size_t)u * rows : t;
+            const size_t at = (head_major ? (size_t)h * tokens + tok : tok * heads + h) * 16 + lane;
+            r[2 * u] = ld_nc(k + at);
+            r[2 * u + 1] = ld_nc(v + at);
+        }
+#pragma unroll
+        for (int i = 0; i < 2 * U; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+// The best median TB/s of read_layout over threads, rows in flight and ranges (per head), for
+// one layout; its configuration in cfg. `all`: every configuration's median printed as well.
+static bool g_layout_all = false;
+static double best_layout(const uint4* p, size_t tokens, int heads, int head_major, unsigned* out, char* cfg,
+                          size_t cfg_len) {
+    const size_t pool = tokens * heads * 16;  // uint4 per pool
+    const uint4 *k = p, *v = p + pool;
+    const double bytes = 2.0 * pool * 16;
+    double best = 0;
+    for (int threads : {128, 256, 512})
+        for (int ranges : {4, 8, 16, 24, 32, 64})
+            for (int u : {1, 2, 4}) {
+                const int blocks = heads * ranges;
+                auto launch = [&] {
+                    if (u == 1) read_layout<1><<<blocks, threads>>>(k, v, tokens, heads, ranges, head_major, out);
+                    if (u == 2) read_layout<2><<<blocks, threads>>>(k, v, tokens, heads, ranges, head_major, out);
+                    if (u == 4) read_layout<4><<<blocks, threads>>>(k, v, tokens, heads, ranges, head_major, out);
+                };
+                const std::vector<float> ms = time_launches(launch, 20);
+                const double med = bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
+                if (g_layout_all)
+                    printf("#   %s tokens %zu threads %d ranges %d rows %d: %.3f\n", head_major ? "head-major" : "token-major",
+                           tokens, threads, ranges, u, med);
+                if (med > best) {
+                    best = med;
+                    snprintf(cfg, cfg_len, "%d,%d,%d", threads, ranges, u);
+                }
+            }
+    return best;
+}
+
+static int layout_mode(int heads, const char* list) {
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::vector<size_t> toks;
+    for (const char* s = list; *s;) {
+        char* end = nullptr;
+        const long v = strtol(s, &end, 10);
+        if (end == s || v < 16) {
+            fprintf(stderr, "layout: bad token count at '%s'\n", s);
+            return 2;
+        }
+        toks.push_back((size_t)v);
+        s = *end == ',' ? end + 1 : end;
+    }
+    const size_t most = *std::max_element(toks.begin(), toks.end());
+    unsigned* out;
+    const uint4* p = filled_buffer(2 * most * heads * 256, &out);
+    printf("# device %s; K+V of %d heads d128 fp16; best median of 20 launches over threads, ranges, rows in flight\n",
+           prop.name, heads);
+    printf("tokens,bytes,token_major_tbs,cfg,head_major_tbs,cfg,plain_tbs,cfg\n");
+    for (size_t t : toks) {
+        char c0[64] = "", c1[64] = "", c2[64] = "";
+        const double tm = best_layout(p, t, heads, 0, out, c0, sizeof c0);
+        const double hm = best_layout(p, t, heads, 1, out, c1, sizeof c1);
+        const double pl = best_read(p, 2 * t * heads * 16, out, prop.multiProcessorCount, 20, c2, sizeof c2);
+        printf("%zu,%zu,%.3f,%s,%.3f,%s,%.3f,%s\n", t, 2 * t * heads * 256, tm, c0, hm, c1, pl, c2);
+        fflush(stdout);
+    }
+    return 0;
+}
+
 // U independent 16-byte loads in flight per thread, grid-stride; the xor of everything read is
 // written only if it equals a value it cannot plausibly take, so no load is dead code.
 template <int U>
@@ -210,6 +305,10 @@ static int sizes_mode(const char* list) {
 
 int main(int argc, char** argv) {
     if (argc > 2 && std::string(argv[1]) == "sizes") return sizes_mode(argv[2]);
+    if (argc > 3 && std::string(argv[1]) == "layout") {
+        g_layout_all = argc > 4 && std::string(argv[4]) == "all";
+        return layout_mode(atoi(argv[2]), argv[3]);
+    }
     const double gib = argc > 1 ? atof(argv[1]) : 8.0;
     const size_t bytes = (size_t)(gib * (1ull << 30)) / 16 * 16;
     const size_t n = bytes / 16;

@@ -310,7 +310,7 @@ pub const KEYS: &[KeyInfo] = &[
         values: "auto|0|1",
         default: "auto",
         kind: Kind::Behaviour,
-        what: "the Hopper prefill as a persistent kernel (a block per SM taking tiles from a counter; auto: up to 8192 keys sync, 2048 async; needs hopper_q_tma=1)",
+        what: "the Hopper prefill as a persistent kernel (a block per SM taking tiles from a counter; auto: up to 8192 keys sync, 4096 async; needs hopper_q_tma=1)",
     },
     KeyInfo {
         key: Key::GemmFallback,

@@ -256,15 +256,17 @@ impl Persist {
 pub const PERSIST_AUTO_KEYS: usize = 8192;
 
 /// The same bound for an async prefill.
-pub const PERSIST_AUTO_KEYS_ASYNC: usize = 2048;
+pub const PERSIST_AUTO_KEYS_ASYNC: usize = 4096;
 
 /// Whether the prefill runs the persistent kernel. Its producer loads Q by TMA, and it records no
 /// timeline (`hopper_diag=3`). Under `auto`, while `max_keys` ≤ [`PERSIST_AUTO_KEYS`] (sync) or
 /// [`PERSIST_AUTO_KEYS_ASYNC`]: there it hides the start of a short block under the previous
 /// one's end. Sync measured 1.04-1.18× one block per tile at batch 8 · 1024 and up to 1.08× at
 /// 4096; at 16384 level with pages of 128 (d128), 2-4 % slower with pages of 16 and at d64
-/// (sessions 24-25). Async measured 1.08-1.14× at 8 · 1024 and 1.03-1.05× at 8 · 2048, level at
-/// batch 1 up to 4096, and 2-7 % slower from 8192 keys on (H100, reports/NOTES.md, session 25).
+/// (sessions 24-25). Async measured 1.08-1.14× at 8 · 1024, 1.03-1.05× at 8 · 2048, 1.00-1.10×
+/// at 8 · 4096 (+1 % on average over 40 runs of one call, where that point moves ±5 % from run
+/// to run), level at batch 1 up to 4096, and 2-7 % slower from 8192 keys on (H100,
+/// reports/NOTES.md, sessions 25-26).
 /// Forced on with Q by cp.async it is an error naming both switches; a trace under `1` quietly
 /// runs one block per tile.
 pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> Result<bool> {
