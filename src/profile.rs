@@ -240,6 +240,9 @@ pub struct CandidateResult {
     /// cp.async pipeline depth (flat_gemm).
     #[serde(default)]
     pub stages: Option<u32>,
+    /// cuBLASLt algorithm rank (gemm on CUDA; [`crate::ops::gemm::GemmSpec::algo`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algo: Option<u32>,
     pub results: Vec<Measurement>,
 }
 
@@ -287,6 +290,8 @@ pub struct BestConfig {
     pub block_n: Option<u32>,
     #[serde(default)]
     pub stages: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algo: Option<u32>,
     pub median_us: f64,
 }
 
@@ -387,6 +392,7 @@ pub fn best_per_impl(m_grid: &[usize], candidates: &[CandidateResult]) -> Vec<Be
                         uri: c.uri.clone(),
                         block_n: c.block_n,
                         stages: c.stages,
+                        algo: c.algo,
                         median_us: t,
                     });
                 }
@@ -918,6 +924,7 @@ mod tests {
                 imp: GemmImpl::FlatGemm,
                 block_n: Some(64),
                 stages: None,
+                algo: None,
                 results: vec![ok(1, 10.0), ok(2, 10.0)],
             },
             CandidateResult {
@@ -925,6 +932,7 @@ mod tests {
                 imp: GemmImpl::FlatGemm,
                 block_n: Some(128),
                 stages: None,
+                algo: None,
                 results: vec![
                     ok(1, 12.0),
                     Measurement::Rejected {
@@ -938,6 +946,7 @@ mod tests {
                 imp: GemmImpl::FlatGemm,
                 block_n: Some(32),
                 stages: None,
+                algo: None,
                 results: vec![ok(1, 9.0), ok(2, 11.0)],
             },
         ];
@@ -956,6 +965,7 @@ mod tests {
                 imp: GemmImpl::Gemv,
                 block_n: None,
                 stages: None,
+                algo: None,
                 results: vec![ok(1, 5.0)],
             },
             CandidateResult {
@@ -963,6 +973,7 @@ mod tests {
                 imp: GemmImpl::FlatGemm,
                 block_n: Some(64),
                 stages: None,
+                algo: None,
                 results: vec![Measurement::Rejected {
                     m: 1,
                     reason: "NMSE 1".into(),

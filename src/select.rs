@@ -27,6 +27,8 @@ pub struct Plan {
     pub block_n: Option<u32>,
     /// The tuned pipeline depth (flat_gemm); None = the backend's default.
     pub stages: Option<u32>,
+    /// The tuned cuBLASLt algorithm rank (gemm on CUDA); None = cublasGemmEx's choice.
+    pub algo: Option<u32>,
     /// Why, for logs and `fdpp profile show`.
     pub reason: String,
 }
@@ -38,6 +40,7 @@ impl Plan {
             dtype,
             block_n: self.block_n,
             stages: self.stages,
+            algo: self.algo,
         }
     }
 }
@@ -105,6 +108,7 @@ impl Fallback {
             imp: if m <= gemv_max { GemmImpl::Gemv } else { GemmImpl::Gemm },
             block_n: None,
             stages: None,
+            algo: None,
             reason: format!("{why}: {}", self.describe()),
         }
     }
@@ -132,6 +136,7 @@ fn vendor(reason: &str) -> Plan {
         imp: GemmImpl::Gemm,
         block_n: None,
         stages: None,
+        algo: None,
         reason: reason.to_string(),
     }
 }
@@ -165,6 +170,7 @@ pub fn select_in(sp: &ShapeProfile, m: usize) -> Plan {
             imp,
             block_n: best.block_n,
             stages: best.stages,
+            algo: best.algo,
             reason: format!("{why}: {imp} ({} at grid M={gm})", best.uri),
         };
     }
@@ -181,6 +187,7 @@ pub fn select_in(sp: &ShapeProfile, m: usize) -> Plan {
             imp: i,
             block_n: b.block_n,
             stages: b.stages,
+            algo: b.algo,
             reason: format!(
                 "{why}, but {imp} has no verified config at grid M={gm}: fastest verified is {i} ({})",
                 b.uri
@@ -222,6 +229,7 @@ mod tests {
             uri: uri.into(),
             block_n: bn,
             stages: None,
+            algo: None,
             median_us: t,
         })
     }
@@ -284,6 +292,22 @@ mod tests {
         assert!(p.reason.contains("grid M=16"), "{}", p.reason);
         assert_eq!(select_in(&s, 11).block_n, Some(32)); // nearest is 8
         assert_eq!(select_in(&s, 100).spec(DType::Bf16).block_n, Some(64));
+    }
+
+    #[test]
+    fn the_cublaslt_rank_comes_with_the_gemm_config() {
+        let mut s = sp(Some(2), Some(128));
+        for b in &mut s.best {
+            if let Some(g) = b.gemm.as_mut() {
+                g.algo = Some(if b.m >= 256 { 4 } else { 1 });
+                g.uri = format!("gemm_f16_lt{}", g.algo.unwrap_or(0));
+            }
+        }
+        let p = select_in(&s, 300);
+        assert_eq!((p.imp, p.algo), (GemmImpl::Gemm, Some(4)));
+        assert_eq!(p.spec(DType::F16).uri(), "gemm_f16_lt4");
+        assert_eq!(select_in(&s, 150).algo, Some(1)); // nearest grid M is 128
+        assert_eq!(select_in(&s, 8).algo, None); // flat_gemm there
     }
 
     #[test]

@@ -154,6 +154,7 @@ fn gemv_profile<B: Backend>(b: &B, spec: &ModelSpec, opts: &EngineOptions) -> Pr
                     uri: g.uri(),
                     block_n: Some(bn),
                     stages: None,
+                    algo: None,
                     median_us: 1.0,
                 }),
                 flat_gemm: None,

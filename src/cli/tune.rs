@@ -273,6 +273,7 @@ pub fn records_of(p: &Profile, model: &str) -> Vec<GemmRecord> {
                 dtype: p.dtype,
                 block_n: c.block_n,
                 stages: c.stages,
+                algo: c.algo,
             };
             for r in &c.results {
                 if let Measurement::Ok {

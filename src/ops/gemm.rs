@@ -55,7 +55,17 @@ pub struct GemmSpec {
     /// cp.async pipeline depth (flat_gemm): 2 is the paper's double buffering.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stages: Option<u32>,
+    /// ImplC on CUDA: the rank of the cuBLASLt algorithm among its heuristic's suggestions for the
+    /// call's shape (0 = its first); None = cublasGemmEx's own choice. `fdpp tune` times the first
+    /// [`LT_RANKS`] as candidates of their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algo: Option<u32>,
 }
+
+/// How many of cuBLASLt's suggestions per shape `fdpp tune` times on CUDA. At M = 1024 and 4096
+/// on Llama2-7B's and Llama-3.1-8B's linears the fastest was among the first six in every shape
+/// (scripts/cublaslt_algos.cu, H100, reports/NOTES.md session 26).
+pub const LT_RANKS: u32 = 6;
 
 impl GemmSpec {
     pub fn new(imp: GemmImpl, dtype: DType) -> Self {
@@ -64,6 +74,7 @@ impl GemmSpec {
             dtype,
             block_n: None,
             stages: None,
+            algo: None,
         }
     }
     pub fn with_block_n(mut self, bn: u32) -> Self {
@@ -74,6 +85,20 @@ impl GemmSpec {
         self.stages = Some(stages);
         self
     }
+    pub fn with_algo(mut self, rank: u32) -> Self {
+        self.algo = Some(rank);
+        self
+    }
+    /// The error for a spec naming a cuBLASLt algorithm on a backend that has none.
+    pub fn refuse_algo(&self, backend: &str) -> Result<()> {
+        match self.algo {
+            None => Ok(()),
+            Some(r) => Err(FdppError::InvalidArgument(format!(
+                "{self}: cuBLASLt algorithm rank {r} is a CUDA choice and the {backend} backend has no cuBLASLt; \
+                 use a profile tuned on this backend (fdpp tune --backend {backend})"
+            ))),
+        }
+    }
     /// A name that carries every compile-time parameter, e.g. `flat_gemm_f16_bn64_s2`.
     pub fn uri(&self) -> String {
         let mut s = format!("{}_{}", self.imp, self.dtype);
@@ -82,6 +107,9 @@ impl GemmSpec {
         }
         if let Some(st) = self.stages {
             s.push_str(&format!("_s{st}"));
+        }
+        if let Some(a) = self.algo {
+            s.push_str(&format!("_lt{a}"));
         }
         s
     }
@@ -136,5 +164,37 @@ impl GemmDims {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cublaslt_rank_is_part_of_the_spec() {
+        let v = GemmSpec::new(GemmImpl::Gemm, DType::F16);
+        let r = v.with_algo(3);
+        assert_eq!(v.uri(), "gemm_f16");
+        assert_eq!(r.uri(), "gemm_f16_lt3");
+        assert_ne!(v, r);
+        // Profiles written before the field load as cublasGemmEx's choice, and a spec without a
+        // rank is written without the field.
+        let old: GemmSpec = serde_json::from_str(r#"{"imp":"gemm","dtype":"f16"}"#).unwrap();
+        assert_eq!(old, v);
+        assert!(!serde_json::to_string(&v).unwrap().contains("algo"));
+        let back: GemmSpec = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.algo, Some(3));
+    }
+
+    #[test]
+    fn backends_without_cublaslt_refuse_a_rank() {
+        let r = GemmSpec::new(GemmImpl::Gemm, DType::Bf16).with_algo(1);
+        let e = r.refuse_algo("cpu").unwrap_err().to_string();
+        assert!(
+            e.contains("gemm_bf16_lt1") && e.contains("rank 1") && e.contains("fdpp tune --backend cpu"),
+            "{e}"
+        );
+        assert!(GemmSpec::new(GemmImpl::Gemm, DType::Bf16).refuse_algo("cpu").is_ok());
     }
 }

@@ -212,6 +212,7 @@ pub fn sweep_shape<B: Backend>(
             imp: s.imp,
             block_n: s.block_n,
             stages: s.stages,
+            algo: s.algo,
             results,
         })
         .collect();

@@ -46,7 +46,10 @@ pub fn run(
     match spec.imp {
         GemmImpl::Gemv => gemv(b, spec, d, x, w, y),
         GemmImpl::FlatGemm => flat(b, spec, d, x, w, y),
-        GemmImpl::Gemm => cublas(b, spec, d, x, w, y),
+        GemmImpl::Gemm => match spec.algo {
+            None => cublas(b, spec, d, x, w, y),
+            Some(rank) => super::blaslt::matmul(b, spec, rank, d, x, w, y),
+        },
     }?;
     b.check_launch(&format!("{spec} at {}", d.label()))
 }

@@ -2,6 +2,7 @@
 //! compiled at run time by NVRTC for the device's arch, cuBLAS as ImplC.
 
 pub mod attention;
+mod blaslt;
 pub mod decode_tc;
 #[cfg(test)]
 mod decode_tc_model;
@@ -69,8 +70,11 @@ type FunctionsOf = HashMap<String, (CudaFunction, u32)>;
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    info: DeviceInfo,
+    /// Boxed, as `lt` and `layer` are: `AnyBackend`'s variants stay within clippy's size bound.
+    info: Box<DeviceInfo>,
     blas: CudaBlas,
+    /// cuBLASLt for the gemm specs that name one of its algorithms (blaslt.rs).
+    lt: RefCell<Box<blaslt::LtState>>,
     modules: RefCell<HashMap<String, Arc<CudaModule>>>,
     /// Loaded functions by spec uri then name, with the shared-memory limit already raised.
     functions: RefCell<HashMap<String, FunctionsOf>>,
@@ -115,7 +119,7 @@ impl CudaBackend {
         // A created stream, not the legacy default one: a decode graph is captured from this
         // stream (graph.rs), and the legacy stream cannot be captured.
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        let info = probe::device_info(&ctx)?;
+        let info = Box::new(probe::device_info(&ctx)?);
         // SAFETY: probing only dlopens libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(FdppError::BackendUnavailable {
@@ -135,6 +139,7 @@ impl CudaBackend {
             stream,
             info,
             blas,
+            lt: RefCell::default(),
             modules: RefCell::new(HashMap::new()),
             functions: RefCell::new(HashMap::new()),
             attn: RefCell::new(attention::Scratch::default()),
@@ -269,7 +274,11 @@ impl Backend for CudaBackend {
 
     fn gemm_candidates(&self, dtype: DType, _n: usize, _k: usize) -> Vec<GemmSpec> {
         let mut v = sources::all_gemm_specs(dtype);
-        v.push(GemmSpec::new(crate::ops::gemm::GemmImpl::Gemm, dtype));
+        let vendor = GemmSpec::new(crate::ops::gemm::GemmImpl::Gemm, dtype);
+        v.push(vendor);
+        if blaslt::present() {
+            v.extend((0..crate::ops::gemm::LT_RANKS).map(|r| vendor.with_algo(r)));
+        }
         v
     }
 
