@@ -38,6 +38,8 @@ pub(crate) struct LtState {
     handle: Option<lt::cublasLtHandle_t>,
     workspace: Option<CudaSlice<u8>>,
     shapes: HashMap<(DType, usize, usize, usize), Shape>,
+    /// A rank was missing once (warned once per backend).
+    warned: bool,
 }
 
 impl Drop for LtState {
@@ -182,7 +184,8 @@ fn make_shape(h: lt::cublasLtHandle_t, dtype: DType, d: GemmDims) -> Result<Shap
     Ok(s)
 }
 
-/// y = x · Wᵀ with the `rank`-th suggestion for this shape.
+/// y = x · Wᵀ with the `rank`-th suggestion for this shape; Ok(false), with nothing run, where
+/// cuBLASLt makes fewer suggestions for it (a profile from another card or library version).
 pub(crate) fn matmul(
     b: &CudaBackend,
     spec: &GemmSpec,
@@ -191,7 +194,7 @@ pub(crate) fn matmul(
     x: &CudaBuffer,
     w: &CudaBuffer,
     y: &mut CudaBuffer,
-) -> Result<()> {
+) -> Result<bool> {
     let mut st = b.lt.borrow_mut();
     let h = st.handle(spec)?;
     if st.workspace.is_none() {
@@ -206,13 +209,19 @@ pub(crate) fn matmul(
         None => return Err(FdppError::device("cuda", "cuBLASLt workspace missing".to_string())),
     };
     let shape = st.shape(h, spec.dtype, d)?;
-    let Some(algo) = shape.algos.get(rank as usize) else {
-        return Err(FdppError::InvalidArgument(format!(
-            "{spec} at {}: cuBLASLt suggests {} algorithms for this shape, so it has no rank {rank}; re-run \
-             fdpp tune on this machine (the profile may come from another card or library version)",
-            d.label(),
-            shape.algos.len()
-        )));
+    let offered = shape.algos.len();
+    let Some(algo) = shape.algos.get(rank as usize).copied() else {
+        if !st.warned {
+            st.warned = true;
+            eprintln!(
+                "warning: {spec} at {}: cuBLASLt suggests {} algorithms for this shape, so it has no rank {rank}; \
+                 running cublasGemmEx's choice instead (re-run fdpp tune on this machine: the profile may come from \
+                 another card or library version)",
+                d.label(),
+                offered
+            );
+        }
+        return Ok(false);
     };
     let (alpha, beta) = (1f32, 0f32);
     let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
@@ -233,11 +242,12 @@ pub(crate) fn matmul(
             shape.layouts[2],
             yp as *mut _,
             shape.layouts[2],
-            algo,
+            &algo,
             ws_ptr as *mut _,
             WORKSPACE_BYTES,
             b.stream().cu_stream() as lt::cudaStream_t,
         )
     };
-    ok(status, &format!("cublasLtMatmul {spec} at {}", d.label()))
+    ok(status, &format!("cublasLtMatmul {spec} at {}", d.label()))?;
+    Ok(true)
 }

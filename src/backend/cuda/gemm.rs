@@ -48,7 +48,13 @@ pub fn run(
         GemmImpl::FlatGemm => flat(b, spec, d, x, w, y),
         GemmImpl::Gemm => match spec.algo {
             None => cublas(b, spec, d, x, w, y),
-            Some(rank) => super::blaslt::matmul(b, spec, rank, d, x, w, y),
+            Some(rank) => {
+                if super::blaslt::matmul(b, spec, rank, d, x, w, y)? {
+                    Ok(())
+                } else {
+                    cublas(b, spec, d, x, w, y)
+                }
+            }
         },
     }?;
     b.check_launch(&format!("{spec} at {}", d.label()))
