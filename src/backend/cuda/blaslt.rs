@@ -95,6 +95,20 @@ impl LtState {
         Ok(h)
     }
 
+    /// The workspace's device address, allocated on first use.
+    fn workspace(&mut self, b: &CudaBackend) -> Result<u64> {
+        if let Some(ws) = &self.workspace {
+            return Ok(ws.device_ptr(b.stream()).0);
+        }
+        let ws = b
+            .stream()
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(drv("allocating the cuBLASLt workspace"))?;
+        let p = ws.device_ptr(b.stream()).0;
+        self.workspace = Some(ws);
+        Ok(p)
+    }
+
     /// The descriptors and suggestions of (dtype, dims), made once.
     fn shape(&mut self, h: lt::cublasLtHandle_t, dtype: DType, d: GemmDims) -> Result<&Shape> {
         Ok(match self.shapes.entry((dtype, d.m, d.n, d.k)) {
@@ -197,17 +211,7 @@ pub(crate) fn matmul(
 ) -> Result<bool> {
     let mut st = b.lt.borrow_mut();
     let h = st.handle(spec)?;
-    if st.workspace.is_none() {
-        let ws = b
-            .stream()
-            .alloc_zeros::<u8>(WORKSPACE_BYTES)
-            .map_err(drv("allocating the cuBLASLt workspace"))?;
-        st.workspace = Some(ws);
-    }
-    let ws_ptr = match &st.workspace {
-        Some(ws) => ws.device_ptr(b.stream()).0,
-        None => return Err(FdppError::device("cuda", "cuBLASLt workspace missing".to_string())),
-    };
+    let ws_ptr = st.workspace(b)?;
     let shape = st.shape(h, spec.dtype, d)?;
     let offered = shape.algos.len();
     let Some(algo) = shape.algos.get(rank as usize).copied() else {
@@ -248,6 +252,11 @@ pub(crate) fn matmul(
             b.stream().cu_stream() as lt::cudaStream_t,
         )
     };
-    ok(status, &format!("cublasLtMatmul {spec} at {}", d.label()))?;
+    if status != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(FdppError::device(
+            "cuda",
+            format!("cublasLtMatmul {spec} at {}: {status:?}", d.label()),
+        ));
+    }
     Ok(true)
 }
