@@ -68,16 +68,6 @@
 #ifndef FDPP_PERSIST
 #define FDPP_PERSIST 0
 #endif
-// How many of a tile's NT column groups of 8 keys take 2^x from a polynomial on the FMA pipe
-// (ex2_poly) instead of the MUFU's ex2 (FlashAttention-4's trick for Blackwell). At head_dim 64
-// a consumer warpgroup's tile is 2 · 64 · 128 · 64 · 2 FLOP of wgmma, 512 SM cycles at 4096
-// FLOP per cycle, and 64 · 128 exponentials, 512 cycles at the MUFU's 16 per cycle: the two
-// units are equally loaded and the softmax cannot hide behind the GEMMs (without exponentials,
-// FDPP_DIAG=2, the kernel ran 5-13 % faster at d64, ≤ 2.3 % at d128; reports/NOTES.md,
-// session 26). Moving a share of them to the FMA pipe (8 issue slots each) unloads the MUFU.
-#ifndef FDPP_EXP_POLY
-#define FDPP_EXP_POLY 0
-#endif
 #if FDPP_PINGPONG && !FDPP_OVERLAP
 #error "FDPP_PINGPONG needs FDPP_OVERLAP"
 #endif
@@ -128,7 +118,6 @@ constexpr int THREADS = 128 * (1 + CONSUMERS);
 constexpr int CH = D / 8;                 // 16-byte chunks per row
 constexpr int NT = BN / 8;                // n8 column groups of S a thread holds
 constexpr int DT = D / 8;                 // n8 column groups of O
-static_assert(FDPP_EXP_POLY >= 0 && FDPP_EXP_POLY <= NT, "FDPP_EXP_POLY: 0..NT column groups");
 constexpr int KS = D / 16;                // k16 steps of Q·Kᵀ
 constexpr int PS = BN / 16;               // k16 steps of P·V
 constexpr u32 Q_BYTES = BM * D * 2;
@@ -613,20 +602,6 @@ __device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)
     wg_commit();
 }
 
-// 2^x for x ≤ ~127 without the MUFU: x = j + f with j = round(x) (the 1.5 · 2^23 shifter leaves
-// j in the low mantissa bits of t) and f in [−0.5, 0.5]; 2^f from a degree-3 minimax polynomial
-// (relative error 7.5e-5, under half an fp16 ulp of P; fitted to 2^f on [−0.5, 0.5] weighted
-// by 1/2^f) and j added to its exponent field (t's bits shifted by 23 are j mod 2^9).
-// Clamping at −126 keeps that exponent ≥ 0: a masked −inf gives ≤ 2^−126 instead of 0, which
-// adds nothing to l in fp32 and rounds to 0 in P's 16 bits.
-__device__ __forceinline__ float ex2_poly(float x) {
-    x = fmaxf(x, -126.f);
-    const float t = __fadd_rn(x, 12582912.f);
-    const float f = __fadd_rn(x, -__fadd_rn(t, -12582912.f));
-    const float p = fmaf(fmaf(fmaf(0.055171553f, f, 0.24261136f), f, 0.69326103f), f, 0.99992806f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // The softmax of key tile n in place: mask keys past each row's position (causal; keys past
 // the end lie past every real row's position), update the row state, and leave
 // P = 2^(S·scale2 − m) in `sc`, m in log2 units; `corr` is the factor O must be rescaled by
@@ -672,9 +647,7 @@ __device__ __forceinline__ void softmax_tile(const Walker& k, float (&sc)[NT * 4
 #if FDPP_DIAG == 2
             x = fmaf(x, k.scale2, -st.m[i >> 1]);
 #else
-            // Column groups from NT − FDPP_EXP_POLY on by polynomial (j is unrolled: no branch).
-            const float e = fmaf(x, k.scale2, -st.m[i >> 1]);
-            x = j >= NT - FDPP_EXP_POLY ? ex2_poly(e) : ex2(e);
+            x = ex2(fmaf(x, k.scale2, -st.m[i >> 1]));
 #endif
             ls[i >> 1] += x;
         }

@@ -33,7 +33,6 @@ pub enum Key {
     HopperOverlap,
     HopperPingpong,
     HopperDiag,
-    HopperExpPoly,
     PrefillL2Share,
     PrefillSectionWaves,
     PrefillEntryAhead,
@@ -276,15 +275,6 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
-    },
-    KeyInfo {
-        key: Key::HopperExpPoly,
-        name: "hopper_exp_poly",
-        env: "FDPP_HOPPER_EXP_POLY",
-        values: "0-16",
-        default: "the kernel's schedule",
-        kind: Kind::Behaviour,
-        what: "of a Hopper prefill key tile's 16 groups of 8 keys, how many take 2^x by polynomial on the FMA pipe instead of the MUFU",
     },
     KeyInfo {
         key: Key::PrefillL2Share,

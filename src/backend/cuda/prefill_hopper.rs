@@ -49,10 +49,6 @@ pub struct Schedule {
     /// end (FA3 §3.1's persistent scheduler); under async, a block the vote flags is walked
     /// again after the next one.
     pub persist: bool,
-    /// Of a key tile's 16 groups of 8 keys, how many take 2^x from a polynomial on the FMA pipe
-    /// instead of the MUFU (FDPP_EXP_POLY, `--set hopper_exp_poly=N`; the kernel's comment
-    /// says why head_dim 64 needs it).
-    pub poly: u8,
 }
 
 impl Schedule {
@@ -69,7 +65,6 @@ impl Schedule {
         runs: false,
         diag: 0,
         persist: false,
-        poly: 0,
     };
 
     /// The default where most key tiles come as one TMA box per 64 columns (pages of 128 slots
@@ -105,7 +100,6 @@ impl Schedule {
             runs: false,
             diag: 0,
             persist: false,
-            poly: 0,
         }
     }
 
@@ -142,9 +136,6 @@ impl Schedule {
         }
         if self.persist {
             t.push_str("-persist");
-        }
-        if self.poly != 0 {
-            t.push_str(&format!("-poly{}", self.poly));
         }
         if self.diag != 0 {
             t.push_str(&format!("-diag{}", self.diag));
@@ -201,22 +192,6 @@ impl Schedule {
         Ok(self)
     }
 
-    /// `FDPP_HOPPER_EXP_POLY=0..16` on top of [`Schedule::parse`] (unset: `self`'s).
-    fn parse_poly(mut self, poly: Option<&str>) -> Result<Self> {
-        if let Some(v) = poly.map(str::trim).filter(|s| !s.is_empty()) {
-            self.poly = match v.parse::<u8>() {
-                Ok(n) if usize::from(n) <= BN / 8 => n,
-                _ => {
-                    return Err(FdppError::InvalidArgument(format!(
-                        "FDPP_HOPPER_EXP_POLY={v}: expected a number of key groups from 0 to {}",
-                        BN / 8
-                    )))
-                }
-            };
-        }
-        Ok(self)
-    }
-
     /// From the run configuration: `--set hopper_stages=…` etc., else the FDPP_* variables,
     /// each switch left unset keeping `base`'s. (Read from the environment alone before session
     /// 15, which silently ignored the flags.)
@@ -228,8 +203,7 @@ impl Schedule {
             rc.get(Key::HopperOverlap),
             rc.get(Key::HopperPingpong),
         )?
-        .parse_diag(rc.get(Key::HopperDiag))?
-        .parse_poly(rc.get(Key::HopperExpPoly))
+        .parse_diag(rc.get(Key::HopperDiag))
     }
 }
 /// Query rows per block (two consumer warpgroups of 64) and keys per tile (the kernel's BM, BN).
@@ -616,15 +590,6 @@ mod tests {
         );
         assert_eq!(d.parse_diag(Some("3")).unwrap().diag, 3);
         assert!(d.parse_diag(Some("4")).is_err());
-        // hopper_exp_poly: 0..=16 key groups, unset keeps the base's, named in the URI.
-        assert_eq!(d.parse_poly(None).unwrap(), d);
-        let p = d.parse_poly(Some("4")).unwrap();
-        assert_eq!((p.poly, p.tag().as_str()), (4, "s2o0p0-poly4"));
-        assert_eq!(d.parse_poly(Some("16")).unwrap().poly, 16);
-        for bad in ["17", "-1", "half"] {
-            let e = d.parse_poly(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains("FDPP_HOPPER_EXP_POLY") && e.contains("0 to 16"), "{e}");
-        }
         let other = sources::attn_prefill_source(crate::dtype::DType::F16, 128);
         assert!(sources::compiles_for(&other, "sm_80"));
     }

@@ -239,7 +239,6 @@ pub fn attn_prefill_hopper_source(dtype: DType, head_dim: usize, v: super::prefi
             ("FDPP_RUN_BOXES".into(), u8::from(v.runs).to_string()),
             ("FDPP_DIAG".into(), v.diag.to_string()),
             ("FDPP_PERSIST".into(), u8::from(v.persist).to_string()),
-            ("FDPP_EXP_POLY".into(), v.poly.to_string()),
         ],
     }
 }
