@@ -75,6 +75,40 @@ fn the_cubin_cache_hits_on_the_second_compile_and_misses_after_an_edit() {
 
 #[test]
 #[ignore = "needs NVRTC"]
+fn the_cubin_cache_is_filled_by_kernels_check() {
+    // `kernels check --fill-cache` stores the CUBIN under the name the runtime looks up
+    // (jit::cache_path: spec URI and a hash of its text, defines and arch).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = sources::attn_decode_source(DType::F16, 64, 1);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fdpp"))
+        .args([
+            "kernels",
+            "check",
+            "--arch",
+            "sm_90a",
+            "--only",
+            &src.uri,
+            "--fill-cache",
+        ])
+        .env("FDPP_CACHE_DIR", dir.path())
+        .output()
+        .expect("run fdpp");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("all 1 kernel compiles succeeded"), "{stdout}");
+    let want = jit::cache_path(&src, "sm_90a").expect("a cache path");
+    let name = want.file_name().expect("a file name");
+    let stored = dir.path().join(fdpp::VERSION).join("sm_90a").join(name);
+    let bytes = std::fs::read(&stored).unwrap_or_else(|e| panic!("{}: {e}", stored.display()));
+    assert!(bytes.starts_with(b"\x7fELF"), "{} is not a CUBIN", stored.display());
+}
+
+#[test]
+#[ignore = "needs NVRTC"]
 fn nvrtc_compiles_every_layer_kernel_entry_point() {
     use fdpp::backend::layer_plan::LayerKernel;
     for dt in [DType::F16, DType::Bf16] {

@@ -34,6 +34,11 @@ pub enum KernelsCmd {
         /// `nvdisasm` or `cuobjdump -sass` (no GPU needed).
         #[arg(long, value_name = "DIR")]
         emit: Option<std::path::PathBuf>,
+        /// Also store each CUDA CUBIN in the kernel cache (FDPP_CACHE_DIR), where the first run
+        /// of a command would compile it one spec at a time: here the compiles run one per core.
+        /// Run-configuration switches that change a kernel's defines (`--set`) are not applied.
+        #[arg(long)]
+        fill_cache: bool,
     },
     /// List every kernel spec URI and the kernel source hash.
     List {
@@ -85,18 +90,21 @@ pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
             backend: KernelBackend::Cuda,
             only,
             emit,
+            fill_cache,
         } => check(
             &or_default(arch, "sm_80,sm_89,sm_90a"),
             only.as_deref(),
             emit.as_deref(),
+            fill_cache,
         ),
         KernelsCmd::Check {
             backend: KernelBackend::Rocm,
             only,
             emit,
+            fill_cache,
             ..
-        } if only.is_some() || emit.is_some() => {
-            bail!("kernels check --only and --emit work on the CUDA specs; drop them with --backend rocm")
+        } if only.is_some() || emit.is_some() || fill_cache => {
+            bail!("kernels check --only, --emit and --fill-cache work on the CUDA specs; drop them with --backend rocm")
         }
         KernelsCmd::Check {
             arch,
@@ -115,7 +123,7 @@ fn or_default(arch: Vec<String>, default: &str) -> Vec<String> {
     }
 }
 
-fn check(archs: &[String], only: Option<&str>, emit: Option<&std::path::Path>) -> anyhow::Result<()> {
+fn check(archs: &[String], only: Option<&str>, emit: Option<&std::path::Path>, fill_cache: bool) -> anyhow::Result<()> {
     if let Some(dir) = emit {
         std::fs::create_dir_all(dir)
             .map_err(|e| anyhow::anyhow!("--emit {}: cannot create the directory: {e}", dir.display()))?;
@@ -163,6 +171,19 @@ fn check(archs: &[String], only: Option<&str>, emit: Option<&std::path::Path>) -
                     if let Err(e) = std::fs::write(&path, &c) {
                         eprintln!("--emit: cannot write {}: {e}", path.display());
                         failed.push(format!("{} on {arch} (not written)", s.uri));
+                    }
+                }
+                if fill_cache {
+                    // The path the runtime looks up (jit::cubin_cached), keyed by text, defines
+                    // and arch.
+                    let stored = jit::cache_path(s, arch)
+                        .ok_or_else(|| "no cache directory (HOME unset; set FDPP_CACHE_DIR)".to_string())
+                        .and_then(|p| {
+                            crate::profile::write_atomic(&p, &c).map_err(|e| format!("{}: {e}", p.display()))
+                        });
+                    if let Err(e) = stored {
+                        eprintln!("--fill-cache: {} on {arch}: {e}", s.uri);
+                        failed.push(format!("{} on {arch} (not cached)", s.uri));
                     }
                 }
             }
