@@ -247,6 +247,66 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
     }
 }
 
+// FDPP_DECODE_BW_PIPE=1 (switch decode_bw_pipe; off by default): the async bandwidth loop with
+// one head per block (MHA, head_dim 128+) software-pipelined across rounds: round r + 1's page ids
+// and K/V rows are requested before round r is consumed, so a block keeps a round of loads in
+// flight while it computes (accumulate_bw drains them every round and leaves the overlap to the
+// SM's other blocks). Twice the K/V registers: 125-127 against 80, 4 blocks per SM against 6.
+// Measured on the H100 (reports/NOTES.md, session 27), MHA d128 async, TB/s against
+// accumulate_bw in the same call: 8 · 1024 2.45 → 2.57-2.61, 64 · 1024-16384 2.99 → 3.03-3.05,
+// 8 · 4096 level, 8 · 16384 3.00 → 2.98-2.99; d256 level to +2 %; d64 1 % slower at batch 64
+// (hence D ≥ 128). But the split planner's waves move with the occupancy: at batch 24 · 1024
+// 2.71 against 2.97, at 32 · 1024 2.65 (2 splits; 2.99 with 1) against 2.71, and Llama2-7B's
+// TPOT at batch 32 went 12.11 → 12.24 ms (batch 16 8.30 → 8.25, 64 17.39 → 17.31). Not a
+// default until the planner chooses the kernel with the split count. The sync kernel (72
+// registers, 7 blocks per SM) ran 1-4 % slower with it and never takes it, nor the HG 2-4 ones.
+#ifndef FDPP_DECODE_BW_PIPE
+#define FDPP_DECODE_BW_PIPE 0
+#endif
+constexpr bool BW_PIPE = FDPP_DECODE_BW_PIPE && HG == 1 && D >= 128;
+
+template <int U>
+__device__ __forceinline__ void load_round_bw(uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, size_t row_elems, size_t col, int base, int t1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int t = base + u;
+        ok[u] = t < t1;
+        if (ok[u]) {
+            const int page = pages[t / page_size];
+            const size_t at = ((size_t)page * page_size + t % page_size) * row_elems + col;
+            kr[u] = ld_stream16(kp + at);
+            vr[u] = ld_stream16(vp + at);
+        }
+    }
+}
+
+template <bool ASYNC, int NT, int U, int NH>
+__device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
+                                                   const u16* __restrict__ vp, const int* __restrict__ pages,
+                                                   int page_size, int G, int kvh, int t0, int t1, float phi2,
+                                                   float b2) {
+    using S = Shape<NT, U>;
+    const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
+    const size_t row_elems = (size_t)G * D, col = (size_t)kvh * D + li * 8;
+    uint4 ka[U], va[U], kb[U], vb[U];
+    bool oa[U], ob[U];
+    // Two named buffers, alternating by hand: a copy between them would be 16 moves a round.
+    // The trip count is the same for every group (the shuffles in consume need whole warps).
+    int base0 = t0;
+    if (base0 < t1) load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, row_elems, col, base0 + gid * U, t1);
+    while (base0 < t1) {
+        load_round_bw<U>(kb, vb, ob, kp, vp, pages, page_size, row_elems, col, base0 + S::ROUND + gid * U, t1);
+        consume<ASYNC, U, NH>(p, qr, ka, va, oa, phi2, b2);
+        base0 += S::ROUND;
+        if (base0 >= t1) break;
+        load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, row_elems, col, base0 + S::ROUND + gid * U, t1);
+        consume<ASYNC, U, NH>(p, qr, kb, vb, ob, phi2, b2);
+        base0 += S::ROUND;
+    }
+}
+
 // Tokens [t0, t1) into `p` by the loop of the path the kernel is built for (BW: the bandwidth
 // path's, else the latency path's), for the block's `nh` live heads. At HG = 3 a group's partial
 // last chunk (ratio 5: 3 + 2) takes a loop over 2 heads, picked by a block-uniform branch once per
@@ -258,7 +318,9 @@ template <bool ASYNC, int NT, int U, bool BW, int NH>
 __device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
                                               int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
-    if constexpr (BW)
+    if constexpr (BW && ASYNC && BW_PIPE)
+        accumulate_bw_pipe<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+    else if constexpr (BW)
         accumulate_bw<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
     else
         accumulate<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
@@ -852,14 +914,15 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     }
 
 // Blocks per SM (0: ptxas's choice). The bandwidth path's async kernel with one head per block is
-// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5). With three
-// heads per block (GQA 3, 5, 6, 9) it is held to 128 registers, 4 blocks per SM (144 otherwise: 3;
-// ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 % faster at
-// 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel keeps its
-// registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
+// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5), or with its
+// pipelined loop (BW_PIPE) to 128, 4 blocks per SM. With three heads per block (GQA 3, 5, 6, 9)
+// it is held to 128 registers, 4 blocks per SM (144 otherwise: 3; ptxas spills 12 bytes at d128):
+// measured on the H100 at d128, batch 16-64, 6-17 % faster at 4096-32768 keys, and 22-27 % at
+// batch 1 · 32768, level elsewhere. Every other kernel keeps its registers (a minimum of 1 is not
+// neutral: it let ptxas take 8-16 more).
 #if FDPP_HG <= 4
 FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? (BW_PIPE ? 4 : 6) : HG == 3 ? 4 : 0)
 #endif
 
 // The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc

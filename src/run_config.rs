@@ -26,6 +26,7 @@ pub enum Key {
     DecodeTc,
     DecodeTcStages,
     DecodePrefetch,
+    DecodeBwPipe,
     SoftmaxWindows,
     HopperTma,
     HopperQTma,
@@ -212,6 +213,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "64",
         kind: Kind::Behaviour,
         what: "how many keys' K/V lines a CUDA async decode block with a split of 512+ keys requests into L2 before it waits for the previous kernel (PDL)",
+    },
+    KeyInfo {
+        key: Key::DecodeBwPipe,
+        name: "decode_bw_pipe",
+        env: "FDPP_DECODE_BW_PIPE",
+        values: "0|1",
+        default: "0",
+        kind: Kind::Behaviour,
+        what: "the CUDA async decode's bandwidth loop with one head per block (MHA, head_dim 128+) software-pipelined: the next round's K/V requested before this one is consumed (4 blocks per SM instead of 6)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,
@@ -584,7 +594,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 38);
+        assert_eq!(KEYS.len(), 39);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

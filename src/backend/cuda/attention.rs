@@ -288,10 +288,14 @@ pub fn decode(
     };
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let prefetch = super::decode_tc::prefetch_keys()?;
+    let pipe = super::decode_tc::bw_pipe()?;
     let src = || {
         let mut s = attn_decode_source(p.dtype, d, hg);
         if let Some(n) = prefetch {
             s.defines.push(("FDPP_DECODE_PREFETCH".into(), n.to_string()));
+        }
+        if let Some(on) = pipe {
+            s.defines.push(("FDPP_DECODE_BW_PIPE".into(), u8::from(on).to_string()));
         }
         Ok(s)
     };

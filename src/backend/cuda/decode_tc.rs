@@ -47,6 +47,22 @@ pub fn prefetch_keys() -> Result<Option<usize>> {
     parse_prefetch(run_config::get().get(Key::DecodePrefetch)).map_err(FdppError::InvalidArgument)
 }
 
+/// `decode_bw_pipe` (`FDPP_DECODE_BW_PIPE=0|1`): whether the async bandwidth loop with one head
+/// per block is software-pipelined across rounds (kernels_cuda/attn_decode.cu
+/// `accumulate_bw_pipe`; off by default, the kernel's comment says why); `None` when unset.
+pub fn bw_pipe() -> Result<Option<bool>> {
+    parse_bw_pipe(run_config::get().get(Key::DecodeBwPipe)).map_err(FdppError::InvalidArgument)
+}
+
+fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<Option<bool>, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("1") => Ok(Some(true)),
+        Some("0") => Ok(Some(false)),
+        Some(o) => Err(format!("decode_bw_pipe (FDPP_DECODE_BW_PIPE) = '{o}': expected 1 or 0")),
+    }
+}
+
 fn parse_prefetch(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
     match v.map(str::trim) {
         None | Some("") => Ok(None),
@@ -140,6 +156,18 @@ mod tests {
         for bad in ["-1", "1025", "lots"] {
             let e = parse_prefetch(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_PREFETCH") && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
+        assert_eq!(parse_bw_pipe(None), Ok(None));
+        assert_eq!(parse_bw_pipe(Some(" ")), Ok(None));
+        assert_eq!(parse_bw_pipe(Some("1")), Ok(Some(true)));
+        assert_eq!(parse_bw_pipe(Some(" 0")), Ok(Some(false)));
+        for bad in ["2", "yes", "-1"] {
+            let e = parse_bw_pipe(Some(bad)).unwrap_err();
+            assert!(e.contains("FDPP_DECODE_BW_PIPE") && e.contains(bad), "{e}");
         }
     }
 
