@@ -217,6 +217,25 @@ __device__ __forceinline__ void accumulate(Part& p, const float (&qr)[HG][8], co
     }
 }
 
+// One round of the bandwidth loop for the lane's token group: tokens base .. base + U − 1 below
+// t1, each looking up its page as it goes (page id, then K/V), this lane's 16 bytes of each row.
+template <int U>
+__device__ __forceinline__ void load_round_bw(uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U], const u16* __restrict__ kp,
+                                              const u16* __restrict__ vp, const int* __restrict__ pages,
+                                              int page_size, int G, int kvh, int li, int base, int t1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int t = base + u;
+        ok[u] = t < t1;
+        if (ok[u]) {
+            const int page = pages[t / page_size];
+            const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
+            kr[u] = ld_stream16(kp + at);
+            vr[u] = ld_stream16(vp + at);
+        }
+    }
+}
+
 // The bandwidth path's loop (session 3): per round each group takes U consecutive tokens and looks
 // up each token's page as it goes (page id, then K/V). Measured 5-15 % faster than the loop above
 // wherever the batch fills the device or the splits are long (reports/NOTES-decode-s4.md); the
@@ -229,20 +248,9 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
     const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
     // The trip count is the same for every group: the shuffles in consume need whole warps.
     for (int base0 = t0; base0 < t1; base0 += S::ROUND) {
-        const int base = base0 + gid * U;
         uint4 kr[U], vr[U];
         bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = base + u;
-            ok[u] = t < t1;
-            if (ok[u]) {
-                const int page = pages[t / page_size];
-                const size_t at = ((size_t)page * page_size + t % page_size) * G * D + (size_t)kvh * D + li * 8;
-                kr[u] = ld_stream16(kp + at);
-                vr[u] = ld_stream16(vp + at);
-            }
-        }
+        load_round_bw<U>(kr, vr, ok, kp, vp, pages, page_size, G, kvh, li, base0 + gid * U, t1);
         consume<ASYNC, U, NH>(p, qr, kr, vr, ok, phi2, b2);
     }
 }
@@ -251,8 +259,8 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
 // one head per block (MHA, head_dim 128+) software-pipelined across rounds: round r + 1's page ids
 // and K/V rows are requested before round r is consumed, so a block keeps a round of loads in
 // flight while it computes (accumulate_bw drains them every round and leaves the overlap to the
-// SM's other blocks). Twice the K/V registers: 125-127 against 80, 4 blocks per SM against 6.
-// Measured on the H100 (reports/NOTES.md, session 27), MHA d128 async, TB/s against
+// SM's other blocks). Twice the K/V registers: 119-127 against 80 (NVRTC 13.0), 4 blocks per SM
+// against 6. Measured on the H100 (reports/NOTES.md, session 27), MHA d128 async, TB/s against
 // accumulate_bw in the same call: 8 · 1024 2.45 → 2.57-2.61, 64 · 1024-16384 2.99 → 3.03-3.05,
 // 8 · 4096 level, 8 · 16384 3.00 → 2.98-2.99; d256 level to +2 %; d64 1 % slower at batch 64
 // (hence D ≥ 128). But the split planner's waves move with the occupancy: at batch 24 · 1024
@@ -265,23 +273,6 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
 #endif
 constexpr bool BW_PIPE = FDPP_DECODE_BW_PIPE && HG == 1 && D >= 128;
 
-template <int U>
-__device__ __forceinline__ void load_round_bw(uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U], const u16* __restrict__ kp,
-                                              const u16* __restrict__ vp, const int* __restrict__ pages,
-                                              int page_size, size_t row_elems, size_t col, int base, int t1) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int t = base + u;
-        ok[u] = t < t1;
-        if (ok[u]) {
-            const int page = pages[t / page_size];
-            const size_t at = ((size_t)page * page_size + t % page_size) * row_elems + col;
-            kr[u] = ld_stream16(kp + at);
-            vr[u] = ld_stream16(vp + at);
-        }
-    }
-}
-
 template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                                    const u16* __restrict__ vp, const int* __restrict__ pages,
@@ -289,19 +280,18 @@ __device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG
                                                    float b2) {
     using S = Shape<NT, U>;
     const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
-    const size_t row_elems = (size_t)G * D, col = (size_t)kvh * D + li * 8;
     uint4 ka[U], va[U], kb[U], vb[U];
     bool oa[U], ob[U];
     // Two named buffers, alternating by hand: a copy between them would be 16 moves a round.
     // The trip count is the same for every group (the shuffles in consume need whole warps).
     int base0 = t0;
-    if (base0 < t1) load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, row_elems, col, base0 + gid * U, t1);
+    if (base0 < t1) load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, G, kvh, li, base0 + gid * U, t1);
     while (base0 < t1) {
-        load_round_bw<U>(kb, vb, ob, kp, vp, pages, page_size, row_elems, col, base0 + S::ROUND + gid * U, t1);
+        load_round_bw<U>(kb, vb, ob, kp, vp, pages, page_size, G, kvh, li, base0 + S::ROUND + gid * U, t1);
         consume<ASYNC, U, NH>(p, qr, ka, va, oa, phi2, b2);
         base0 += S::ROUND;
         if (base0 >= t1) break;
-        load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, row_elems, col, base0 + S::ROUND + gid * U, t1);
+        load_round_bw<U>(ka, va, oa, kp, vp, pages, page_size, G, kvh, li, base0 + S::ROUND + gid * U, t1);
         consume<ASYNC, U, NH>(p, qr, kb, vb, ob, phi2, b2);
         base0 += S::ROUND;
     }
