@@ -294,8 +294,10 @@ pub fn decode(
         if let Some(n) = prefetch {
             s.defines.push(("FDPP_DECODE_PREFETCH".into(), n.to_string()));
         }
-        if let Some(on) = pipe {
-            s.defines.push(("FDPP_DECODE_BW_PIPE".into(), u8::from(on).to_string()));
+        // Off is the kernel's default: no define, so the source matches `all_sources()`'s (and a
+        // cache filled by `kernels check --fill-cache`).
+        if pipe {
+            s.defines.push(("FDPP_DECODE_BW_PIPE".into(), "1".into()));
         }
         Ok(s)
     };

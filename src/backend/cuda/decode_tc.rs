@@ -49,17 +49,16 @@ pub fn prefetch_keys() -> Result<Option<usize>> {
 
 /// `decode_bw_pipe` (`FDPP_DECODE_BW_PIPE=0|1`): whether the async bandwidth loop with one head
 /// per block is software-pipelined across rounds (kernels_cuda/attn_decode.cu
-/// `accumulate_bw_pipe`; off by default, the kernel's comment says why); `None` when unset.
-pub fn bw_pipe() -> Result<Option<bool>> {
+/// `accumulate_bw_pipe`; off by default, the kernel's comment says why).
+pub fn bw_pipe() -> Result<bool> {
     parse_bw_pipe(run_config::get().get(Key::DecodeBwPipe)).map_err(FdppError::InvalidArgument)
 }
 
-fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<Option<bool>, String> {
+fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<bool, String> {
     match v.map(str::trim) {
-        None | Some("") => Ok(None),
-        Some("1") => Ok(Some(true)),
-        Some("0") => Ok(Some(false)),
-        Some(o) => Err(format!("decode_bw_pipe (FDPP_DECODE_BW_PIPE) = '{o}': expected 1 or 0")),
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(o) => Err(format!("decode_bw_pipe (FDPP_DECODE_BW_PIPE) = '{o}': expected 0 or 1")),
     }
 }
 
@@ -161,10 +160,10 @@ mod tests {
 
     #[test]
     fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
-        assert_eq!(parse_bw_pipe(None), Ok(None));
-        assert_eq!(parse_bw_pipe(Some(" ")), Ok(None));
-        assert_eq!(parse_bw_pipe(Some("1")), Ok(Some(true)));
-        assert_eq!(parse_bw_pipe(Some(" 0")), Ok(Some(false)));
+        assert_eq!(parse_bw_pipe(None), Ok(false));
+        assert_eq!(parse_bw_pipe(Some(" ")), Ok(false));
+        assert_eq!(parse_bw_pipe(Some("1")), Ok(true));
+        assert_eq!(parse_bw_pipe(Some(" 0")), Ok(false));
         for bad in ["2", "yes", "-1"] {
             let e = parse_bw_pipe(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_BW_PIPE") && e.contains(bad), "{e}");
