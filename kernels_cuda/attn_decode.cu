@@ -255,23 +255,18 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
     }
 }
 
-// FDPP_DECODE_BW_PIPE=1 (switch decode_bw_pipe; off by default): the async bandwidth loop with
-// one head per block (MHA, head_dim 128+) software-pipelined across rounds: round r + 1's page ids
-// and K/V rows are requested before round r is consumed, so a block keeps a round of loads in
-// flight while it computes (accumulate_bw drains them every round and leaves the overlap to the
-// SM's other blocks). Twice the K/V registers: 119-127 against 80 (NVRTC 13.0), 4 blocks per SM
-// against 6. Measured on the H100 (reports/NOTES.md, session 27), MHA d128 async, TB/s against
-// accumulate_bw in the same call: 8 · 1024 2.45 → 2.57-2.61, 64 · 1024-16384 2.99 → 3.03-3.05,
-// 8 · 4096 level, 8 · 16384 3.00 → 2.98-2.99; d256 level to +2 %; d64 1 % slower at batch 64
-// (hence D ≥ 128). But the split planner's waves move with the occupancy: at batch 24 · 1024
-// 2.71 against 2.97, at 32 · 1024 2.65 (2 splits; 2.99 with 1) against 2.71, and Llama2-7B's
-// TPOT at batch 32 went 12.11 → 12.24 ms (batch 16 8.30 → 8.25, 64 17.39 → 17.31). Not a
-// default until the planner chooses the kernel with the split count. The sync kernel (72
-// registers, 7 blocks per SM) ran 1-4 % slower with it and never takes it, nor the HG 2-4 ones.
-#ifndef FDPP_DECODE_BW_PIPE
-#define FDPP_DECODE_BW_PIPE 0
-#endif
-constexpr bool BW_PIPE = FDPP_DECODE_BW_PIPE && HG == 1 && D >= 128;
+// The async bandwidth loop with one head per block (MHA, head_dim 128+) software-pipelined across
+// rounds (entry attn_decode_async_pipe): round r + 1's page ids and K/V rows are requested before
+// round r is consumed, so a block keeps a round of loads in flight while it computes
+// (accumulate_bw drains them every round and leaves the overlap to the SM's other blocks). Twice
+// the K/V registers: 119-127 against 80 (NVRTC 13.0), 4 blocks per SM against 6. Measured on the
+// H100 (reports/NOTES.md, sessions 27-28), MHA d128 async, TB/s against accumulate_bw in the same
+// call: 64 · 1024-16384 2.97-3.00 → 3.03-3.05, 16 · 1024 2.86 → 2.90, 8 · 4096 level, 8 · 16384
+// 3.00 → 2.96-2.99; d256 level to +2 %; d64 1 % slower at batch 64 (hence D ≥ 128). Its fewer
+// resident blocks move the split planner's waves (24 · 1024: 2.68 against 2.99), so the host picks
+// it per launch together with the split count (cuda/attention.rs `pick_bw_pipe`). The sync kernel
+// (72 registers, 7 blocks per SM) ran 1-4 % slower with it, and the HG 2-4 kernels never take it.
+constexpr bool PIPE_BUILT = HG == 1 && D >= 128;
 
 template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
@@ -304,11 +299,11 @@ __device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG
 // masked heads (ratios 7, 10, 11, 13-15) are computed on zero q: the second loop there gained
 // ratio 7 2-8 % but cost the powers of two's four-head kernels 1-2 % (sync, batch 16), and HG 4
 // serves ratios 4, 8 and 16.
-template <bool ASYNC, int NT, int U, bool BW, int NH>
+template <bool ASYNC, int NT, int U, bool BW, int NH, bool PIPE>
 __device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
                                               int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
-    if constexpr (BW && ASYNC && BW_PIPE)
+    if constexpr (BW && ASYNC && PIPE && PIPE_BUILT)
         accumulate_bw_pipe<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
     else if constexpr (BW)
         accumulate_bw<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
@@ -316,18 +311,18 @@ __device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8],
         accumulate<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
 }
 
-template <bool ASYNC, int NT, int U, bool BW>
+template <bool ASYNC, int NT, int U, bool BW, bool PIPE>
 __device__ __forceinline__ void accumulate_path(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                                 const u16* __restrict__ vp, const int* __restrict__ pages,
                                                 int page_size, int G, int kvh, int t0, int t1, float phi2,
                                                 float b2, int nh) {
     if constexpr (HG == 3) {
         if (nh < HG) {
-            accumulate_nh<ASYNC, NT, U, BW, HG - 1>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+            accumulate_nh<ASYNC, NT, U, BW, HG - 1, PIPE>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
             return;
         }
     }
-    accumulate_nh<ASYNC, NT, U, BW, HG>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
+    accumulate_nh<ASYNC, NT, U, BW, HG, PIPE>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
 }
 
 // Shared memory of one block: each warp's merged state, then the epilogue's per-head values.
@@ -472,7 +467,7 @@ __device__ __forceinline__ void load_q(float (&qr)[HG][8], const u16* __restrict
 // (attn_decode_tc.cuh), ST ≥ 2 its staged form with ST shared-memory stages per warp (bandwidth
 // path only); BW the bandwidth path's loop over the latency path's (the tensor-core pass: page
 // ids looked up per step, or a step ahead).
-template <bool ASYNC, int NT, int U, bool BW, int TC>
+template <bool ASYNC, int NT, int U, bool BW, int TC, bool PIPE = false>
 __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT],
                                            const u16* __restrict__ q, int row0, int nh, float scale2,
                                            const u16* __restrict__ kp, const u16* __restrict__ vp,
@@ -490,7 +485,7 @@ __device__ __forceinline__ void block_pass(Smem<Shape<NT, U>::NW>& sm, float (&a
         load_q(qr, q, row0, scale2, nh);
         Part p;
         init_part(p, ASYNC ? phi2 : -FDPP_INF);
-        accumulate_path<ASYNC, NT, U, BW>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2, nh);
+        accumulate_path<ASYNC, NT, U, BW, PIPE>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2, nh);
         block_merge<ASYNC, NT, U>(sm, p, a);
     }
 }
@@ -767,7 +762,7 @@ attn_combine(const float* __restrict__ part, int rows, int splits, u16* __restri
 }
 
 // The async kernel of both paths (workspace: async_ws(); `recomputed` is a running total).
-template <int NT, int U, bool BW, int TC>
+template <int NT, int U, bool BW, int TC, bool PIPE = false>
 __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u16* __restrict__ kp,
                                              const u16* __restrict__ vp, const int* __restrict__ table,
                                              const int* __restrict__ lens, int max_pages, int page_size, int H, int G,
@@ -788,8 +783,8 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     pdl_trigger();
 
     float a[S::EPT];
-    block_pass<true, NT, U, BW, TC>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0, w.t1,
-                                    phi2, b2);
+    block_pass<true, NT, U, BW, TC, PIPE>(sm, a, q, row0, w.nh, scale2, kp, vp, pages, page_size, G, w.kvh, w.t0,
+                                          w.t1, phi2, b2);
 
     // Per head: the row's total l, and whether it is flagged (a bit per head of `bad`).
     float lh[HG];
@@ -904,15 +899,24 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
     }
 
 // Blocks per SM (0: ptxas's choice). The bandwidth path's async kernel with one head per block is
-// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5), or with its
-// pipelined loop (BW_PIPE) to 128, 4 blocks per SM. With three heads per block (GQA 3, 5, 6, 9)
-// it is held to 128 registers, 4 blocks per SM (144 otherwise: 3; ptxas spills 12 bytes at d128):
-// measured on the H100 at d128, batch 16-64, 6-17 % faster at 4096-32768 keys, and 22-27 % at
-// batch 1 · 32768, level elsewhere. Every other kernel keeps its registers (a minimum of 1 is not
-// neutral: it let ptxas take 8-16 more).
+// held to 80 registers, the 6 blocks per SM its earlier version had (90 otherwise: 5), its
+// pipelined form (attn_decode_async_pipe, MHA at head_dim 128+) to 128, 4 blocks per SM. With
+// three heads per block (GQA 3, 5, 6, 9) it is held to 128 registers, 4 blocks per SM (144
+// otherwise: 3; ptxas spills 12 bytes at d128): measured on the H100 at d128, batch 16-64, 6-17 %
+// faster at 4096-32768 keys, and 22-27 % at batch 1 · 32768, level elsewhere. Every other kernel
+// keeps its registers (a minimum of 1 is not neutral: it let ptxas take 8-16 more).
 #if FDPP_HG <= 4
 FDPP_DECODE_ENTRIES(_t128u4, 128, 4, false, 0, 0, 0)
-FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? (BW_PIPE ? 4 : 6) : HG == 3 ? 4 : 0)
+FDPP_DECODE_ENTRIES(, 128, 4, true, 0, 0, HG == 1 ? 6 : HG == 3 ? 4 : 0)
+#endif
+#if FDPP_HG == 1 && FDPP_D >= 128
+extern "C" __global__ void __launch_bounds__(128, 4) attn_decode_async_pipe(
+    const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp, const int* __restrict__ table,
+    const int* __restrict__ lens, int max_pages, int page_size, int H, int G, int splits, float scale2, float phi2,
+    float a2, float b2, float* __restrict__ ws, unsigned* __restrict__ recomputed, u16* __restrict__ out) {
+    decode_async<128, 4, true, 0, true>(q, kp, vp, table, lens, max_pages, page_size, H, G, splits, scale2, phi2, a2,
+                                        b2, ws, recomputed, out);
+}
 #endif
 
 // The tensor-core pass (attn_decode_tc.cuh), every head_dim, any HG up to 8: attn_decode_*_tc

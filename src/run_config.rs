@@ -218,10 +218,10 @@ pub const KEYS: &[KeyInfo] = &[
         key: Key::DecodeBwPipe,
         name: "decode_bw_pipe",
         env: "FDPP_DECODE_BW_PIPE",
-        values: "0|1",
-        default: "0",
+        values: "auto|0|1",
+        default: "auto",
         kind: Kind::Behaviour,
-        what: "the CUDA async decode's bandwidth loop with one head per block (MHA, head_dim 128+) software-pipelined: the next round's K/V requested before this one is consumed (4 blocks per SM instead of 6)",
+        what: "whether the CUDA async decode with one head per block (MHA, head_dim 128+) runs its software-pipelined loop (the next round's K/V requested before this one is consumed; 4 blocks per SM instead of 6); auto: at head_dim 128, where its waves fill better (chosen with the split count)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,

@@ -292,6 +292,62 @@ pub fn num_splits_resident(
     want.min(max).clamp(1, MAX_SPLITS)
 }
 
+/// Blocks per SM from which a wave of one-head async decode blocks streams at the card's rate:
+/// a last wave with fewer takes about as long as one with this many. Measured on the H100 (fp16,
+/// 32 heads, d128, `bench attention --splits 1`, reports/NOTES.md, session 28): 1024 keys, the
+/// 6-per-SM kernel 1.13 waves (0.8 blocks per SM left for the second) 2.27 TB/s, 1.29 (1.8)
+/// 2.59, 1.45 (2.7) 2.84, 1.62 (3.7) 2.96, one full wave 2.99.
+pub const TAIL_SATURATING_BLOCKS: f64 = 3.0;
+/// The pipelined async loop's streaming rate over the plain loop's in full waves (the same
+/// calls: 2.97-3.00 TB/s against 3.03-3.05 at batch 64 of 1024-16384 keys).
+pub const PIPELINED_RATE: f64 = 1.015;
+
+/// Time of a one-head decode launch in key-rounds of one block slot, up to a constant: every full
+/// wave of `resident_per_sm · sm_count` blocks costs `resident_per_sm` blocks' keys per SM, a last
+/// partial wave its blocks per SM but at least [`TAIL_SATURATING_BLOCKS`] (fewer stream slower),
+/// divided by the kernel's relative `rate`.
+pub fn wave_cost(
+    items: usize,
+    splits: usize,
+    kv_len: usize,
+    sm_count: usize,
+    resident_per_sm: usize,
+    rate: f64,
+) -> f64 {
+    let sms = sm_count.max(1);
+    let r = resident_per_sm.max(1);
+    let blocks = items.max(1) * splits.max(1);
+    let (full, tail) = (blocks / (r * sms), blocks % (r * sms));
+    let tail = if tail == 0 {
+        0.0
+    } else {
+        (tail as f64 / sms as f64).max(TAIL_SATURATING_BLOCKS)
+    };
+    kv_len.div_ceil(splits.max(1)) as f64 * (full as f64 * r as f64 + tail) / rate
+}
+
+/// Whether an async one-head decode launch (MHA) runs the pipelined loop with one split rather
+/// than the plain loop with `loop_splits` ([`num_splits_resident`] of its occupancy): by
+/// [`wave_cost`], once the (sequence, head) items alone reach the SM count. Where the plain loop
+/// needs two splits to fill its waves, one split of the pipelined kernel (fewer slots) often fills
+/// them instead: measured on the H100 (session 28, 32 heads, d128, TB/s), 28 · 1024 2.54 → 2.93,
+/// 32 · 1024 2.72 → 3.00, 32 · 4096 2.92 → 3.01, 64 · 4096 2.97 → 3.05; where the plain loop's
+/// waves are full (24 · 1024: 0.97 waves) it keeps them (the pipelined kernel: 2.68 against 2.99).
+pub fn prefer_pipelined(
+    items: usize,
+    kv_len: usize,
+    sm_count: usize,
+    loop_resident: usize,
+    loop_splits: usize,
+    pipe_resident: usize,
+) -> bool {
+    if items < sm_count.max(1) {
+        return false;
+    }
+    let pipe = wave_cost(items, 1, kv_len, sm_count, pipe_resident, PIPELINED_RATE);
+    pipe < wave_cost(items, loop_splits, kv_len, sm_count, loop_resident, 1.0)
+}
+
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
 /// [`BLOCKS_PER_SM`] per SM ([`SMALL_BATCH_BLOCKS_PER_SM`] when there are fewer items than SMs;
 /// one item is one thread block serving a whole GQA head group), with every split at least
@@ -559,6 +615,43 @@ mod tests {
         assert_eq!(num_splits(1, 4, 40000, 132), 78);
         assert_eq!(max_splits_for(0), SHORT_MAX_SPLITS);
         assert_eq!(num_splits(0, 0, 0, 0), 1);
+    }
+
+    #[test]
+    fn the_pipelined_loop_takes_the_batches_whose_waves_it_fills_better() {
+        // 32 heads, 132 SMs, the plain loop at 6 blocks per SM with its planner's splits, the
+        // pipelined one at 4 with one split (session 28's sweep: the faster kernel at each).
+        let pick = |batch: usize, kv: usize| {
+            let items = batch * 32;
+            let splits = num_splits_resident(batch, 32, kv, 132, 6, 1, 1, true);
+            prefer_pipelined(items, kv, 132, 6, splits, 4)
+        };
+        for (batch, kv) in [
+            (16, 1024),
+            (28, 1024),
+            (32, 1024),
+            (56, 1024),
+            (64, 1024),
+            (32, 4096),
+            (64, 16384),
+        ] {
+            assert!(pick(batch, kv), "{batch} x {kv}: pipelined");
+        }
+        for (batch, kv) in [
+            (4, 4096),
+            (8, 1024),
+            (12, 1024),
+            (20, 1024),
+            (24, 1024),
+            (36, 1024),
+            (40, 4096),
+        ] {
+            assert!(!pick(batch, kv), "{batch} x {kv}: plain loop");
+        }
+        // A last wave below TAIL_SATURATING_BLOCKS per SM counts as that many.
+        assert_eq!(wave_cost(132, 1, 100, 132, 6, 1.0), 100.0 * TAIL_SATURATING_BLOCKS);
+        assert_eq!(wave_cost(792, 1, 100, 132, 6, 1.0), 600.0);
+        assert_eq!(wave_cost(660, 2, 200, 132, 6, 1.0), 100.0 * (6.0 + 4.0));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::decode_tc::TcMode;
+use super::decode_tc::{BwPipe, TcMode};
 use super::launch::Launch;
 use super::sources::{
     attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, KernelSource, PREFILL_BM,
@@ -21,10 +21,12 @@ use crate::backend::{Backend, DeviceBuffer};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::attention::{AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{prefer_pipelined, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
 use crate::ops::layer::KvAppendParams;
 
 const THREADS: u32 = 128;
+/// The async bandwidth entry with the pipelined loop (built at one head per block, head_dim 128+).
+const PIPE_ENTRY: &str = "attn_decode_async_pipe";
 /// Threads of a prefill block: 16 query rows per warp (attn_prefill.cu's WARPS).
 const PREFILL_THREADS: u32 = (PREFILL_BM / 16 * 32) as u32;
 
@@ -288,16 +290,11 @@ pub fn decode(
     };
     let uri = format!("attn_decode_{}_d{d}_hg{hg}", p.dtype);
     let prefetch = super::decode_tc::prefetch_keys()?;
-    let pipe = super::decode_tc::bw_pipe()?;
+    let pipe_mode = super::decode_tc::bw_pipe()?;
     let src = || {
         let mut s = attn_decode_source(p.dtype, d, hg);
         if let Some(n) = prefetch {
             s.defines.push(("FDPP_DECODE_PREFETCH".into(), n.to_string()));
-        }
-        // Off is the kernel's default: no define, so the source matches `all_sources()`'s (and a
-        // cache filled by `kernels check --fill-cache`).
-        if pipe {
-            s.defines.push(("FDPP_DECODE_BW_PIPE".into(), "1".into()));
         }
         Ok(s)
     };
@@ -318,7 +315,37 @@ pub fn decode(
         first
     };
     let path = DecodePath::for_plan(&plan, p.scheme, cus);
-    let (sync_entry, async_entry, smem) = entries_of(path);
+    let (sync_entry, mut async_entry, smem) = entries_of(path);
+    // The pipelined async loop (one head per block, head_dim 128+, the CUDA-core pass's bandwidth
+    // path): picked with its own split count (`pick_bw_pipe`).
+    let mut plan = plan;
+    let mut piped = false;
+    if is_async && path == DecodePath::Bandwidth && !tc && hg == 1 && d >= 128 {
+        let forced = p.num_splits.is_some();
+        let loop_entry = (async_entry, smem);
+        let pipe_entry = (PIPE_ENTRY, 0);
+        let choice = match pipe_mode {
+            BwPipe::Off => None,
+            BwPipe::Auto if d != 128 || forced => None,
+            BwPipe::Auto => {
+                let r_loop = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, loop_entry, src)?;
+                let r_pipe = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, pipe_entry, src)?;
+                let items = plan.batch * plan.kv_heads;
+                prefer_pipelined(items, plan.max_len, cus, r_loop, plan.splits, r_pipe).then_some(1)
+            }
+            BwPipe::On if forced => Some(plan.splits),
+            BwPipe::On => {
+                let r_pipe = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, pipe_entry, src)?;
+                let own = DecodePlan::with_max_heads(p, cus, Some(r_pipe), mode.max_heads_per_block(d));
+                (DecodePath::for_plan(&own, p.scheme, cus) == DecodePath::Bandwidth).then_some(own.splits)
+            }
+        };
+        if let Some(splits) = choice {
+            plan.splits = splits;
+            async_entry = PIPE_ENTRY;
+            piped = true;
+        }
+    }
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
@@ -340,6 +367,7 @@ pub fn decode(
     };
     let (qp, kp, vp, op) = (b.ptr(q), b.ptr(&kv.k), b.ptr(&kv.v), b.ptr(out));
     let pass = match (tc, smem) {
+        (false, _) if piped => "CUDA-core, pipelined".to_string(),
         (false, _) => "CUDA-core".to_string(),
         (true, 0) => "tensor-core".to_string(),
         (true, _) => format!("tensor-core, {} cp.async stages", stages.unwrap_or(0)),

@@ -47,18 +47,31 @@ pub fn prefetch_keys() -> Result<Option<usize>> {
     parse_prefetch(run_config::get().get(Key::DecodePrefetch)).map_err(FdppError::InvalidArgument)
 }
 
-/// `decode_bw_pipe` (`FDPP_DECODE_BW_PIPE=0|1`): whether the async bandwidth loop with one head
-/// per block is software-pipelined across rounds (kernels_cuda/attn_decode.cu
-/// `accumulate_bw_pipe`; off by default, the kernel's comment says why).
-pub fn bw_pipe() -> Result<bool> {
+/// `decode_bw_pipe` (`FDPP_DECODE_BW_PIPE=auto|0|1`): which async bandwidth loop a launch with one
+/// head per block (MHA, head_dim 128+) runs: the software-pipelined one (kernels_cuda/attn_decode.cu
+/// `attn_decode_async_pipe`, 4 blocks per SM) or the plain one (6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwPipe {
+    /// Picked per launch with the split count (`ops::attention::prefer_pipelined`), at head_dim
+    /// 128 where it was measured; head_dim 256 keeps the plain loop.
+    Auto,
+    Off,
+    /// Wherever the kernel is built, with the split count planned from its own occupancy.
+    On,
+}
+
+pub fn bw_pipe() -> Result<BwPipe> {
     parse_bw_pipe(run_config::get().get(Key::DecodeBwPipe)).map_err(FdppError::InvalidArgument)
 }
 
-fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<bool, String> {
+fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<BwPipe, String> {
     match v.map(str::trim) {
-        None | Some("") | Some("0") => Ok(false),
-        Some("1") => Ok(true),
-        Some(o) => Err(format!("decode_bw_pipe (FDPP_DECODE_BW_PIPE) = '{o}': expected 0 or 1")),
+        None | Some("") | Some("auto") => Ok(BwPipe::Auto),
+        Some("0") => Ok(BwPipe::Off),
+        Some("1") => Ok(BwPipe::On),
+        Some(o) => Err(format!(
+            "decode_bw_pipe (FDPP_DECODE_BW_PIPE) = '{o}': expected auto, 0 or 1"
+        )),
     }
 }
 
@@ -160,10 +173,11 @@ mod tests {
 
     #[test]
     fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
-        assert_eq!(parse_bw_pipe(None), Ok(false));
-        assert_eq!(parse_bw_pipe(Some(" ")), Ok(false));
-        assert_eq!(parse_bw_pipe(Some("1")), Ok(true));
-        assert_eq!(parse_bw_pipe(Some(" 0")), Ok(false));
+        assert_eq!(parse_bw_pipe(None), Ok(BwPipe::Auto));
+        assert_eq!(parse_bw_pipe(Some(" ")), Ok(BwPipe::Auto));
+        assert_eq!(parse_bw_pipe(Some("auto")), Ok(BwPipe::Auto));
+        assert_eq!(parse_bw_pipe(Some("1")), Ok(BwPipe::On));
+        assert_eq!(parse_bw_pipe(Some(" 0")), Ok(BwPipe::Off));
         for bad in ["2", "yes", "-1"] {
             let e = parse_bw_pipe(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_BW_PIPE") && e.contains(bad), "{e}");
