@@ -264,7 +264,7 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
 // call: 64 · 1024-16384 2.97-3.00 → 3.03-3.05, 16 · 1024 2.86 → 2.90, 8 · 4096 level, 8 · 16384
 // 3.00 → 2.96-2.99; d256 level to +2 %; d64 1 % slower at batch 64 (hence D ≥ 128). Its fewer
 // resident blocks move the split planner's waves (24 · 1024: 2.68 against 2.99), so the host picks
-// it per launch together with the split count (cuda/attention.rs `pick_bw_pipe`). The sync kernel
+// it per launch together with the split count (ops::attention `plan_mha_async`). The sync kernel
 // (72 registers, 7 blocks per SM) ran 1-4 % slower with it, and the HG 2-4 kernels never take it.
 constexpr bool PIPE_BUILT = HG == 1 && D >= 128;
 

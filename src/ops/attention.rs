@@ -301,11 +301,26 @@ pub const TAIL_SATURATING_BLOCKS: f64 = 3.0;
 /// The pipelined async loop's streaming rate over the plain loop's in full waves (the same
 /// calls: 2.97-3.00 TB/s against 3.03-3.05 at batch 64 of 1024-16384 keys).
 pub const PIPELINED_RATE: f64 = 1.015;
+/// What a wave costs beyond its keys (its blocks' start and end), in keys of one block slot: a
+/// split of 1024 keys into two ran 8-10 % slower on the H100 in both kernels (session 28, batch
+/// 28-64, one split against two); 200 keys a wave separates the measured choices best.
+pub const WAVE_OVERHEAD_KEYS: f64 = 200.0;
+/// Longest split for which a batch within one wave of the plain loop takes the pipelined kernel
+/// at its own one-wave split count: at batch 8, 2 splits of 512 keys ran 2.61 TB/s against the
+/// plain loop's 3 splits at 2.47, 1024 keys 2.82 against 2.79, 2048 keys level, 8192 keys 1 %
+/// slower (session 28, three rounds).
+pub const PIPE_SHORT_SPLIT_KEYS: usize = 1024;
+/// Shortest split, and most splits, that a launch past one wave of the plain loop also weighs
+/// for either kernel: more, shorter blocks fill the last wave better where the blocks stay long
+/// (36 · 8192: one split 2.88 TB/s, two 3.01; 56 · 8192: 2.89, pipelined with two 3.01).
+pub const MHA_LONG_SPLIT_KEYS: usize = 2048;
+/// See [`MHA_LONG_SPLIT_KEYS`].
+pub const MHA_MAX_WAVE_SPLITS: usize = 6;
 
-/// Time of a one-head decode launch in key-rounds of one block slot, up to a constant: every full
+/// Time of a one-head decode launch in keys of one block slot, up to a constant: every full
 /// wave of `resident_per_sm · sm_count` blocks costs `resident_per_sm` blocks' keys per SM, a last
 /// partial wave its blocks per SM but at least [`TAIL_SATURATING_BLOCKS`] (fewer stream slower),
-/// divided by the kernel's relative `rate`.
+/// divided by the kernel's relative `rate`, and each wave [`WAVE_OVERHEAD_KEYS`] more.
 pub fn wave_cost(
     items: usize,
     splits: usize,
@@ -318,34 +333,67 @@ pub fn wave_cost(
     let r = resident_per_sm.max(1);
     let blocks = items.max(1) * splits.max(1);
     let (full, tail) = (blocks / (r * sms), blocks % (r * sms));
-    let tail = if tail == 0 {
-        0.0
+    let (waves, tail) = if tail == 0 {
+        (full, 0.0)
     } else {
-        (tail as f64 / sms as f64).max(TAIL_SATURATING_BLOCKS)
+        (full + 1, (tail as f64 / sms as f64).max(TAIL_SATURATING_BLOCKS))
     };
-    kv_len.div_ceil(splits.max(1)) as f64 * (full as f64 * r as f64 + tail) / rate
+    kv_len.div_ceil(splits.max(1)) as f64 * (full as f64 * r as f64 + tail) / rate + waves as f64 * WAVE_OVERHEAD_KEYS
 }
 
-/// Whether an async one-head decode launch (MHA) runs the pipelined loop with one split rather
-/// than the plain loop with `loop_splits` ([`num_splits_resident`] of its occupancy): by
-/// [`wave_cost`], once the (sequence, head) items alone reach the SM count. Where the plain loop
-/// needs two splits to fill its waves, one split of the pipelined kernel (fewer slots) often fills
-/// them instead: measured on the H100 (session 28, 32 heads, d128, TB/s), 28 · 1024 2.54 → 2.93,
-/// 32 · 1024 2.72 → 3.00, 32 · 4096 2.92 → 3.01, 64 · 4096 2.97 → 3.05; where the plain loop's
-/// waves are full (24 · 1024: 0.97 waves) it keeps them (the pipelined kernel: 2.68 against 2.99).
-pub fn prefer_pipelined(
+/// The kernel and split count of an async one-head decode launch (MHA): the plain loop with
+/// `loop_splits` ([`num_splits_resident`] of its `loop_resident` blocks per SM), or the pipelined
+/// loop (`pipe_resident`), whichever [`wave_cost`] finds cheaper among
+/// - the plain loop's plan (kept on a tie);
+/// - once the (sequence, head) items reach the SM count, the pipelined loop with one split:
+///   where the plain loop needs two splits to fill its waves, one split of the pipelined kernel
+///   (fewer slots) often fills them instead (session 28, 32 heads, d128, TB/s: 28 · 1024 2.54 →
+///   2.93, 32 · 1024 2.72 → 3.00, 64 · 4096 2.97 → 3.05; at 24 · 1024, 0.97 waves of the plain
+///   loop, it stays: the pipelined kernel ran 2.68 against 2.99);
+/// - within one wave of the plain loop, the pipelined loop at its own one-wave split count (two
+///   or more) where those splits are at most [`PIPE_SHORT_SPLIT_KEYS`] long;
+/// - past one wave of the plain loop, either kernel at 2..=[`MHA_MAX_WAVE_SPLITS`] splits of at
+///   least [`MHA_LONG_SPLIT_KEYS`] keys.
+///
+/// Returns (pipelined, splits).
+pub fn plan_mha_async(
     items: usize,
     kv_len: usize,
     sm_count: usize,
     loop_resident: usize,
     loop_splits: usize,
     pipe_resident: usize,
-) -> bool {
-    if items < sm_count.max(1) {
-        return false;
+) -> (bool, usize) {
+    let sms = sm_count.max(1);
+    let mut cands = vec![(false, loop_splits.max(1))];
+    if items >= sms {
+        cands.push((true, 1));
+        let one_wave = pipe_resident.max(1) * sms / items;
+        if items <= loop_resident.max(1) * sms && one_wave >= 2 && kv_len.div_ceil(one_wave) <= PIPE_SHORT_SPLIT_KEYS {
+            cands.push((true, one_wave));
+        }
+        if items > loop_resident.max(1) * sms {
+            for s in (2..=MHA_MAX_WAVE_SPLITS).filter(|&s| kv_len / s >= MHA_LONG_SPLIT_KEYS) {
+                cands.push((false, s));
+                cands.push((true, s));
+            }
+        }
     }
-    let pipe = wave_cost(items, 1, kv_len, sm_count, pipe_resident, PIPELINED_RATE);
-    pipe < wave_cost(items, loop_splits, kv_len, sm_count, loop_resident, 1.0)
+    let cost = |&(pipe, s): &(bool, usize)| {
+        let (r, rate) = if pipe {
+            (pipe_resident, PIPELINED_RATE)
+        } else {
+            (loop_resident, 1.0)
+        };
+        wave_cost(items, s, kv_len, sms, r, rate)
+    };
+    let mut best = cands[0];
+    for c in &cands[1..] {
+        if cost(c) < cost(&best) {
+            best = *c;
+        }
+    }
+    best
 }
 
 /// Split-KV count for decode (Flash-Decoding): enough (batch · kv_heads · splits) work items for
@@ -618,40 +666,43 @@ mod tests {
     }
 
     #[test]
-    fn the_pipelined_loop_takes_the_batches_whose_waves_it_fills_better() {
+    fn the_mha_async_plan_takes_the_kernel_and_splits_whose_waves_fill_best() {
         // 32 heads, 132 SMs, the plain loop at 6 blocks per SM with its planner's splits, the
-        // pipelined one at 4 with one split (session 28's sweep: the faster kernel at each).
+        // pipelined one at 4: the choices that measured fastest (or within 1 %) in session 28.
         let pick = |batch: usize, kv: usize| {
-            let items = batch * 32;
             let splits = num_splits_resident(batch, 32, kv, 132, 6, 1, 1, true);
-            prefer_pipelined(items, kv, 132, 6, splits, 4)
+            plan_mha_async(batch * 32, kv, 132, 6, splits, 4)
         };
-        for (batch, kv) in [
-            (16, 1024),
-            (28, 1024),
-            (32, 1024),
-            (56, 1024),
-            (64, 1024),
-            (32, 4096),
-            (64, 16384),
-        ] {
-            assert!(pick(batch, kv), "{batch} x {kv}: pipelined");
+        let cases = [
+            ((8, 1024), (true, 2)),
+            ((8, 2048), (true, 2)),
+            ((8, 4096), (false, 3)),
+            ((8, 16384), (false, 3)),
+            ((12, 1024), (false, 2)),
+            ((16, 1024), (true, 1)),
+            ((20, 1024), (false, 1)),
+            ((24, 1024), (false, 1)),
+            ((28, 1024), (true, 1)),
+            ((32, 1024), (true, 1)),
+            ((36, 1024), (false, 1)),
+            ((40, 4096), (false, 1)),
+            ((36, 4096), (false, 2)),
+            ((36, 8192), (false, 2)),
+            ((40, 8192), (true, 2)),
+            ((56, 1024), (true, 1)),
+            ((64, 1024), (true, 1)),
+            ((64, 16384), (true, 1)),
+        ];
+        for ((batch, kv), want) in cases {
+            assert_eq!(pick(batch, kv), want, "{batch} x {kv}");
         }
-        for (batch, kv) in [
-            (4, 4096),
-            (8, 1024),
-            (12, 1024),
-            (20, 1024),
-            (24, 1024),
-            (36, 1024),
-            (40, 4096),
-        ] {
-            assert!(!pick(batch, kv), "{batch} x {kv}: plain loop");
-        }
+        // Fewer items than SMs: the plain loop's plan whatever it is.
+        assert_eq!(plan_mha_async(100, 1 << 20, 132, 6, 7, 4), (false, 7));
         // A last wave below TAIL_SATURATING_BLOCKS per SM counts as that many.
-        assert_eq!(wave_cost(132, 1, 100, 132, 6, 1.0), 100.0 * TAIL_SATURATING_BLOCKS);
-        assert_eq!(wave_cost(792, 1, 100, 132, 6, 1.0), 600.0);
-        assert_eq!(wave_cost(660, 2, 200, 132, 6, 1.0), 100.0 * (6.0 + 4.0));
+        let h = WAVE_OVERHEAD_KEYS;
+        assert_eq!(wave_cost(132, 1, 100, 132, 6, 1.0), 100.0 * TAIL_SATURATING_BLOCKS + h);
+        assert_eq!(wave_cost(792, 1, 100, 132, 6, 1.0), 600.0 + h);
+        assert_eq!(wave_cost(660, 2, 200, 132, 6, 1.0), 100.0 * (6.0 + 4.0) + 2.0 * h);
     }
 
     #[test]

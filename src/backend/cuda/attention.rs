@@ -21,7 +21,7 @@ use crate::backend::{Backend, DeviceBuffer};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
-use crate::ops::attention::{prefer_pipelined, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
+use crate::ops::attention::{plan_mha_async, AttnStats, DecodeParams, PrefillParams, SoftmaxScheme};
 use crate::ops::layer::KvAppendParams;
 
 const THREADS: u32 = 128;
@@ -317,7 +317,7 @@ pub fn decode(
     let path = DecodePath::for_plan(&plan, p.scheme, cus);
     let (sync_entry, mut async_entry, smem) = entries_of(path);
     // The pipelined async loop (one head per block, head_dim 128+, the CUDA-core pass's bandwidth
-    // path): picked with its own split count (`pick_bw_pipe`).
+    // path), planned with its split count (`plan_mha_async`).
     let mut plan = plan;
     let mut piped = false;
     if is_async && path == DecodePath::Bandwidth && !tc && hg == 1 && d >= 128 {
@@ -331,7 +331,13 @@ pub fn decode(
                 let r_loop = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, loop_entry, src)?;
                 let r_pipe = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, pipe_entry, src)?;
                 let items = plan.batch * plan.kv_heads;
-                prefer_pipelined(items, plan.max_len, cus, r_loop, plan.splits, r_pipe).then_some(1)
+                match plan_mha_async(items, plan.max_len, cus, r_loop, plan.splits, r_pipe) {
+                    (true, splits) => Some(splits),
+                    (false, splits) => {
+                        plan.splits = splits;
+                        None
+                    }
+                }
             }
             BwPipe::On if forced => Some(plan.splits),
             BwPipe::On => {

@@ -52,7 +52,7 @@ pub fn prefetch_keys() -> Result<Option<usize>> {
 /// `attn_decode_async_pipe`, 4 blocks per SM) or the plain one (6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BwPipe {
-    /// Picked per launch with the split count (`ops::attention::prefer_pipelined`), at head_dim
+    /// Picked per launch with the split count (`ops::attention::plan_mha_async`), at head_dim
     /// 128 where it was measured; head_dim 256 keeps the plain loop.
     Auto,
     Off,
