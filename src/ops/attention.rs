@@ -306,10 +306,12 @@ pub const PIPELINED_RATE: f64 = 1.015;
 /// 28-64, one split against two); 200 keys a wave separates the measured choices best.
 pub const WAVE_OVERHEAD_KEYS: f64 = 200.0;
 /// Longest split for which a batch within one wave of the plain loop takes the pipelined kernel
-/// at its own one-wave split count: at batch 8, 2 splits of 512 keys ran 2.61 TB/s against the
-/// plain loop's 3 splits at 2.47, 1024 keys 2.82 against 2.79, 2048 keys level, 8192 keys 1 %
-/// slower (session 28, three rounds).
-pub const PIPE_SHORT_SPLIT_KEYS: usize = 1024;
+/// at two splits, where two of its waves' worth fit one wave: measured on the H100 (session 28,
+/// three rounds, 200 warm-ups), 2 splits of 512 keys ran 2.61 TB/s at batch 8 against the plain
+/// loop's 3 splits at 2.46-2.48 and 2.47-2.50 at batch 7 against 2.36-2.37; splits of 1024 keys
+/// were level at batch 8 (2.81 against 2.80) and 1.5 % slower at batch 7, 8192 keys 1 % slower;
+/// at batch 5 three pipelined splits of 342 or 683 keys ran 2 % slower than four plain ones.
+pub const PIPE_SHORT_SPLIT_KEYS: usize = 512;
 /// Shortest split, and most splits, that a launch past one wave of the plain loop also weighs
 /// for either kernel: more, shorter blocks fill the last wave better where the blocks stay long
 /// (36 · 8192: one split 2.88 TB/s, two 3.01; 56 · 8192: 2.89, pipelined with two 3.01).
@@ -350,8 +352,8 @@ pub fn wave_cost(
 ///   (fewer slots) often fills them instead (session 28, 32 heads, d128, TB/s: 28 · 1024 2.54 →
 ///   2.93, 32 · 1024 2.72 → 3.00, 64 · 4096 2.97 → 3.05; at 24 · 1024, 0.97 waves of the plain
 ///   loop, it stays: the pipelined kernel ran 2.68 against 2.99);
-/// - within one wave of the plain loop, the pipelined loop at its own one-wave split count (two
-///   or more) where those splits are at most [`PIPE_SHORT_SPLIT_KEYS`] long;
+/// - within one wave of the plain loop, the pipelined loop with two splits where two (not three)
+///   fit its own wave and they are at most [`PIPE_SHORT_SPLIT_KEYS`] long;
 /// - past one wave of the plain loop, either kernel at 2..=[`MHA_MAX_WAVE_SPLITS`] splits of at
 ///   least [`MHA_LONG_SPLIT_KEYS`] keys.
 ///
@@ -368,9 +370,9 @@ pub fn plan_mha_async(
     let mut cands = vec![(false, loop_splits.max(1))];
     if items >= sms {
         cands.push((true, 1));
-        let one_wave = pipe_resident.max(1) * sms / items;
-        if items <= loop_resident.max(1) * sms && one_wave >= 2 && kv_len.div_ceil(one_wave) <= PIPE_SHORT_SPLIT_KEYS {
-            cands.push((true, one_wave));
+        let two_fit = pipe_resident.max(1) * sms / items == 2;
+        if items <= loop_resident.max(1) * sms && two_fit && kv_len.div_ceil(2) <= PIPE_SHORT_SPLIT_KEYS {
+            cands.push((true, 2));
         }
         if items > loop_resident.max(1) * sms {
             for s in (2..=MHA_MAX_WAVE_SPLITS).filter(|&s| kv_len / s >= MHA_LONG_SPLIT_KEYS) {
@@ -675,7 +677,10 @@ mod tests {
         };
         let cases = [
             ((8, 1024), (true, 2)),
-            ((8, 2048), (true, 2)),
+            ((7, 1024), (true, 2)),
+            ((8, 2048), (false, 3)),
+            ((5, 1024), (false, 4)),
+            ((7, 2048), (false, 3)),
             ((8, 4096), (false, 3)),
             ((8, 16384), (false, 3)),
             ((12, 1024), (false, 2)),
