@@ -311,6 +311,8 @@ pub const WAVE_OVERHEAD_KEYS: f64 = 200.0;
 /// loop's 3 splits at 2.46-2.48 and 2.47-2.50 at batch 7 against 2.36-2.37; splits of 1024 keys
 /// were level at batch 8 (2.81 against 2.80) and 1.5 % slower at batch 7, 8192 keys 1 % slower;
 /// at batch 5 three pipelined splits of 342 or 683 keys ran 2 % slower than four plain ones.
+/// Shorter splits were not measured: the candidate takes splits of more than three quarters of
+/// this (contexts of 769-1024 keys).
 pub const PIPE_SHORT_SPLIT_KEYS: usize = 512;
 /// Shortest split, and most splits, that a launch past one wave of the plain loop also weighs
 /// for either kernel: more, shorter blocks fill the last wave better where the blocks stay long
@@ -353,7 +355,8 @@ pub fn wave_cost(
 ///   2.93, 32 · 1024 2.72 → 3.00, 64 · 4096 2.97 → 3.05; at 24 · 1024, 0.97 waves of the plain
 ///   loop, it stays: the pipelined kernel ran 2.68 against 2.99);
 /// - within one wave of the plain loop, the pipelined loop with two splits where two (not three)
-///   fit its own wave and they are at most [`PIPE_SHORT_SPLIT_KEYS`] long;
+///   fit its own wave and they are at most [`PIPE_SHORT_SPLIT_KEYS`] long (and more than three
+///   quarters of it);
 /// - past one wave of the plain loop, either kernel at 2..=[`MHA_MAX_WAVE_SPLITS`] splits of at
 ///   least [`MHA_LONG_SPLIT_KEYS`] keys.
 ///
@@ -371,7 +374,9 @@ pub fn plan_mha_async(
     if items >= sms {
         cands.push((true, 1));
         let two_fit = pipe_resident.max(1) * sms / items == 2;
-        if items <= loop_resident.max(1) * sms && two_fit && kv_len.div_ceil(2) <= PIPE_SHORT_SPLIT_KEYS {
+        let half = kv_len.div_ceil(2);
+        let short = 4 * half > 3 * PIPE_SHORT_SPLIT_KEYS && half <= PIPE_SHORT_SPLIT_KEYS;
+        if items <= loop_resident.max(1) * sms && two_fit && short {
             cands.push((true, 2));
         }
         if items > loop_resident.max(1) * sms {
@@ -678,6 +683,8 @@ mod tests {
         let cases = [
             ((8, 1024), (true, 2)),
             ((7, 1024), (true, 2)),
+            ((8, 800), (true, 2)),
+            ((8, 700), (false, 3)),
             ((8, 2048), (false, 3)),
             ((5, 1024), (false, 4)),
             ((7, 2048), (false, 3)),
