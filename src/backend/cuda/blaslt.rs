@@ -42,20 +42,31 @@ pub(crate) struct LtState {
     warned: bool,
 }
 
-impl Drop for LtState {
+impl Drop for Shape {
     fn drop(&mut self) {
-        // SAFETY: every descriptor and the handle were created by this state and are destroyed
-        // once; statuses are ignored (nothing to do about them while dropping).
+        // SAFETY: each non-null descriptor was created by make_shape for this Shape alone and is
+        // destroyed once, here (also when make_shape fails part-way); statuses are ignored
+        // (nothing to do about them while dropping).
         unsafe {
-            for s in self.shapes.values() {
-                for l in s.layouts {
+            for l in self.layouts {
+                if !l.is_null() {
                     lt::cublasLtMatrixLayoutDestroy(l);
                 }
-                lt::cublasLtMatmulDescDestroy(s.op);
             }
-            if let Some(h) = self.handle.take() {
-                lt::cublasLtDestroy(h);
+            if !self.op.is_null() {
+                lt::cublasLtMatmulDescDestroy(self.op);
             }
+        }
+    }
+}
+
+impl Drop for LtState {
+    fn drop(&mut self) {
+        // The shapes' descriptors first, then the handle they were made beside.
+        self.shapes.clear();
+        if let Some(h) = self.handle.take() {
+            // SAFETY: the handle was created by this state and is destroyed once.
+            unsafe { lt::cublasLtDestroy(h) };
         }
     }
 }
@@ -131,8 +142,8 @@ fn make_shape(h: lt::cublasLtHandle_t, dtype: DType, d: GemmDims) -> Result<Shap
     };
     let mut pref = std::ptr::null_mut();
     // SAFETY: out-parameters and attribute buffers of the sizes cuBLASLt documents (int32 for the
-    // transposes, u64 for the workspace size); everything created here is destroyed below or
-    // owned by the returned Shape (an early return leaks at most these few descriptors).
+    // transposes, u64 for the workspace size); the preference is destroyed below, the other
+    // descriptors are owned by `s`, whose Drop destroys them on an early return too.
     unsafe {
         ok(
             lt::cublasLtMatmulDescCreate(
