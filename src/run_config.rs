@@ -221,7 +221,7 @@ pub const KEYS: &[KeyInfo] = &[
         values: "auto|0|1",
         default: "auto",
         kind: Kind::Behaviour,
-        what: "whether the CUDA async decode with one head per block (MHA, head_dim 128+) runs its software-pipelined loop (the next round's K/V requested before this one is consumed; 4 blocks per SM instead of 6); auto: at head_dim 128, where its waves fill better (chosen with the split count)",
+        what: "whether the CUDA async decode with one head per block (MHA, head_dim 128+) runs its software-pipelined loop (the next round's K/V requested before this one is consumed; 4 blocks per SM instead of 6); auto: where its waves fill better (chosen with the split count)",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,

@@ -351,11 +351,37 @@ fn tc_cases(dt: DType) -> Vec<AttnCase> {
     v
 }
 
+/// MHA batches that the CUDA async decode runs on its pipelined loop (`plan_mha_async` on an
+/// H100's 132 SMs: 256 (sequence, head) items of at most 1000 keys take two splits of at most 500,
+/// at head_dim 128 and 256; 512 items of at most 1100 keys one split), ragged, with sequences of
+/// a few keys among them (a split with no keys at all).
+fn mha_wave_cases(dt: DType) -> Vec<AttnCase> {
+    use AttnKind::Decode;
+    let n = Force::None;
+    let eight: &[usize] = &[1000, 1, 640, 999, 333, 1000, 97, 800];
+    let sixteen: &[usize] = &[
+        1100, 1024, 1, 1100, 517, 1100, 64, 1099, 1100, 2, 900, 1100, 1100, 300, 1023, 1100,
+    ];
+    vec![
+        AttnCase::new(Decode, dt, (32, 32, 128), eight, &[], n),
+        AttnCase::new(Decode, dt, (32, 32, 128), sixteen, &[], n),
+        AttnCase::new(Decode, dt, (16, 16, 256), &[eight, eight].concat(), &[], n),
+    ]
+}
+
 /// Every case of `fdpp check`, in f16 and bf16.
 pub fn attention_cases() -> Vec<AttnCase> {
     [DType::F16, DType::Bf16]
         .iter()
-        .flat_map(|&dt| [cases_for(dt, true), odd_ratio_cases(dt, true), tc_cases(dt)].concat())
+        .flat_map(|&dt| {
+            [
+                cases_for(dt, true),
+                odd_ratio_cases(dt, true),
+                tc_cases(dt),
+                mha_wave_cases(dt),
+            ]
+            .concat()
+        })
         .collect()
 }
 

@@ -326,7 +326,7 @@ pub fn decode(
         let pipe_entry = (PIPE_ENTRY, 0);
         let choice = match pipe_mode {
             BwPipe::Off => None,
-            BwPipe::Auto if d != 128 || forced => None,
+            BwPipe::Auto if forced => None,
             BwPipe::Auto => {
                 let r_loop = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, loop_entry, src)?;
                 let r_pipe = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, pipe_entry, src)?;

@@ -52,8 +52,8 @@ pub fn prefetch_keys() -> Result<Option<usize>> {
 /// `attn_decode_async_pipe`, 4 blocks per SM) or the plain one (6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BwPipe {
-    /// Picked per launch with the split count (`ops::attention::plan_mha_async`), at head_dim
-    /// 128 where it was measured; head_dim 256 keeps the plain loop.
+    /// Picked per launch with the split count (`ops::attention::plan_mha_async`; measured at
+    /// head_dim 128 and 256, reports/NOTES.md session 28).
     Auto,
     Off,
     /// Wherever the kernel is built, with the split count planned from its own occupancy.
