@@ -266,13 +266,12 @@ __device__ __forceinline__ void accumulate_bw(Part& p, const float (&qr)[HG][8],
 // resident blocks move the split planner's waves (24 · 1024: 2.68 against 2.99), so the host picks
 // it per launch together with the split count (ops::attention `plan_mha_async`). The sync kernel
 // (72 registers, 7 blocks per SM) ran 1-4 % slower with it, and the HG 2-4 kernels never take it.
-constexpr bool PIPE_BUILT = HG == 1 && D >= 128;
-
 template <bool ASYNC, int NT, int U, int NH>
 __device__ __forceinline__ void accumulate_bw_pipe(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                                    const u16* __restrict__ vp, const int* __restrict__ pages,
                                                    int page_size, int G, int kvh, int t0, int t1, float phi2,
                                                    float b2) {
+    static_assert(ASYNC && HG == 1 && D >= 128, "built for attn_decode_async_pipe only");
     using S = Shape<NT, U>;
     const int gid = threadIdx.x / LPT, li = threadIdx.x % LPT;
     uint4 ka[U], va[U], kb[U], vb[U];
@@ -303,7 +302,7 @@ template <bool ASYNC, int NT, int U, bool BW, int NH, bool PIPE>
 __device__ __forceinline__ void accumulate_nh(Part& p, const float (&qr)[HG][8], const u16* __restrict__ kp,
                                               const u16* __restrict__ vp, const int* __restrict__ pages,
                                               int page_size, int G, int kvh, int t0, int t1, float phi2, float b2) {
-    if constexpr (BW && ASYNC && PIPE && PIPE_BUILT)
+    if constexpr (BW && PIPE)
         accumulate_bw_pipe<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);
     else if constexpr (BW)
         accumulate_bw<ASYNC, NT, U, NH>(p, qr, kp, vp, pages, page_size, G, kvh, t0, t1, phi2, b2);

@@ -370,23 +370,8 @@ pub fn plan_mha_async(
     pipe_resident: usize,
 ) -> (bool, usize) {
     let sms = sm_count.max(1);
-    let mut cands = vec![(false, loop_splits.max(1))];
-    if items >= sms {
-        cands.push((true, 1));
-        let two_fit = pipe_resident.max(1) * sms / items == 2;
-        let half = kv_len.div_ceil(2);
-        let short = 4 * half > 3 * PIPE_SHORT_SPLIT_KEYS && half <= PIPE_SHORT_SPLIT_KEYS;
-        if items <= loop_resident.max(1) * sms && two_fit && short {
-            cands.push((true, 2));
-        }
-        if items > loop_resident.max(1) * sms {
-            for s in (2..=MHA_MAX_WAVE_SPLITS).filter(|&s| kv_len / s >= MHA_LONG_SPLIT_KEYS) {
-                cands.push((false, s));
-                cands.push((true, s));
-            }
-        }
-    }
-    let cost = |&(pipe, s): &(bool, usize)| {
+    let loop_slots = loop_resident.max(1) * sms;
+    let cost = |pipe: bool, s: usize| {
         let (r, rate) = if pipe {
             (pipe_resident, PIPELINED_RATE)
         } else {
@@ -394,10 +379,26 @@ pub fn plan_mha_async(
         };
         wave_cost(items, s, kv_len, sms, r, rate)
     };
-    let mut best = cands[0];
-    for c in &cands[1..] {
-        if cost(c) < cost(&best) {
-            best = *c;
+    let mut best = (false, loop_splits.max(1));
+    let mut best_cost = cost(best.0, best.1);
+    let mut consider = |pipe: bool, s: usize| {
+        let c = cost(pipe, s);
+        if c < best_cost {
+            (best, best_cost) = ((pipe, s), c);
+        }
+    };
+    if items >= sms {
+        consider(true, 1);
+        let half = kv_len.div_ceil(2);
+        let short = 4 * half > 3 * PIPE_SHORT_SPLIT_KEYS && half <= PIPE_SHORT_SPLIT_KEYS;
+        if items <= loop_slots && pipe_resident.max(1) * sms / items == 2 && short {
+            consider(true, 2);
+        }
+        if items > loop_slots {
+            for s in (2..=MHA_MAX_WAVE_SPLITS).filter(|&s| kv_len / s >= MHA_LONG_SPLIT_KEYS) {
+                consider(false, s);
+                consider(true, s);
+            }
         }
     }
     best
