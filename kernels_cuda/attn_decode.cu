@@ -58,6 +58,9 @@ constexpr int HG = FDPP_HG;         // query heads per block
 constexpr int LPT = D / 8;          // lanes per token row
 constexpr int GPW = 32 / LPT;       // token groups per warp (4, 2 or 1)
 constexpr int COMBINE_THREADS = 128;
+// Most async splits of a row that one thread-block cluster holds (the portable cluster size; the
+// launcher clusters 2..=8 splits of a single head chunk: cuda/attention.rs `cluster_splits`).
+constexpr int CLUSTER_MAX = 8;
 constexpr int COMBINE_MAX_SPLITS = 256;  // ops/attention.rs MAX_SPLITS
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
@@ -334,6 +337,9 @@ struct Smem {
     unsigned over[NW][HG];
     float lfin[HG];  // async epilogue: the row's total Σ 2^(s − φ)
     unsigned bad;    // async epilogue: flagged heads (slow path only)
+    // An async split's per-head totals for its cluster's rank 0 (cluster_publish).
+    float cl[HG], cmx[HG];
+    unsigned cover[HG];
 };
 
 // 2^(m − bm), 0 for a state that saw no token (m = −inf; also avoids −inf − −inf).
@@ -623,6 +629,130 @@ __device__ __noinline__ void recompute_sync(Smem<Shape<NT, U>::NW>& sm, const u1
     write_elems<NT, U>(a, lh, out, row0, mask);
 }
 
+// A row's async splits finished inside one thread-block cluster (sm_90).
+//
+// Why: async split blocks meet through global memory: each adds its sums with atomics, fences,
+// counts its arrival, and the last to arrive reads the totals back — three dependent L2 round
+// trips after the last loop ends. Measured on the H100 (reports/NOTES.md, session 29; MHA d128,
+// launches of the same blocks with the same keys per block): 2-8 splits of a row cost 3.0-3.5 µs
+// more than whole rows, 6 % of a batch-8 step at 1024 keys. Where the launcher puts a row's
+// splits in one cluster (2..=CLUSTER_MAX splits, one head chunk: cluster rank = split), each
+// split leaves its merged partial in its own shared memory and rank 0 reads the others' through
+// distributed shared memory behind one cluster barrier; the partials share φ (FlashDecoding++
+// §3), so they add as they are, and rank 0 finishes the row exactly as the last split did.
+// (The sync scheme's combine done the same way measured level to 0.9 % slower: not built.)
+
+// CTAs in this block's cluster (1 without a cluster launch, and before sm_90).
+__device__ __forceinline__ unsigned cluster_ctas() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
+// Every thread of every CTA of the cluster: this CTA's shared-memory writes before it become
+// visible to the others' reads after it.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The word at `p` (in this CTA's shared memory) in cluster CTA `rank`'s copy of it.
+__device__ __forceinline__ unsigned ld_cluster(const void* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned a, v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ float ld_cluster_f(const float* p, unsigned rank) {
+    return __uint_as_float(ld_cluster(p, rank));
+}
+
+// This async split's merged partial into its shared memory (a[] over sm.acc[0], which each thread
+// read only at its own elements in block_sum; the per-head totals beside it), then the cluster
+// barrier: afterwards rank 0 may read every split's.
+template <int NT, int U>
+__device__ __forceinline__ void cluster_publish(Smem<Shape<NT, U>::NW>& sm, const float (&a)[Shape<NT, U>::EPT],
+                                                int nh, float phi2) {
+#pragma unroll
+    for (int j = 0; j < Shape<NT, U>::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        if (e < nh * D) sm.acc[0][e / D][e % D] = a[j];
+    }
+    if (threadIdx.x < nh) {
+        float bm, l, mx;
+        bool over;
+        block_head<true>(sm, threadIdx.x, phi2, bm, l, mx, over);
+        sm.cl[threadIdx.x] = l;
+        sm.cmx[threadIdx.x] = mx;
+        sm.cover[threadIdx.x] = over;
+    }
+    cluster_barrier();
+}
+
+// Rank 0 of a cluster of n splits: the row's sums into a[], each head's total l into sm.lfin, and
+// in `bad` the heads flagged as the last split of the atomic path flags them. Then the cluster
+// barrier that lets the other ranks exit (they call it without this).
+template <int NT, int U>
+__device__ __forceinline__ void cluster_gather(Smem<Shape<NT, U>::NW>& sm, float (&a)[Shape<NT, U>::EPT], int nh,
+                                               unsigned n, float phi2, float a2, unsigned& bad) {
+    // Every remote word is requested before any is used (one round trip, not n).
+    if (threadIdx.x < nh) {
+        const int h = threadIdx.x;
+        float cl[CLUSTER_MAX], cmx[CLUSTER_MAX];
+        unsigned cover[CLUSTER_MAX];
+#pragma unroll
+        for (int r = 0; r < CLUSTER_MAX; ++r) {
+            const bool in = r < (int)n;
+            cl[r] = in ? ld_cluster_f(&sm.cl[h], r) : 0.f;
+            cmx[r] = in ? ld_cluster_f(&sm.cmx[h], r) : -FDPP_INF;
+            cover[r] = in ? ld_cluster(&sm.cover[h], r) : 0u;
+        }
+        float l = 0.f, mx = -FDPP_INF;
+        bool over = false;
+#pragma unroll
+        for (int r = 0; r < CLUSTER_MAX; ++r) {
+            l += cl[r];
+            mx = fmaxf(mx, cmx[r]);
+            over |= cover[r] != 0;
+        }
+        sm.lfin[h] = l;
+        if (over || !(mx - phi2 >= a2) || !(l > 0.f) || !finite(l)) bad |= 1u << h;
+    }
+#pragma unroll
+    for (int j = 0; j < Shape<NT, U>::EPT; ++j) {
+        const int e = threadIdx.x + j * NT;
+        if (e < nh * D) {
+            float x[CLUSTER_MAX];
+#pragma unroll
+            for (int r = 0; r < CLUSTER_MAX; ++r) x[r] = r < (int)n ? ld_cluster_f(&sm.acc[0][e / D][e % D], r) : 0.f;
+            float v = 0.f;
+#pragma unroll
+            for (int r = 0; r < CLUSTER_MAX; ++r) v += x[r];
+            a[j] = v;
+        }
+    }
+    cluster_barrier();
+}
+
 template <int NT, int U, bool BW, int TC>
 __device__ __forceinline__ void decode_sync(const u16* __restrict__ q, const u16* __restrict__ kp,
                                             const u16* __restrict__ vp, const int* __restrict__ table,
@@ -797,6 +927,13 @@ __device__ __forceinline__ void decode_async(const u16* __restrict__ q, const u1
             block_head<true>(sm, h, phi2, bm, lh[h], mx, over);
             if (h < w.nh && (over || !(mx - phi2 >= a2) || !(lh[h] > 0.f) || !finite(lh[h]))) bad |= 1u << h;
         }
+    } else if (splits <= CLUSTER_MAX && cluster_ctas() == (unsigned)splits) {
+        cluster_publish<NT, U>(sm, a, w.nh, phi2);
+        if (cluster_rank() != 0) {
+            cluster_barrier();
+            return;
+        }
+        cluster_gather<NT, U>(sm, a, w.nh, splits, phi2, a2, bad);
     } else {
         // Add this split's sums and flags to the row's, then count the arrival: the block that
         // brings the count to `splits` sees every other split's atomics (each split's thread 0

@@ -27,6 +27,7 @@ pub enum Key {
     DecodeTcStages,
     DecodePrefetch,
     DecodeBwPipe,
+    DecodeCluster,
     SoftmaxWindows,
     HopperTma,
     HopperQTma,
@@ -222,6 +223,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "auto",
         kind: Kind::Behaviour,
         what: "whether the CUDA async decode with one head per block (MHA, head_dim 128+) runs its software-pipelined loop (the next round's K/V requested before this one is consumed; 4 blocks per SM instead of 6); auto: where its waves fill better (chosen with the split count)",
+    },
+    KeyInfo {
+        key: Key::DecodeCluster,
+        name: "decode_cluster",
+        env: "FDPP_DECODE_CLUSTER",
+        values: "auto|0",
+        default: "auto",
+        kind: Kind::Behaviour,
+        what: "whether the CUDA async decode finishes a row's 2-8 splits inside one thread-block cluster (sm_90+: partials read through distributed shared memory, load-balancing placement) instead of through global atomics; auto: wherever a row's splits are one head chunk and every cluster of the launch is resident at once",
     },
     KeyInfo {
         key: Key::SoftmaxWindows,

@@ -6,9 +6,9 @@
 //! the counting entry points read that count back (one synchronisation), the enqueue entry
 //! points add it to a running total read later.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::decode_tc::{BwPipe, TcMode};
+use super::decode_tc::{BwPipe, ClusterMode, TcMode};
 use super::launch::Launch;
 use super::sources::{
     attn_decode_source, attn_prefill_source, prefill_smem_bytes, tc_staged_smem_bytes, KernelSource, PREFILL_BM,
@@ -58,6 +58,8 @@ struct EntryState {
     resident: Option<usize>,
     /// A staged tensor-core entry whose dynamic shared-memory limit has been raised.
     limit_raised: bool,
+    /// Clusters of n blocks (index n) the device holds at once, once asked.
+    clusters: [Option<usize>; CLUSTER_MAX_SPLITS + 1],
 }
 
 /// Decode entry `entry` of module `uri` with room for `smem` bytes of dynamic shared memory.
@@ -109,6 +111,55 @@ fn resident_blocks(
     let r = r.max(1);
     sc.entries.entry(rkey).or_default().resident = Some(r);
     Ok(r)
+}
+
+/// Clusters of `n` blocks of decode entry `entry` the device holds at once
+/// (`cuOccupancyMaxActiveClusters`).
+fn resident_clusters(
+    b: &CudaBackend,
+    sc: &mut Scratch,
+    key: (DType, usize, usize),
+    uri: &str,
+    (entry, smem): (&'static str, u32),
+    n: u32,
+    src: impl FnOnce() -> Result<KernelSource>,
+) -> Result<usize> {
+    let rkey = (key.0, key.1, key.2, entry);
+    let slot = (n as usize).min(CLUSTER_MAX_SPLITS);
+    if let Some(c) = sc.entries.get(&rkey).and_then(|s| s.clusters[slot]) {
+        return Ok(c);
+    }
+    let f = decode_function(b, sc, key, uri, (entry, smem), src)?;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 },
+        },
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: n,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: THREADS,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: b.stream().cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut c: std::ffi::c_int = 0;
+    b.context().bind_to_thread().map_err(drv("binding the CUDA context"))?;
+    // SAFETY: `config` and `attr` outlive the call, which only reads them; `f` is a loaded kernel.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut c, f.cu_function(), &config) }
+        .result()
+        .map_err(drv(&format!(
+            "cluster occupancy of {uri} {entry} ({n} blocks a cluster)"
+        )))?;
+    let c = c.max(0) as usize;
+    sc.entries.entry(rkey).or_default().clusters[slot] = Some(c);
+    Ok(c)
 }
 
 fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -239,6 +290,26 @@ pub fn take_recomputed(b: &CudaBackend) -> Result<usize> {
     Ok(n)
 }
 
+/// Most splits of a row one thread-block cluster holds (kernels_cuda/attn_decode.cu CLUSTER_MAX:
+/// the portable cluster size).
+pub const CLUSTER_MAX_SPLITS: usize = 8;
+
+/// Blocks per cluster of an async decode launch: its splits where a row's
+/// 2..=[`CLUSTER_MAX_SPLITS`] splits are one head chunk (then cluster rank = split, and the
+/// kernel finishes the row through distributed shared memory: attn_decode.cu `cluster_gather`);
+/// else 1, the global atomics. Measured on the H100 with the driver's load-balancing placement
+/// (reports/NOTES.md, session 29, MHA d128, µs against unclustered in the same call): 8 · 1024
+/// (2 splits) 51.6 → 50.0-50.3, 4 · 1024 (5) 32.2 → 30.7, 12 · 1024 / 2048 (2) 1.8-1.9 %
+/// faster, from 4096 keys level (−0.5 to +0.2 %).
+fn cluster_splits(device_clusters: bool, mode: ClusterMode, plan: &DecodePlan) -> u32 {
+    let fits = plan.chunks == 1 && (2..=CLUSTER_MAX_SPLITS).contains(&plan.splits);
+    if device_clusters && mode != ClusterMode::Off && fits {
+        plan.splits as u32
+    } else {
+        1
+    }
+}
+
 /// Split-KV decode. `counting`: wait for the device and return the exact recompute count.
 pub fn decode(
     b: &CudaBackend,
@@ -353,6 +424,22 @@ pub fn decode(
         }
     }
     let (splits, rows, max_len) = (plan.splits, plan.rows, plan.max_len);
+    let mut cluster = if is_async {
+        cluster_splits(b.clusters(), super::decode_tc::cluster_mode()?, &plan)
+    } else {
+        1
+    };
+    if cluster > 1 {
+        // Only where every cluster of the launch is resident at once: without the load-balancing
+        // placement, clusters of 3-8 blocks near a full wave ran 16-33 % slower on the H100 than
+        // the same blocks unclustered (reports/NOTES.md, session 29).
+        let (gx, gy, gz) = plan.grid()?;
+        let blocks = gx as usize * gy as usize * gz as usize;
+        let held = resident_clusters(b, &mut sc, (p.dtype, d, hg), &uri, (async_entry, smem), cluster, src)?;
+        if blocks > held * cluster as usize {
+            cluster = 1;
+        }
+    }
     let (host, lens_at) = attn_plan::decode_ints(p);
     let tables = upload_ints(b, &mut sc, &host)?;
     let lens = tables + 4 * lens_at as u64;
@@ -378,7 +465,9 @@ pub fn decode(
         (true, 0) => "tensor-core".to_string(),
         (true, _) => format!("tensor-core, {} cp.async stages", stages.unwrap_or(0)),
     };
-    let what = format!("{uri} ({path:?} path, {pass} pass) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits");
+    let finish = if cluster > 1 { " in clusters" } else { "" };
+    let what =
+        format!("{uri} ({path:?} path, {pass} pass) at batch {bsz}, kv_len ≤ {max_len}, {splits} splits{finish}");
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let part = if splits > 1 {
@@ -429,6 +518,7 @@ pub fn decode(
                 .arg(&s32)
                 .arg(&scale2);
             l.arg(&phi2).arg(&a2).arg(&b2).arg(&ws).arg(&counter).arg(&op);
+            l.cluster_x(cluster);
             // SAFETY: as above; the accumulators are zero and cover rows·(D+3) + arrival counters.
             unsafe { l.launch(cfg) }.map_err(drv(&format!("launch {what}")))?;
             b.check_launch(&what)?;
@@ -689,4 +779,38 @@ pub(super) fn launch_prefill(
     };
     b.check_launch(&what)?;
     Ok(recomputed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(chunks: usize, splits: usize) -> DecodePlan {
+        DecodePlan {
+            batch: 8,
+            heads: 32,
+            kv_heads: 32 / chunks.max(1),
+            head_dim: 128,
+            hg: 1,
+            chunks,
+            splits,
+            rows: 256,
+            max_len: 1024,
+        }
+    }
+
+    #[test]
+    fn a_rows_splits_share_a_cluster_only_where_they_are_one_chunk_of_two_to_eight() {
+        let on = |p: &DecodePlan| cluster_splits(true, ClusterMode::Auto, p);
+        assert_eq!(on(&plan(1, 1)), 1);
+        for s in 2..=CLUSTER_MAX_SPLITS {
+            assert_eq!(on(&plan(1, s)), s as u32);
+        }
+        assert_eq!(on(&plan(1, CLUSTER_MAX_SPLITS + 1)), 1);
+        // Two head chunks of a kv head: blocks along x alternate chunks, not splits.
+        assert_eq!(on(&plan(2, 4)), 1);
+        // Switched off, or a device without clusters.
+        assert_eq!(cluster_splits(true, ClusterMode::Off, &plan(1, 4)), 1);
+        assert_eq!(cluster_splits(false, ClusterMode::Auto, &plan(1, 4)), 1);
+    }
 }

@@ -75,6 +75,30 @@ fn parse_bw_pipe(v: Option<&str>) -> std::result::Result<BwPipe, String> {
     }
 }
 
+/// The `decode_cluster` switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterMode {
+    /// An async row's 2..=8 splits in one thread-block cluster wherever they are one head chunk
+    /// and every cluster of the launch is resident at once (sm_90 and later), placed by the
+    /// driver's load-balancing policy.
+    Auto,
+    Off,
+}
+
+pub fn cluster_mode() -> Result<ClusterMode> {
+    parse_cluster(run_config::get().get(Key::DecodeCluster)).map_err(FdppError::InvalidArgument)
+}
+
+fn parse_cluster(v: Option<&str>) -> std::result::Result<ClusterMode, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(ClusterMode::Auto),
+        Some("0") => Ok(ClusterMode::Off),
+        Some(o) => Err(format!(
+            "decode_cluster (FDPP_DECODE_CLUSTER) = '{o}': expected auto or 0"
+        )),
+    }
+}
+
 fn parse_prefetch(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
     match v.map(str::trim) {
         None | Some("") => Ok(None),
@@ -173,6 +197,13 @@ mod tests {
 
     #[test]
     fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
+        assert_eq!(parse_cluster(None), Ok(ClusterMode::Auto));
+        assert_eq!(parse_cluster(Some(" auto")), Ok(ClusterMode::Auto));
+        assert_eq!(parse_cluster(Some("0")), Ok(ClusterMode::Off));
+        for bad in ["1", "on", "8"] {
+            let e = parse_cluster(Some(bad)).unwrap_err();
+            assert!(e.contains("FDPP_DECODE_CLUSTER") && e.contains(bad), "{e}");
+        }
         assert_eq!(parse_bw_pipe(None), Ok(BwPipe::Auto));
         assert_eq!(parse_bw_pipe(Some(" ")), Ok(BwPipe::Auto));
         assert_eq!(parse_bw_pipe(Some("auto")), Ok(BwPipe::Auto));

@@ -85,6 +85,8 @@ pub struct CudaBackend {
     layer: RefCell<Box<layer::LayerState>>,
     /// Programmatic dependent launch for the chained kernels (launch.rs).
     pdl: bool,
+    /// sm_90 and later: thread-block cluster launches (the decode finish, attention.rs).
+    clusters: bool,
     /// Device indices of the greedy choice (sample.rs).
     argmax: RefCell<Option<CudaSlice<u32>>>,
     /// The running recompute total fetched with the last greedy choice (sample.rs), for the
@@ -129,6 +131,7 @@ impl CudaBackend {
         }
         let (major, _) = ctx.compute_capability().map_err(drv("compute capability"))?;
         let pdl = launch::pdl_wanted(major as u32, crate::run_config::get().get(crate::run_config::Key::Pdl));
+        let clusters = major >= 9;
         let max_smem = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("device attribute"))? as u32;
@@ -146,6 +149,7 @@ impl CudaBackend {
             max_smem,
             layer: RefCell::default(),
             pdl,
+            clusters,
             argmax: RefCell::new(None),
             fetched_recomputed: std::cell::Cell::new(None),
             graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
@@ -166,6 +170,11 @@ impl CudaBackend {
     /// Whether chained kernels are launched with programmatic dependent launch.
     pub fn pdl(&self) -> bool {
         self.pdl
+    }
+
+    /// Whether the device launches thread-block clusters (sm_90 and later).
+    pub fn clusters(&self) -> bool {
+        self.clusters
     }
 
     /// Load (compiling or from the disk cache) the module of a kernel source.
