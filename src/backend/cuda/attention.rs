@@ -299,8 +299,8 @@ pub const CLUSTER_MAX_SPLITS: usize = 8;
 /// kernel finishes the row through distributed shared memory: attn_decode.cu `cluster_gather`);
 /// else 1, the global atomics. Measured on the H100 with the driver's load-balancing placement
 /// (reports/NOTES.md, session 29, MHA d128, µs against unclustered in the same call): 8 · 1024
-/// (2 splits) 51.6 → 50.0-50.3, 4 · 1024 (5) 32.2 → 30.7, 12 · 1024 / 2048 (2) 1.8-1.9 %
-/// faster, from 4096 keys level (−0.5 to +0.2 %).
+/// (2 splits) 51.1-51.6 → 50.0-50.1, 4 · 1024 (5) 32.2-32.6 → 30.7, 12 · 1024 / 2048 (2)
+/// 1.6-3.1 % faster, from 4096 keys level (±0.8 %).
 fn cluster_splits(device_clusters: bool, mode: ClusterMode, plan: &DecodePlan) -> u32 {
     let fits = plan.chunks == 1 && (2..=CLUSTER_MAX_SPLITS).contains(&plan.splits);
     if device_clusters && mode != ClusterMode::Off && fits {

@@ -196,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
+    fn the_cluster_switch_parses_and_refuses_other_values() {
         assert_eq!(parse_cluster(None), Ok(ClusterMode::Auto));
         assert_eq!(parse_cluster(Some(" auto")), Ok(ClusterMode::Auto));
         assert_eq!(parse_cluster(Some("0")), Ok(ClusterMode::Off));
@@ -204,6 +204,10 @@ mod tests {
             let e = parse_cluster(Some(bad)).unwrap_err();
             assert!(e.contains("FDPP_DECODE_CLUSTER") && e.contains(bad), "{e}");
         }
+    }
+
+    #[test]
+    fn the_pipelined_loop_switch_parses_and_refuses_other_values() {
         assert_eq!(parse_bw_pipe(None), Ok(BwPipe::Auto));
         assert_eq!(parse_bw_pipe(Some(" ")), Ok(BwPipe::Auto));
         assert_eq!(parse_bw_pipe(Some("auto")), Ok(BwPipe::Auto));
