@@ -130,13 +130,7 @@ fn resident_clusters(
         return Ok(c);
     }
     let f = decode_function(b, sc, key, uri, (entry, smem), src)?;
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue {
-            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 },
-        },
-    };
+    let mut attr = super::launch::cluster_dim(n);
     let config = sys::CUlaunchConfig {
         gridDimX: n,
         gridDimY: 1,

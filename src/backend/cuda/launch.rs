@@ -106,17 +106,7 @@ impl<'a> Launch<'a> {
             });
         }
         if self.cluster_x > 1 {
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue {
-                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                        x: self.cluster_x,
-                        y: 1,
-                        z: 1,
-                    },
-                },
-            });
+            attrs.push(cluster_dim(self.cluster_x));
             // The driver's load-balancing placement: with its default one, clusters of 3-8
             // blocks ran up to 3 % slower than the same blocks unclustered at 4096 keys and
             // 16-33 % near a full wave (the H100, reports/NOTES.md, session 29).
@@ -152,6 +142,17 @@ impl<'a> Launch<'a> {
             )
         }
         .result()
+    }
+}
+
+/// The launch attribute of clusters of `n` blocks along x.
+pub(crate) fn cluster_dim(n: u32) -> sys::CUlaunchAttribute {
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 },
+        },
     }
 }
 
