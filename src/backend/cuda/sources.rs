@@ -18,6 +18,7 @@ const ATTN_PREFILL: &str = include_str!("../../../kernels_cuda/attn_prefill.cu")
 const ATTN_PREFILL_HOPPER: &str = include_str!("../../../kernels_cuda/attn_prefill_hopper.cu");
 const ATTN_SCORES: &str = include_str!("../../../kernels_cuda/attn_scores.cu");
 const ATTN_COMMON: &str = include_str!("../../../kernels_cuda/attn_common.cuh");
+const HOPPER: &str = include_str!("../../../kernels_cuda/hopper.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 const SAMPLE: &str = include_str!("../../../kernels_cuda/sample.cu");
 const GEMV_ROPE: &str = include_str!("../../../kernels_cuda/gemv_rope.cu");
@@ -80,6 +81,7 @@ fn expand(file: &str) -> String {
         .replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"attn_common.cuh\"", ATTN_COMMON)
         .replace("#include \"attn_decode_tc.cuh\"", ATTN_DECODE_TC)
+        .replace("#include \"hopper.cuh\"", HOPPER)
 }
 
 /// Rows per warp and K-split of the gemv GLU entries (gemv.cu, RMS_GLU): a gate row and its up
