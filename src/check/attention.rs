@@ -369,6 +369,26 @@ fn mha_wave_cases(dt: DType) -> Vec<AttnCase> {
     ]
 }
 
+/// Long prompts (issue #20's verify list): a fresh 4097- and a 16384-token prefill, a 4096-token
+/// chunk against 12288 cached keys beside a 1-token and a fresh 4097-token sequence (the engine's
+/// chunked long prompts in one ragged batch), head_dim 64 and 256 behind a cached prefix, and
+/// the async recompute spread over a 4097-token prompt. Pages of 16 scattered, and in order as
+/// a fresh allocator hands them out (whole key tiles as one TMA box); few heads, since the f64
+/// reference of 16384 tokens is quadratic. Only in the full list.
+fn long_prefill_cases(dt: DType) -> Vec<AttnCase> {
+    use AttnKind::Prefill;
+    let n = Force::None;
+    vec![
+        AttnCase::new(Prefill, dt, (8, 2, 128), &[4097], &[4097], n),
+        AttnCase::new(Prefill, dt, (8, 2, 128), &[4097], &[4097], n).in_runs(),
+        AttnCase::new(Prefill, dt, (4, 1, 128), &[16384], &[16384], n).in_runs(),
+        AttnCase::new(Prefill, dt, (8, 2, 128), &[16384, 1, 4097], &[4096, 1, 4097], n),
+        AttnCase::new(Prefill, dt, (8, 1, 64), &[4097, 97], &[1025, 97], n).in_runs(),
+        AttnCase::new(Prefill, dt, (4, 2, 256), &[4097], &[2049], n),
+        AttnCase::new(Prefill, dt, (8, 2, 128), &[4097], &[4097], Force::Spread).in_runs(),
+    ]
+}
+
 /// Every case of `fdpp check`, in f16 and bf16.
 pub fn attention_cases() -> Vec<AttnCase> {
     [DType::F16, DType::Bf16]
@@ -379,6 +399,7 @@ pub fn attention_cases() -> Vec<AttnCase> {
                 odd_ratio_cases(dt, true),
                 tc_cases(dt),
                 mha_wave_cases(dt),
+                long_prefill_cases(dt),
             ]
             .concat()
         })
@@ -973,6 +994,36 @@ mod tests {
         assert!(attention_cases_quick()
             .iter()
             .all(|c| c.kv_lens.iter().all(|&l| l <= 4097)));
+    }
+
+    /// Issue #20: prefills of 4097 and 16384 new tokens, a chunk behind a long cached prefix in
+    /// a ragged batch with a 1-token sequence, in both dtypes, in the full list only.
+    #[test]
+    fn the_full_list_has_long_and_chunked_prefill() {
+        let full = attention_cases();
+        for dt in [DType::F16, DType::Bf16] {
+            let pre = |f: &dyn Fn(&AttnCase) -> bool| {
+                full.iter()
+                    .any(|c| c.dtype == dt && c.kind == AttnKind::Prefill && f(c))
+            };
+            for len in [1, 97, 4097, 16384] {
+                assert!(pre(&|c| c.new_lens.contains(&len)), "{dt}: no prefill of {len} tokens");
+            }
+            assert!(
+                pre(&|c| c.kv_lens.len() > 1
+                    && c.new_lens.contains(&1)
+                    && c.kv_lens.iter().zip(&c.new_lens).any(|(&k, &n)| k >= 16384 && n < k)),
+                "{dt}: no chunk behind a long prefix in a ragged batch"
+            );
+            assert!(pre(&|c| c.new_lens.contains(&16384) && c.runs), "{dt}");
+            assert!(
+                pre(&|c| c.new_lens.iter().any(|&n| n > 4000) && c.force == Force::Spread),
+                "{dt}"
+            );
+        }
+        assert!(attention_cases_quick()
+            .iter()
+            .all(|c| c.kind == AttnKind::Decode || c.kv_lens.iter().all(|&l| l <= 4097)));
     }
 
     /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64, 128
