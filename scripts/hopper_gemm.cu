@@ -1,0 +1,578 @@
+// An experiment, not yet a kernel of fdpp: a Hopper GEMM y[M,N] = x[M,K] · W[N,K]ᵀ (fdpp's
+// linear layout, both operands K-major) with the layer's small ops as its epilogue, timed against
+// cuBLAS in the same process. Why (reports/NOTES.md, session 26): at a 1024-token prompt,
+// Llama2-7B's prefill spends 17.5 ms in cuBLAS at ~750 TFLOP/s and 1.9 ms in silu_mul,
+// add_rmsnorm and qkv_rope, each already at the card's streaming rate; issue #20's TTFT bar
+// (≤ 19 ms) is out of reach unless those ops become GEMM epilogues, which cuBLAS cannot take.
+// This program answers the first question of that route: does a wgmma GEMM of ours, with
+// the SwiGLU (FFN1) or the residual add (O, FFN2) in its epilogue, run at cuBLAS's rate?
+//
+// The kernel (FlashAttention-3's warp specialisation, Shah et al. 2024 §3.1, applied to a GEMM;
+// the plumbing of kernels_cuda/hopper.cuh, which the Hopper prefill uses):
+// - a persistent grid (one CTA per SM) walks 128 × BN output tiles, M fastest, so the CTAs in
+//   flight share few W tiles and x stays in L2;
+// - warpgroup 0 gives its registers back and issues TMA loads of 64-wide K blocks of x and W
+//   into a ring of STAGES stages (128-byte swizzle), completing on each stage's "full"
+//   mbarrier; for SwiGLU the W block is two boxes, BN/2 gate rows and the same BN/2 up rows;
+// - warpgroups 1 and 2 each own 64 rows of the tile: m64nBNk16 wgmma from shared memory, one
+//   commit group per K block, the previous block's stage released (its "empty" mbarrier) once
+//   wait_group 1 says its wgmmas are done; the epilogue works on the fp32 accumulators in
+//   registers (SwiGLU: a thread holds gate column c and up column c together; residual: one
+//   16-bit pair loaded per stored pair) and stores straight to global memory.
+//
+// Build and run on a Hopper machine (repository root):
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels_cuda \
+//        scripts/hopper_gemm.cu -o /tmp/hopper_gemm -lcublas && /tmp/hopper_gemm [M ...]
+// Each variant is checked before it is timed: against f64 dot products at 600 sampled outputs,
+// against the cuBLAS composite over every element (NMSE), the output poisoned with NaN before
+// the launch and a guard past its end. Times: medians over interleaved rounds of 20 launches.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "hopper.cuh"
+
+#define CK(x)                                                                              \
+    do {                                                                                   \
+        cudaError_t e_ = (x);                                                              \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2 };
+
+constexpr int BM = 128;  // rows of a tile: two consumer warpgroups of 64
+constexpr int BK = 64;   // K of a stage: one 128-byte swizzle row of 16-bit elements
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;  // 128·40 + 256·232 = 64512 ≤ 65536
+constexpr int GUARD = 256;          // poisoned elements past each output
+
+struct Args {
+    u16* y;
+    const u16* res;  // EPI_RES: added to the product (may be y itself)
+    int M, N, K;     // N: columns of y (the intermediate width for EPI_GLU)
+    int tiles_m, tiles;
+};
+
+template <int BN, int EPI>
+struct Tile {
+    static constexpr int BOX_N = EPI == EPI_GLU ? BN / 2 : BN;  // W rows of one TMA box
+    static constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;  // columns of y a tile writes
+    static constexpr u32 A_BYTES = BM * BK * 2;
+    static constexpr u32 B_BYTES = BN * BK * 2;
+    static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+};
+
+template <int BN, int STAGES, int EPI>
+constexpr size_t smem_bytes() {
+    return (size_t)STAGES * Tile<BN, EPI>::STAGE_BYTES + 16 * STAGES + 1024;
+}
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if FDPP_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#endif
+    return r;
+}
+
+template <int BN>
+__device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, bool first) {
+#pragma unroll
+    for (int k = 0; k < BK / 16; ++k) {
+        // +32 bytes along K inside the swizzle atom: +2 in the descriptor's address field.
+        if constexpr (BN == 256) {
+            wgmma_ss_n256(acc, da + 2 * k, db + 2 * k, !(first && k == 0));
+        } else {
+            wgmma_ss_n128(acc, da + 2 * k, db + 2 * k, !(first && k == 0));
+        }
+    }
+}
+
+// The accumulator layout of m64nN (PTX ISA, wgmma D fragments): warp q of the warpgroup holds
+// rows 16q + lane/4 and +8; element 4i + {0,1} is (row, 8i + 2·(lane%4) + {0,1}), 4i + {2,3}
+// the same columns 8 rows down.
+template <int BN, int EPI>
+__device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w) {
+    const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+    const int r0 = tm * BM + w * 64 + q * 16 + lane / 4;
+    const int c0 = tn * Tile<BN, EPI>::OUT_N + 2 * (lane % 4);
+    constexpr int PAIRS = Tile<BN, EPI>::OUT_N / 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        if (r >= a.M) continue;
+        u16* yrow = a.y + (size_t)r * a.N;
+#pragma unroll
+        for (int i = 0; i < PAIRS; ++i) {
+            const int c = c0 + 8 * i;
+            if (c >= a.N) continue;
+            float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+            if constexpr (EPI == EPI_GLU) {
+                // gate column c is accumulator pair i, up column c is pair i + PAIRS.
+                v0 = silu(v0) * acc[4 * (i + PAIRS) + 2 * h];
+                v1 = silu(v1) * acc[4 * (i + PAIRS) + 2 * h + 1];
+            } else if constexpr (EPI == EPI_RES) {
+                float r0f, r1f;
+                unpack2(*reinterpret_cast<const u32*>(a.res + (size_t)r * a.N + c), r0f, r1f);
+                v0 += r0f;
+                v1 += r1f;
+            }
+            *reinterpret_cast<u32*>(yrow + c) = pack2(v0, v1);
+        }
+    }
+}
+
+template <int BN, int STAGES, int EPI>
+__global__ void __launch_bounds__(THREADS, 1)
+    hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap, Args a) {
+    using T = Tile<BN, EPI>;
+    extern __shared__ unsigned char smem_raw[];
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
+    const u32 bars = base + STAGES * T::STAGE_BYTES;
+    auto sa = [&](int s) { return base + s * T::STAGE_BYTES; };
+    auto sb = [&](int s) { return base + s * T::STAGE_BYTES + T::A_BYTES; };
+    auto full = [&](int s) { return bars + 8 * s; };
+    auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+    const int kblocks = (a.K + BK - 1) / BK;  // TMA fills K past the edge with zeros
+    // Warpgroup-uniform through a shuffle, so that ptxas keeps what derives from it (descriptors,
+    // ring indices) in uniform registers (reports/NOTES.md, session 7).
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);      // the producer's arrival, with the stage's bytes
+            mbar_init(empty(s), 2 * 4);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        if (threadIdx.x != 0) return;
+        int it = 0;
+        for (int t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+            const int tm = t % a.tiles_m, tn = t / a.tiles_m;
+            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                const int s = it % STAGES;
+                if (it >= STAGES) mbar_wait(empty(s), ((it / STAGES) - 1) & 1);
+                mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
+                tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
+                tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::BOX_N);
+                if constexpr (EPI == EPI_GLU) tma_load_2d(sb(s) + T::BOX_N * 128, &umap, full(s), kb * BK, tn * T::BOX_N);
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    const int w = wg - 1;
+    const bool signal = threadIdx.x % 32 == 0;
+    int it = 0;
+    for (int t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+        const int tm = t % a.tiles_m, tn = t / a.tiles_m;
+        float acc[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full(s), (it / STAGES) & 1);
+            const u64 da = desc_sw128(sa(s) + (u32)w * 64u * 128u, 16, 1024);
+            const u64 db = desc_sw128(sb(s), 16, 1024);
+            wg_fence();
+            mma_block<BN>(acc, da, db, kb == 0);
+            wg_commit();
+            wg_wait<1>();  // the previous block's wgmmas have read their stage
+            if (kb > 0 && signal) mbar_arrive(empty((it - 1) % STAGES));
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
+        if (signal) mbar_arrive(empty((it - 1) % STAGES));
+        epilogue<BN, EPI>(a, acc, tm, tn, w);
+    }
+}
+
+// ---- the peers and the harness ----
+
+__global__ void fill_random(u16* p, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        h *= 3266489917u;
+        h ^= h >> 16;
+        p[i] = from_f32(((float)(h & 0xffffff) / 8388608.f - 1.f) * scale);
+    }
+}
+
+__global__ void fill_value(u16* p, size_t n, u16 v) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+}
+
+// The unfused SwiGLU after cuBLAS: gate_up [M, 2·inter] (gate columns first) → y [M, inter], 8
+// elements a thread.
+__global__ void silu_mul(const u16* __restrict__ gu, u16* __restrict__ y, int M, int inter) {
+    const size_t n8 = (size_t)M * inter / 8;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t e = i * 8, r = e / inter, c = e % inter;
+        const uint4 g = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + c);
+        const uint4 u = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + inter + c);
+        const u32 gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+        u32 o[4];
+        for (int j = 0; j < 4; ++j) {
+            float g0, g1, u0, u1;
+            unpack2(gw[j], g0, g1);
+            unpack2(uw[j], u0, u1);
+            o[j] = pack2(silu(g0) * u0, silu(g1) * u1);
+        }
+        *reinterpret_cast<uint4*>(y + r * inter + c) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&fn, 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !fn) {
+            fprintf(stderr, "cuTensorMapEncodeTiled not found in the driver\n");
+            exit(1);
+        }
+    }
+    return fn;
+}
+
+// A [rows, K] row-major matrix as TMA boxes of 64 (K) × box_rows, 128-byte swizzle.
+static TmaMap tma_map(const u16* p, int rows, int K, int box_rows) {
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+    const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+    const cuuint32_t estr[2] = {1, 1};
+    CUresult r = encode_tiled()(&m, FDPP_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                                (void*)p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "cuTensorMapEncodeTiled failed (%d): rows %d K %d box %d\n", (int)r, rows, K, box_rows);
+        exit(1);
+    }
+    TmaMap t;
+    static_assert(sizeof(t) == sizeof(m), "TmaMap is a CUtensorMap");
+    memcpy(&t, &m, sizeof(m));
+    return t;
+}
+
+struct Problem {
+    std::string name;
+    int M, N, K;  // N: columns of y (the intermediate width for GLU)
+    Epi epi;
+    bool timed;
+    u16 *x = nullptr, *w = nullptr, *res = nullptr, *y = nullptr, *ref = nullptr, *tmp = nullptr;
+    std::vector<u16> hx, hw, hres;
+    int wrows() const { return epi == EPI_GLU ? 2 * N : N; }
+    double flops() const { return 2.0 * M * (double)wrows() * K; }
+};
+
+static int g_sms = 0;
+static cublasHandle_t g_blas;
+
+template <int BN, int STAGES, int EPI>
+static void launch(const Problem& p, cudaStream_t st) {
+    using T = Tile<BN, EPI>;
+    static bool attr = false;
+    if (!attr) {
+        CK(cudaFuncSetAttribute(hgemm<BN, STAGES, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<BN, STAGES, EPI>()));
+        attr = true;
+    }
+    // The maps are encoded per launch here (host-only work, as fdpp's prefill does); a
+    // production launcher would cache them per buffer.
+    const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
+    const TmaMap wm = tma_map(p.w, p.N, p.K, T::BOX_N);
+    const TmaMap um = EPI == EPI_GLU ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::BOX_N) : wm;
+    Args a;
+    a.y = p.y;
+    a.res = EPI == EPI_RES ? p.res : nullptr;
+    a.M = p.M;
+    a.N = p.N;
+    a.K = p.K;
+    a.tiles_m = (p.M + BM - 1) / BM;
+    a.tiles = a.tiles_m * ((p.N + T::OUT_N - 1) / T::OUT_N);
+    const int grid = std::min(a.tiles, g_sms);
+    hgemm<BN, STAGES, EPI><<<grid, THREADS, smem_bytes<BN, STAGES, EPI>(), st>>>(xm, wm, um, a);
+}
+
+// y = x·Wᵀ through cublasGemmEx (fdpp's ImplC call): beta 1 adds into y (the residual already
+// there).
+static void blas(const u16* x, const u16* w, u16* y, int M, int N, int K, float beta) {
+    const float alpha = 1.f;
+    const cudaDataType t = FDPP_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    if (cublasGemmEx(g_blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, w, t, K, x, t, K, &beta, y, t, N, CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cublasGemmEx failed: M %d N %d K %d\n", M, N, K);
+        exit(1);
+    }
+}
+
+// The peer of each epilogue: cuBLAS, then what fdpp runs after it today.
+static void peer(const Problem& p, cudaStream_t) {
+    switch (p.epi) {
+    case EPI_STORE: blas(p.x, p.w, p.y, p.M, p.N, p.K, 0.f); break;
+    case EPI_GLU:
+        blas(p.x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f);
+        silu_mul<<<4 * g_sms, 256>>>(p.tmp, p.y, p.M, p.N);
+        break;
+    case EPI_RES: blas(p.x, p.w, p.y, p.M, p.N, p.K, 1.f); break;  // y holds the residual
+    }
+}
+
+struct Variant {
+    const char* name;
+    void (*run)(const Problem&, cudaStream_t);
+    bool ours;
+};
+
+static float h2f(u16 v) {
+    if (FDPP_BF16) {
+        u32 b = (u32)v << 16;
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    __half_raw r;
+    r.x = v;
+    return __half2float(__half(r));
+}
+
+static void poison(const Problem& p) {
+    const size_t n = (size_t)p.M * p.N + GUARD;
+    fill_value<<<4 * g_sms, 256>>>(p.y, n, (u16)0xffff);  // NaN in f16 and bf16
+    if (p.epi == EPI_RES) CK(cudaMemcpy(p.y, p.res, (size_t)p.M * p.N * 2, cudaMemcpyDeviceToDevice));
+}
+
+// f64 at sampled outputs: the corners, the last row and column, and random points.
+static double sampled_error(const Problem& p, const std::vector<u16>& y) {
+    std::vector<std::pair<int, int>> pts = {{0, 0}, {p.M - 1, p.N - 1}, {0, p.N - 1}, {p.M - 1, 0}};
+    unsigned s = 12345u + p.M * 7 + p.N;
+    for (int i = 0; i < 596; ++i) {
+        s = s * 1664525u + 1013904223u;
+        const int r = (s >> 8) % p.M;
+        s = s * 1664525u + 1013904223u;
+        pts.push_back({r, (int)((s >> 8) % p.N)});
+    }
+    auto dot = [&](int r, int wr) {
+        double acc = 0;
+        for (int k = 0; k < p.K; ++k) acc += (double)h2f(p.hx[(size_t)r * p.K + k]) * h2f(p.hw[(size_t)wr * p.K + k]);
+        return acc;
+    };
+    double sq = 0, worst = 0;
+    std::vector<double> refs;
+    for (auto [r, c] : pts) {
+        double v = dot(r, c);
+        if (p.epi == EPI_GLU) v = v / (1 + std::exp(-v)) * dot(r, p.N + c);
+        if (p.epi == EPI_RES) v += h2f(p.hres[(size_t)r * p.N + c]);
+        refs.push_back(v);
+        sq += v * v;
+    }
+    const double rms = std::sqrt(sq / pts.size());
+    for (size_t i = 0; i < pts.size(); ++i) {
+        const double got = h2f(y[(size_t)pts[i].first * p.N + pts[i].second]);
+        const double e = std::isfinite(got) ? std::fabs(got - refs[i]) / rms : INFINITY;
+        worst = std::max(worst, e);
+    }
+    return worst;
+}
+
+// Runs once from a poisoned output and judges it; returns "ok" or why not.
+static std::string check(const Problem& p, const Variant& v, std::vector<u16>* out) {
+    poison(p);
+    v.run(p, 0);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    std::vector<u16> y((size_t)p.M * p.N + GUARD);
+    CK(cudaMemcpy(y.data(), p.y, y.size() * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = (size_t)p.M * p.N; i < y.size(); ++i)
+        if (y[i] != 0xffff) return "wrote past the end (guard " + std::to_string(i - (size_t)p.M * p.N) + ")";
+    for (size_t i = 0; i < (size_t)p.M * p.N; ++i)
+        if (!std::isfinite(h2f(y[i]))) return "not finite at row " + std::to_string(i / p.N) + " col " + std::to_string(i % p.N);
+    const double e = sampled_error(p, y);
+    char buf[96];
+    if (e > 1e-2) {
+        snprintf(buf, sizeof buf, "f64 samples: max error %.3g of the rms", e);
+        return buf;
+    }
+    if (out) *out = y;
+    return "ok";
+}
+
+static double nmse(const std::vector<u16>& a, const std::vector<u16>& b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const double x = h2f(a[i]), r = h2f(b[i]);
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    return num / std::max(den, 1e-30);
+}
+
+static void setup(Problem& p) {
+    const size_t nx = (size_t)p.M * p.K, nw = (size_t)p.wrows() * p.K, ny = (size_t)p.M * p.N;
+    CK(cudaMalloc(&p.x, nx * 2));
+    CK(cudaMalloc(&p.w, nw * 2));
+    CK(cudaMalloc(&p.y, (ny + GUARD) * 2));
+    CK(cudaMalloc(&p.res, ny * 2));
+    if (p.epi == EPI_GLU) CK(cudaMalloc(&p.tmp, (size_t)p.M * 2 * p.N * 2));
+    static unsigned seed = 1;
+    fill_random<<<4 * g_sms, 256>>>(p.x, nx, seed++ * 7919u, 1.f);
+    fill_random<<<4 * g_sms, 256>>>(p.w, nw, seed++ * 7919u, 2.f / std::sqrt((float)p.K));
+    fill_random<<<4 * g_sms, 256>>>(p.res, ny, seed++ * 7919u, 1.f);
+    CK(cudaGetLastError());
+    p.hx.resize(nx);
+    p.hw.resize(nw);
+    p.hres.resize(ny);
+    CK(cudaMemcpy(p.hx.data(), p.x, nx * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(p.hw.data(), p.w, nw * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(p.hres.data(), p.res, ny * 2, cudaMemcpyDeviceToHost));
+}
+
+static void release(Problem& p) {
+    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp})
+        if (b) CK(cudaFree(b));
+    p.hx = p.hw = p.hres = {};
+}
+
+static std::vector<Variant> variants_of(Epi e) {
+    switch (e) {
+    case EPI_STORE:
+        return {{"cublas", peer, false}, {"hgemm 128x256 s4", launch<256, 4, EPI_STORE>, true}, {"hgemm 128x128 s6", launch<128, 6, EPI_STORE>, true}};
+    case EPI_GLU:
+        return {{"cublas + silu_mul", peer, false}, {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU>, true},
+                {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU>, true}};
+    case EPI_RES:
+    default:
+        return {{"cublas beta=1", peer, false}, {"hgemm res 128x256 s4", launch<256, 4, EPI_RES>, true}, {"hgemm res 128x128 s6", launch<128, 6, EPI_RES>, true}};
+    }
+}
+
+int main(int argc, char** argv) {
+    // Arguments: the M values of the timed Llama shapes (default 1024), or --check-only: the odd
+    // sizes alone, untimed (for compute-sanitizer).
+    std::vector<int> ms;
+    bool check_only = false;
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--check-only")) check_only = true;
+        else if (atoi(argv[i]) > 0) ms.push_back(atoi(argv[i]));
+        else {
+            fprintf(stderr, "usage: %s [--check-only] [M ...]\n", argv[0]);
+            return 1;
+        }
+    }
+    if (ms.empty() && !check_only) ms = {1024};
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    g_sms = prop.multiProcessorCount;
+    if (prop.major != 9) {
+        fprintf(stderr, "%s is sm_%d%d: this program needs Hopper (sm_90a)\n", prop.name, prop.major, prop.minor);
+        return 1;
+    }
+    if (cublasCreate(&g_blas) != CUBLAS_STATUS_SUCCESS) return 1;
+    printf("%s, %d SMs, %s\n", prop.name, g_sms, FDPP_BF16 ? "bf16" : "f16");
+
+    std::vector<Problem> probs = {
+        // Odd sizes, checked and not timed: partial M, N and K blocks, inter not a multiple of
+        // the tile, a single M tile.
+        {"odd store", 1000, 4104, 4104, EPI_STORE, false},
+        {"odd glu", 333, 1000, 1032, EPI_GLU, false},
+        {"odd res", 77, 520, 264, EPI_RES, false},
+    };
+    for (int m : ms) {
+        const std::string t = " M=" + std::to_string(m);
+        probs.push_back({"llama2-7b qkv" + t, m, 12288, 4096, EPI_STORE, true});
+        probs.push_back({"llama2-7b o (+res)" + t, m, 4096, 4096, EPI_RES, true});
+        probs.push_back({"llama2-7b ffn1 (glu)" + t, m, 11008, 4096, EPI_GLU, true});
+        probs.push_back({"llama2-7b ffn2 (+res)" + t, m, 4096, 11008, EPI_RES, true});
+        probs.push_back({"llama3-8b qkv" + t, m, 6144, 4096, EPI_STORE, true});
+        probs.push_back({"llama3-8b ffn1 (glu)" + t, m, 14336, 4096, EPI_GLU, true});
+        probs.push_back({"llama3-8b ffn2 (+res)" + t, m, 4096, 14336, EPI_RES, true});
+    }
+
+    printf("\n| problem | variant | check | NMSE vs peer | us | TFLOP/s | vs peer |\n|---|---|---|---|---|---|---|\n");
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    bool all_ok = true;
+    for (Problem& p : probs) {
+        setup(p);
+        std::vector<Variant> vs = variants_of(p.epi);
+        std::vector<std::string> status(vs.size());
+        std::vector<double> err(vs.size(), 0);
+        std::vector<u16> peer_out;
+        for (size_t i = 0; i < vs.size(); ++i) {
+            std::vector<u16> out;
+            status[i] = check(p, vs[i], &out);
+            if (status[i] != "ok") all_ok = false;
+            if (i == 0) peer_out = out;
+            else if (status[i] == "ok" && !peer_out.empty()) err[i] = nmse(out, peer_out, (size_t)p.M * p.N);
+            if (i > 0 && err[i] > 1e-5) {
+                status[i] = "NMSE vs peer above 1e-5";
+                all_ok = false;
+            }
+        }
+        std::vector<std::vector<double>> rounds(vs.size());
+        if (p.timed) {
+            const int ROUNDS = 7, REPS = 20;
+            for (size_t i = 0; i < vs.size(); ++i)
+                if (status[i] == "ok")
+                    for (int r = 0; r < 5; ++r) vs[i].run(p, 0);  // warm-up (and the attribute)
+            for (int r = 0; r < ROUNDS; ++r)
+                for (size_t i = 0; i < vs.size(); ++i) {
+                    if (status[i] != "ok") continue;
+                    CK(cudaEventRecord(e0));
+                    for (int k = 0; k < REPS; ++k) vs[i].run(p, 0);
+                    CK(cudaEventRecord(e1));
+                    CK(cudaEventSynchronize(e1));
+                    float ms_ = 0;
+                    CK(cudaEventElapsedTime(&ms_, e0, e1));
+                    rounds[i].push_back(1e3 * ms_ / REPS);
+                }
+            CK(cudaGetLastError());
+        }
+        double peer_us = 0;
+        for (size_t i = 0; i < vs.size(); ++i) {
+            std::vector<double> t = rounds[i];
+            std::sort(t.begin(), t.end());
+            const double us = t.empty() ? 0 : t[t.size() / 2];
+            if (i == 0) peer_us = us;
+            char nm[32] = "-", tm[32] = "-", tf[32] = "-", ra[32] = "-";
+            if (i > 0 && status[i] == "ok") snprintf(nm, sizeof nm, "%.2e", err[i]);
+            if (us > 0) {
+                snprintf(tm, sizeof tm, "%.1f (%.1f-%.1f)", us, t.front(), t.back());
+                snprintf(tf, sizeof tf, "%.0f", p.flops() / us * 1e-6);
+                if (i > 0 && peer_us > 0) snprintf(ra, sizeof ra, "%.3f", peer_us / us);
+            }
+            printf("| %s | %s | %s | %s | %s | %s | %s |\n", p.name.c_str(), vs[i].name, status[i].c_str(), nm, tm, tf, ra);
+            fflush(stdout);
+        }
+        release(p);
+    }
+    printf("\n%s\n", all_ok ? "every variant passed its checks" : "SOME VARIANT FAILED ITS CHECKS");
+    return all_ok ? 0 : 2;
+}
