@@ -21,14 +21,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e = (x);                                                                   \
-        if (e != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "cuda_check.h"
 #define CB(x)                                                                   \
     do {                                                                        \
         int st_ = (int)(x);                                                     \

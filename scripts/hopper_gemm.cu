@@ -43,14 +43,7 @@
 #include "common.cuh"
 #include "hopper.cuh"
 
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
+#include "cuda_check.h"
 
 enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2 };
 
@@ -65,21 +58,26 @@ struct Args {
     u16* y;
     const u16* res;  // EPI_RES: added to the product (may be y itself)
     int M, N, K;     // N: columns of y (the intermediate width for EPI_GLU)
-    int tiles_m, tiles;
+    int tiles_m, tiles_n;
 };
 
-template <int BN, int EPI>
+// CL CTAs of a cluster take CL tiles stacked along M that share their W block: each loads 1/CL
+// of it and multicasts it to all (TMA .multicast::cluster), so a CTA pulls A + B/CL bytes of a
+// K block through L2 instead of A + B (B is twice A at BN = 256).
+template <int BN, int EPI, int CL>
 struct Tile {
-    static constexpr int BOX_N = EPI == EPI_GLU ? BN / 2 : BN;  // W rows of one TMA box
     static constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;  // columns of y a tile writes
+    // W rows of one TMA box: GLU loads gate and up as two boxes (rank 0 and 1 of a pair);
+    // otherwise one box, or a half per rank.
+    static constexpr int W_BOX = EPI == EPI_GLU || CL == 2 ? BN / 2 : BN;
     static constexpr u32 A_BYTES = BM * BK * 2;
     static constexpr u32 B_BYTES = BN * BK * 2;
     static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
 };
 
-template <int BN, int STAGES, int EPI>
+template <int BN, int STAGES, int EPI, int CL>
 constexpr size_t smem_bytes() {
-    return (size_t)STAGES * Tile<BN, EPI>::STAGE_BYTES + 16 * STAGES + 1024;
+    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + 16 * STAGES + 1024;
 }
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -90,6 +88,50 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
 #endif
     return r;
+}
+
+// mbar_wait that gives up: a kernel that has never run on a GPU may deadlock, and a trap (the
+// launch fails with an illegal-instruction error) ends the process where a hang would eat the
+// device call. No printf: a call there would serialise the wgmmas and void setmaxnreg (ptxas
+// C7510 / C7507).
+__device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
+__device__ __forceinline__ void wait_or_trap(u32 bar, u32 parity) {
+    if (try_wait(bar, parity)) return;
+    const long long t0 = clock64();
+    while (!try_wait(bar, parity))
+        if (clock64() - t0 > (1ll << 32)) __trap();  // ~2 s at 1.98 GHz
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive on the mbarrier at the same shared offset in cluster CTA `rank`. Its default CTA-scope
+// release is enough: what it publishes is that this warp's wgmmas have finished reading the
+// stage (wait_group), not data; `.release.cluster` put a MEMBAR.ALL.GPU before every arrival.
+__device__ __forceinline__ void mbar_arrive_remote(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// TMA multicast: the box lands at dst in every CTA of `mask`, completing on each one's bar.
+__device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TmaMap* map, u32 bar, int c0, int c1, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+        : "memory");
 }
 
 template <int BN>
@@ -111,9 +153,10 @@ __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, 
 template <int BN, int EPI>
 __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w) {
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+    constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;
     const int r0 = tm * BM + w * 64 + q * 16 + lane / 4;
-    const int c0 = tn * Tile<BN, EPI>::OUT_N + 2 * (lane % 4);
-    constexpr int PAIRS = Tile<BN, EPI>::OUT_N / 8;
+    const int c0 = tn * OUT_N + 2 * (lane % 4);
+    constexpr int PAIRS = OUT_N / 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
@@ -139,10 +182,11 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
     }
 }
 
-template <int BN, int STAGES, int EPI>
+template <int BN, int STAGES, int EPI, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
     hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap, Args a) {
-    using T = Tile<BN, EPI>;
+    using T = Tile<BN, EPI, CL>;
+    static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
     const u32 bars = base + STAGES * T::STAGE_BYTES;
@@ -154,59 +198,84 @@ __global__ void __launch_bounds__(THREADS, 1)
     // Warpgroup-uniform through a shuffle, so that ptxas keeps what derives from it (descriptors,
     // ring indices) in uniform registers (reports/NOTES.md, session 7).
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
+    const u32 rank = CL == 2 ? cluster_rank() : 0;
+    // A cluster walks pairs of tiles (tm = 2·pair_m + rank) of one W block; a lone CTA, tiles.
+    const int pairs_m = (a.tiles_m + CL - 1) / CL, units = pairs_m * a.tiles_n;
+    const int unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 1);      // the producer's arrival, with the stage's bytes
-            mbar_init(empty(s), 2 * 4);  // one arrival per consumer warp
+            mbar_init(full(s), 1);            // the producer's arrival, with the stage's bytes
+            mbar_init(empty(s), 2 * 4 * CL);  // one arrival per consumer warp of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    if (CL == 2) cluster_sync();  // the peer's barriers exist before anything lands on them
+    else __syncthreads();
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        if (threadIdx.x != 0) return;
-        int it = 0;
-        for (int t = blockIdx.x; t < a.tiles; t += gridDim.x) {
-            const int tm = t % a.tiles_m, tn = t / a.tiles_m;
-            for (int kb = 0; kb < kblocks; ++kb, ++it) {
-                const int s = it % STAGES;
-                if (it >= STAGES) mbar_wait(empty(s), ((it / STAGES) - 1) & 1);
-                mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
-                tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
-                tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::BOX_N);
-                if constexpr (EPI == EPI_GLU) tma_load_2d(sb(s) + T::BOX_N * 128, &umap, full(s), kb * BK, tn * T::BOX_N);
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int u = unit0; u < units; u += unit_step) {
+                // A pair's second tile past the last M tile loads the last one's rows (its
+                // results are never stored) rather than a box wholly outside the tensor.
+                const int tm = min((u % pairs_m) * CL + (int)rank, a.tiles_m - 1), tn = u / pairs_m;
+                for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) wait_or_trap(empty(s), ((it / STAGES) - 1) & 1);
+                    mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
+                    tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
+                    if constexpr (CL == 1) {
+                        tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::W_BOX);
+                        if constexpr (EPI == EPI_GLU) tma_load_2d(sb(s) + T::W_BOX * 128, &umap, full(s), kb * BK, tn * T::W_BOX);
+                    } else if constexpr (EPI == EPI_GLU) {
+                        // rank 0 the gate rows, rank 1 the up rows, each to both CTAs.
+                        tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, rank ? &umap : &wmap, full(s), kb * BK, tn * T::W_BOX, 3);
+                    } else {
+                        tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, &wmap, full(s), kb * BK, tn * BN + rank * T::W_BOX, 3);
+                    }
+                }
             }
         }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
-    const int w = wg - 1;
-    const bool signal = threadIdx.x % 32 == 0;
-    int it = 0;
-    for (int t = blockIdx.x; t < a.tiles; t += gridDim.x) {
-        const int tm = t % a.tiles_m, tn = t / a.tiles_m;
-        float acc[BN / 2];
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        const int w = wg - 1;
+        const bool signal = threadIdx.x % 32 == 0;
+        auto release = [&](int s) {
+            if (!signal) return;
+            mbar_arrive(empty(s));
+            if (CL == 2) mbar_arrive_remote(empty(s), rank ^ 1);
+        };
+        int it = 0;
+        for (int u = unit0; u < units; u += unit_step) {
+            const int tm = (u % pairs_m) * CL + rank, tn = u / pairs_m;
+            float acc[BN / 2];
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-        for (int kb = 0; kb < kblocks; ++kb, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full(s), (it / STAGES) & 1);
-            const u64 da = desc_sw128(sa(s) + (u32)w * 64u * 128u, 16, 1024);
-            const u64 db = desc_sw128(sb(s), 16, 1024);
-            wg_fence();
-            mma_block<BN>(acc, da, db, kb == 0);
-            wg_commit();
-            wg_wait<1>();  // the previous block's wgmmas have read their stage
-            if (kb > 0 && signal) mbar_arrive(empty((it - 1) % STAGES));
+            for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                const int s = it % STAGES;
+                wait_or_trap(full(s), (it / STAGES) & 1);
+                const u64 da = desc_sw128(sa(s) + (u32)w * 64u * 128u, 16, 1024);
+                const u64 db = desc_sw128(sb(s), 16, 1024);
+                wg_fence();
+                mma_block<BN>(acc, da, db, kb == 0);
+                wg_commit();
+                wg_wait<1>();  // the previous block's wgmmas have read their stage
+                if (kb > 0) release((it - 1) % STAGES);
+            }
+            wg_wait<0>();
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
+            release((it - 1) % STAGES);
+            epilogue<BN, EPI>(a, acc, tm, tn, w);
         }
-        wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
-        if (signal) mbar_arrive(empty((it - 1) % STAGES));
-        epilogue<BN, EPI>(a, acc, tm, tn, w);
+    }
+    // No CTA of a pair leaves while its peer may still arrive on its barriers (the producer's
+    // idle lanes waited here for its lane 0).
+    if (CL == 2) {
+        __syncwarp();
+        cluster_sync();
     }
 }
 
@@ -286,7 +355,7 @@ struct Problem {
     int M, N, K;  // N: columns of y (the intermediate width for GLU)
     Epi epi;
     bool timed;
-    u16 *x = nullptr, *w = nullptr, *res = nullptr, *y = nullptr, *ref = nullptr, *tmp = nullptr;
+    u16 *x = nullptr, *w = nullptr, *res = nullptr, *y = nullptr, *tmp = nullptr;
     std::vector<u16> hx, hw, hres;
     int wrows() const { return epi == EPI_GLU ? 2 * N : N; }
     double flops() const { return 2.0 * M * (double)wrows() * K; }
@@ -295,19 +364,42 @@ struct Problem {
 static int g_sms = 0;
 static cublasHandle_t g_blas;
 
-template <int BN, int STAGES, int EPI>
+template <int BN, int STAGES, int EPI, int CL>
 static void launch(const Problem& p, cudaStream_t st) {
-    using T = Tile<BN, EPI>;
-    static bool attr = false;
-    if (!attr) {
-        CK(cudaFuncSetAttribute(hgemm<BN, STAGES, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<BN, STAGES, EPI>()));
-        attr = true;
+    using T = Tile<BN, EPI, CL>;
+    auto kern = hgemm<BN, STAGES, EPI, CL>;
+    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL>();
+    static int max_units = 0;  // CTAs (CL = 1) or clusters (CL = 2) resident at once
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = CL == 2 ? 1 : 0;
+    if (!max_units) {
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (CL == 2) {
+            cfg.gridDim = dim3(g_sms);
+            CK(cudaOccupancyMaxActiveClusters(&max_units, kern, &cfg));
+            printf("(hgemm BN %d, %d stages, epilogue %d: %d clusters of 2 resident)\n", BN, STAGES, EPI, max_units);
+        } else {
+            max_units = g_sms;
+        }
+        if (max_units < 1) {
+            fprintf(stderr, "no cluster of %d CTAs fits\n", CL);
+            exit(1);
+        }
     }
     // The maps are encoded per launch here (host-only work, as fdpp's prefill does); a
     // production launcher would cache them per buffer.
     const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
-    const TmaMap wm = tma_map(p.w, p.N, p.K, T::BOX_N);
-    const TmaMap um = EPI == EPI_GLU ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::BOX_N) : wm;
+    const TmaMap wm = tma_map(p.w, p.N, p.K, T::W_BOX);
+    const TmaMap um = EPI == EPI_GLU ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
     Args a;
     a.y = p.y;
     a.res = EPI == EPI_RES ? p.res : nullptr;
@@ -315,9 +407,10 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.N = p.N;
     a.K = p.K;
     a.tiles_m = (p.M + BM - 1) / BM;
-    a.tiles = a.tiles_m * ((p.N + T::OUT_N - 1) / T::OUT_N);
-    const int grid = std::min(a.tiles, g_sms);
-    hgemm<BN, STAGES, EPI><<<grid, THREADS, smem_bytes<BN, STAGES, EPI>(), st>>>(xm, wm, um, a);
+    a.tiles_n = (p.N + T::OUT_N - 1) / T::OUT_N;
+    const int units = (a.tiles_m + CL - 1) / CL * a.tiles_n;
+    cfg.gridDim = dim3(CL * std::min(units, max_units));
+    CK(cudaLaunchKernelEx(&cfg, kern, xm, wm, um, a));
 }
 
 // y = x·Wᵀ through cublasGemmEx (fdpp's ImplC call): beta 1 adds into y (the residual already
@@ -462,26 +555,40 @@ static void release(Problem& p) {
 static std::vector<Variant> variants_of(Epi e) {
     switch (e) {
     case EPI_STORE:
-        return {{"cublas", peer, false}, {"hgemm 128x256 s4", launch<256, 4, EPI_STORE>, true}, {"hgemm 128x128 s6", launch<128, 6, EPI_STORE>, true}};
+        return {{"cublas", peer, false},
+                {"hgemm 128x256 s4", launch<256, 4, EPI_STORE, 1>, true},
+                {"hgemm 128x128 s6", launch<128, 6, EPI_STORE, 1>, true},
+                {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true}};
     case EPI_GLU:
-        return {{"cublas + silu_mul", peer, false}, {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU>, true},
-                {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU>, true}};
+        return {{"cublas + silu_mul", peer, false},
+                {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
+                {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
+                {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true},
+                {"hgemm glu 128x(64+64) s6 cluster2", launch<128, 6, EPI_GLU, 2>, true}};
     case EPI_RES:
     default:
-        return {{"cublas beta=1", peer, false}, {"hgemm res 128x256 s4", launch<256, 4, EPI_RES>, true}, {"hgemm res 128x128 s6", launch<128, 6, EPI_RES>, true}};
+        return {{"cublas beta=1", peer, false},
+                {"hgemm res 128x256 s4", launch<256, 4, EPI_RES, 1>, true},
+                {"hgemm res 128x128 s6", launch<128, 6, EPI_RES, 1>, true},
+                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true}};
     }
 }
 
 int main(int argc, char** argv) {
-    // Arguments: the M values of the timed Llama shapes (default 1024), or --check-only: the odd
-    // sizes alone, untimed (for compute-sanitizer).
+    // Arguments: the M values of the timed Llama shapes (default 1024); --check-only: the odd
+    // sizes alone, untimed (for compute-sanitizer); --no-cluster / --cluster-only: which of our
+    // variants run beside the peer (a variant that faults ends the process, so the two kinds
+    // can run as two processes).
     std::vector<int> ms;
     bool check_only = false;
+    int clusters = 0;  // 0 both, 1 none, 2 only
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--check-only")) check_only = true;
+        else if (!strcmp(argv[i], "--no-cluster")) clusters = 1;
+        else if (!strcmp(argv[i], "--cluster-only")) clusters = 2;
         else if (atoi(argv[i]) > 0) ms.push_back(atoi(argv[i]));
         else {
-            fprintf(stderr, "usage: %s [--check-only] [M ...]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--check-only] [--no-cluster | --cluster-only] [M ...]\n", argv[0]);
             return 1;
         }
     }
@@ -521,12 +628,17 @@ int main(int argc, char** argv) {
     bool all_ok = true;
     for (Problem& p : probs) {
         setup(p);
-        std::vector<Variant> vs = variants_of(p.epi);
+        std::vector<Variant> vs;
+        for (const Variant& v : variants_of(p.epi)) {
+            const bool cl = strstr(v.name, "cluster2") != nullptr;
+            if (!v.ours || clusters == 0 || (clusters == 1 && !cl) || (clusters == 2 && cl)) vs.push_back(v);
+        }
         std::vector<std::string> status(vs.size());
         std::vector<double> err(vs.size(), 0);
         std::vector<u16> peer_out;
         for (size_t i = 0; i < vs.size(); ++i) {
             std::vector<u16> out;
+            fprintf(stderr, "checking %s: %s\n", p.name.c_str(), vs[i].name);  // names a faulting variant
             status[i] = check(p, vs[i], &out);
             if (status[i] != "ok") all_ok = false;
             if (i == 0) peer_out = out;

@@ -2,7 +2,10 @@
 # The Hopper GEMM experiment (scripts/hopper_gemm.cu) on a lent H100/H200, in one device call
 # from the repository root: build, the odd sizes under compute-sanitizer (memcheck, racecheck,
 # synccheck), then the Llama shapes timed against cuBLAS at each M given (default 1024 4096).
-# Logs land in $OUT (or /tmp/hg-out); the table is printed last.
+# Six files land in $OUT (or /tmp/hg-out): build.log, san.log, errs.log, long-prefill-check.md and
+# the two tables, printed last.
+# Each step runs under `timeout` (the worst case adds up to ~14 minutes, past a device call's 10:
+# leave FDPP unset, or split the steps, when the call is tight).
 #   FDPP=.carry/fdpp also runs fdpp's long prefill check cases (issue #20's 4097/16384 tokens).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,21 +13,27 @@ out="${OUT:-/tmp/hg-out}"
 mkdir -p "$out"
 ms=("$@")
 [ ${#ms[@]} -gt 0 ] || ms=(1024 4096)
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$out/build.log"
 bin=/tmp/hopper_gemm
 if ! nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -I kernels_cuda \
-    scripts/hopper_gemm.cu -o "$bin" -lcublas >"$out/build.log" 2>&1; then
+    scripts/hopper_gemm.cu -o "$bin" -lcublas >>"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   exit 1
 fi
 grep -E 'spill|registers' "$out/build.log" | sort | uniq -c | head
+# Unclustered variants first: a fault in the cluster variants must not hide their results.
+timeout 60 "$bin" --check-only --no-cluster 2>&1 | tail -3
+timeout 60 "$bin" --check-only --cluster-only 2>&1 | tail -3
 for tool in memcheck racecheck synccheck; do
-  timeout 300 compute-sanitizer --tool "$tool" "$bin" --check-only >"$out/san-$tool.log" 2>&1
-  echo "compute-sanitizer $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san-$tool.log" | tail -1))"
+  timeout 100 compute-sanitizer --tool "$tool" "$bin" --check-only >/tmp/san.log 2>&1
+  echo "compute-sanitizer $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san.log | tail -1))"
+  { echo "== $tool"; cat /tmp/san.log; } >>"$out/san.log"
 done
 if [ -n "${FDPP:-}" ]; then
-  timeout 600 "$FDPP" check --backend cuda --op attention --case "new=[4097]" --case "new=[16384]" \
+  timeout 200 "$FDPP" check --backend cuda --op attention --case "new=[4097]" --case "new=[16384]" \
     --case "new=[4096,1,4097]" --case "new=[1025,97]" --case "new=[2049]" >"$out/long-prefill-check.md" 2>&1
   echo "fdpp long prefill check: rc $? ($(tail -1 "$out/long-prefill-check.md"))"
 fi
-timeout 400 "$bin" "${ms[@]}" 2>&1 | tee "$out/hopper_gemm.md"
+timeout 120 "$bin" --no-cluster "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm.md"
+timeout 120 "$bin" --cluster-only "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm_cluster.md"
+grep -v "^checking" "$out/errs.log" | tail -5

@@ -20,14 +20,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e = (x);                                                                    \
-        if (e != cudaSuccess) {                                                                 \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));  \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
+#include "cuda_check.h"
 
 // Milliseconds of `reps` launches of `launch`, each alone between two events, after two untimed
 // ones; sorted, so [0] is the fastest and [reps / 2] the median.
