@@ -997,7 +997,8 @@ mod tests {
     }
 
     /// Issue #20: prefills of 4097 and 16384 new tokens, a chunk behind a long cached prefix in
-    /// a ragged batch with a 1-token sequence, in both dtypes, in the full list only.
+    /// a ragged batch with a 1-token sequence, in both dtypes (the quick list stays at 4097 keys:
+    /// `the_full_list_has_long_and_ragged_decode`).
     #[test]
     fn the_full_list_has_long_and_chunked_prefill() {
         let full = attention_cases();
@@ -1021,9 +1022,6 @@ mod tests {
                 "{dt}"
             );
         }
-        assert!(attention_cases_quick()
-            .iter()
-            .all(|c| c.kind == AttnKind::Decode || c.kv_lens.iter().all(|&l| l <= 4097)));
     }
 
     /// The full list covers the tensor-core pass: every ratio of TC_RATIOS at head_dim 64, 128
