@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "attn_common.cuh"  // pack2
 #include "hopper.cuh"
 
 #include "cuda_check.h"
@@ -78,16 +79,6 @@ struct Tile {
 template <int BN, int STAGES, int EPI, int CL>
 constexpr size_t smem_bytes() {
     return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + 16 * STAGES + 1024;
-}
-
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if FDPP_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#endif
-    return r;
 }
 
 // mbar_wait that gives up: a kernel that has never run on a GPU may deadlock, and a trap (the
