@@ -46,7 +46,9 @@
 
 #include "cuda_check.h"
 
-enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2 };
+// EPI_NONE stores nothing: the main loop and the pipeline alone, timed beside the store to show
+// what the (not overlapped) epilogue costs. It is not checked.
+enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2, EPI_NONE = 3 };
 
 constexpr int BM = 128;  // rows of a tile: two consumer warpgroups of 64
 constexpr int BK = 64;   // K of a stage: one 128-byte swizzle row of 16-bit elements
@@ -143,6 +145,15 @@ __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, 
 // the same columns 8 rows down.
 template <int BN, int EPI>
 __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w) {
+    if constexpr (EPI == EPI_NONE) {
+        // ptxas drops wgmmas whose results are unused (it left one HGMMA.64x8x16 on RZ): every
+        // accumulator feeds a sum that is stored only if it is exactly 1e30, which it never is.
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) sum += acc[i];
+        if (sum == 1e30f) a.y[0] = 0;
+        return;
+    }
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
     constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;
     const int r0 = tm * BM + w * 64 + q * 16 + lane / 4;
@@ -432,6 +443,7 @@ struct Variant {
     const char* name;
     void (*run)(const Problem&, cudaStream_t);
     bool ours;
+    bool unchecked = false;  // EPI_NONE: timed only
 };
 
 static float h2f(u16 v) {
@@ -549,7 +561,9 @@ static std::vector<Variant> variants_of(Epi e) {
         return {{"cublas", peer, false},
                 {"hgemm 128x256 s4", launch<256, 4, EPI_STORE, 1>, true},
                 {"hgemm 128x128 s6", launch<128, 6, EPI_STORE, 1>, true},
-                {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true}};
+                {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true},
+                {"hgemm 128x256 s4, no epilogue", launch<256, 4, EPI_NONE, 1>, true, true},
+                {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true}};
     case EPI_GLU:
         return {{"cublas + silu_mul", peer, false},
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
@@ -630,6 +644,13 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < vs.size(); ++i) {
             std::vector<u16> out;
             fprintf(stderr, "checking %s: %s\n", p.name.c_str(), vs[i].name);  // names a faulting variant
+            if (vs[i].unchecked) {
+                // Still launched once, so that a fault shows here and the timing below is safe.
+                vs[i].run(p, 0);
+                CK(cudaDeviceSynchronize());
+                status[i] = "ok";
+                continue;
+            }
             status[i] = check(p, vs[i], &out);
             if (status[i] != "ok") all_ok = false;
             if (i == 0) peer_out = out;
@@ -665,13 +686,14 @@ int main(int argc, char** argv) {
             const double us = t.empty() ? 0 : t[t.size() / 2];
             if (i == 0) peer_us = us;
             char nm[32] = "-", tm[32] = "-", tf[32] = "-", ra[32] = "-";
-            if (i > 0 && status[i] == "ok") snprintf(nm, sizeof nm, "%.2e", err[i]);
+            if (i > 0 && status[i] == "ok" && !vs[i].unchecked) snprintf(nm, sizeof nm, "%.2e", err[i]);
             if (us > 0) {
                 snprintf(tm, sizeof tm, "%.1f (%.1f-%.1f)", us, t.front(), t.back());
                 snprintf(tf, sizeof tf, "%.0f", p.flops() / us * 1e-6);
                 if (i > 0 && peer_us > 0) snprintf(ra, sizeof ra, "%.3f", peer_us / us);
             }
-            printf("| %s | %s | %s | %s | %s | %s | %s |\n", p.name.c_str(), vs[i].name, status[i].c_str(), nm, tm, tf, ra);
+            printf("| %s | %s | %s | %s | %s | %s | %s |\n", p.name.c_str(), vs[i].name, vs[i].unchecked ? "(not checked)" : status[i].c_str(),
+                   nm, tm, tf, ra);
             fflush(stdout);
         }
         release(p);
