@@ -95,11 +95,14 @@ __device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
                  : "memory");
     return done;
 }
+#ifndef HG_WATCHDOG_CYCLES
+#define HG_WATCHDOG_CYCLES (1ll << 32)  // ~2 s at 1.98 GHz; the sanitizer build waits far longer
+#endif
 __device__ __forceinline__ void wait_or_trap(u32 bar, u32 parity) {
     if (try_wait(bar, parity)) return;
     const long long t0 = clock64();
     while (!try_wait(bar, parity))
-        if (clock64() - t0 > (1ll << 32)) __trap();  // ~2 s at 1.98 GHz
+        if (clock64() - t0 > HG_WATCHDOG_CYCLES) __trap();
 }
 
 __device__ __forceinline__ u32 cluster_rank() {
