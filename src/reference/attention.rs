@@ -1,7 +1,8 @@
 //! Reference attention in f64 with the exact two-pass softmax: pass one takes every score
 //! x = q·k/√d and their maximum m, pass two sums e^(x−m) and e^(x−m)·v. No running maximum, no
 //! splits, no unified φ: nothing the kernels do to go fast is repeated here, so the oracle cannot
-//! share their mistakes. Inputs are widened exactly (f16/bf16 → f64).
+//! share their mistakes. Inputs are widened exactly (f16/bf16 → f64), the keys and values of each
+//! (sequence, kv head) once for all the rows and heads that read them.
 //!
 //! The prefill oracle reads the new tokens' K and V from the k/v inputs, not from the pools the
 //! kernel writes, and the cached prefix from the pools as they were before the step.
@@ -14,16 +15,15 @@ use crate::ops::attention::{DecodeParams, PrefillParams};
 
 /// out = softmax(q·Kᵀ/√d) · V over `n` keys, in f64; `key(t)` and `val(t)` give token t's rows.
 fn attend<'a>(
-    dt: DType,
     q: &[f64],
     n: usize,
     scale: f64,
-    key: impl Fn(usize) -> &'a [u16],
-    val: impl Fn(usize) -> &'a [u16],
+    key: impl Fn(usize) -> &'a [f64],
+    val: impl Fn(usize) -> &'a [f64],
     out: &mut [f64],
 ) {
     let scores: Vec<f64> = (0..n)
-        .map(|t| q.iter().zip(key(t)).map(|(a, &b)| a * dt.to_f32(b) as f64).sum::<f64>() * scale)
+        .map(|t| q.iter().zip(key(t)).map(|(a, b)| a * b).sum::<f64>() * scale)
         .collect();
     let m = scores.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
     out.fill(0.0);
@@ -32,12 +32,48 @@ fn attend<'a>(
         let p = (x - m).exp();
         l += p;
         for (o, &v) in out.iter_mut().zip(val(t)) {
-            *o += p * dt.to_f32(v) as f64;
+            *o += p * v;
         }
     }
     for o in out.iter_mut() {
         *o /= l;
     }
+}
+
+/// `n` rows of `d` elements widened exactly to f64, [n][d]; a row `row(t)` does not give (a
+/// token the table does not hold) reads as zeros.
+fn widen<'a>(dt: DType, n: usize, d: usize, row: impl Fn(usize) -> Option<&'a [u16]> + Sync) -> Vec<f64> {
+    let mut w = vec![0f64; n * d];
+    w.par_chunks_mut(d).enumerate().for_each(|(t, o)| {
+        if let Some(r) = row(t) {
+            for (o, &x) in o.iter_mut().zip(r) {
+                *o = dt.to_f32(x) as f64;
+            }
+        }
+    });
+    w
+}
+
+/// The f64 rows of one (sequence, kv head)'s keys and values, widened once for every query row
+/// and head of its group that reads them.
+struct KvRows {
+    k: Vec<f64>,
+    v: Vec<f64>,
+    d: usize,
+}
+
+impl KvRows {
+    fn key(&self, t: usize) -> &[f64] {
+        &self.k[t * self.d..(t + 1) * self.d]
+    }
+    fn val(&self, t: usize) -> &[f64] {
+        &self.v[t * self.d..(t + 1) * self.d]
+    }
+}
+
+/// Query row `row` of `q` (`d` elements each), widened.
+fn q_row(dt: DType, q: &[u16], row: usize, d: usize) -> Vec<f64> {
+    q[row * d..(row + 1) * d].iter().map(|&x| dt.to_f32(x) as f64).collect()
 }
 
 /// Decode reference, `[batch][num_heads][head_dim]`. Panics if the buffers are shorter than the
@@ -47,15 +83,20 @@ pub fn decode_ref(p: &DecodeParams, layout: &PagedKvLayout, q: &[u16], k_pool: &
     let (h, d, dt) = (g.num_heads, g.head_dim, p.dtype);
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = vec![0f64; p.batch() * h * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
-        let (b, head) = (row / h, row % h);
-        let kvh = head / g.group();
+    // A group's heads are adjacent in a sequence's row: chunk i is (sequence, kv head) i.
+    out.par_chunks_mut(g.group() * d).enumerate().for_each(|(i, o)| {
+        let (b, kvh) = (i / g.num_kv_heads, i % g.num_kv_heads);
         let table = p.tables.table(b);
-        let qf: Vec<f64> = q[row * d..(row + 1) * d].iter().map(|&x| dt.to_f32(x) as f64).collect();
-        let tok = |pool, t| read_token(layout, pool, &table, t, kvh).unwrap_or(&[]);
-        let keys: Vec<&[u16]> = (0..p.tables.seq_len(b)).map(|t| tok(k_pool, t)).collect();
-        let vals: Vec<&[u16]> = (0..p.tables.seq_len(b)).map(|t| tok(v_pool, t)).collect();
-        attend(dt, &qf, keys.len(), scale, |t| keys[t], |t| vals[t], o);
+        let n = p.tables.seq_len(b);
+        let kv = KvRows {
+            k: widen(dt, n, d, |t| read_token(layout, k_pool, &table, t, kvh)),
+            v: widen(dt, n, d, |t| read_token(layout, v_pool, &table, t, kvh)),
+            d,
+        };
+        o.par_chunks_mut(d).enumerate().for_each(|(j, o)| {
+            let qf = q_row(dt, q, b * h + kvh * g.group() + j, d);
+            attend(&qf, n, scale, |t| kv.key(t), |t| kv.val(t), o);
+        });
     });
     out
 }
@@ -74,35 +115,48 @@ pub fn prefill_ref<'a>(
     let (h, d, dt) = (g.num_heads, g.head_dim, p.dtype);
     let kvd = g.num_kv_heads * d;
     let scale = 1.0 / (d as f64).sqrt();
-    let spans = p.spans();
-    // Sequence of each new-token row.
-    let seq_of: Vec<usize> = spans
-        .iter()
-        .enumerate()
-        .flat_map(|(b, &(_, _, n))| std::iter::repeat_n(b, n))
-        .collect();
     let mut out = vec![0f64; p.tokens() * h * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
-        let (tok, head) = (row / h, row % h);
-        let b = seq_of[tok];
-        let (row0, prefix, _) = spans[b];
-        let pos = prefix + (tok - row0);
-        let kvh = head / g.group();
+    for (b, &(row0, prefix, n)) in p.spans().iter().enumerate() {
         let table = p.tables.table(b);
-        // Borrowed rows, not copies: a 16384-token prompt's rows attend to 8k keys on average.
-        let pick = |pool: &'a [u16], new: &'a [u16], t: usize| -> &'a [u16] {
-            if t < prefix {
-                read_token(layout, pool, &table, t, kvh).unwrap_or(&[])
-            } else {
-                let r = row0 + t - prefix;
-                &new[r * kvd + kvh * d..r * kvd + (kvh + 1) * d]
+        for kvh in 0..g.num_kv_heads {
+            // Position t: the cached prefix from the pools as they were, the new tokens from k/v.
+            let row = |pool: &'a [u16], new: &'a [u16], t: usize| -> Option<&'a [u16]> {
+                if t < prefix {
+                    read_token(layout, pool, &table, t, kvh)
+                } else {
+                    let r = row0 + t - prefix;
+                    Some(&new[r * kvd + kvh * d..r * kvd + (kvh + 1) * d])
+                }
+            };
+            let kv = KvRows {
+                k: widen(dt, prefix + n, d, |t| row(k_pool_before, k_new, t)),
+                v: widen(dt, prefix + n, d, |t| row(v_pool_before, v_new, t)),
+                d,
+            };
+            // This group's heads of every new token of the sequence, each row attending to its
+            // causal prefix.
+            let rows: Vec<(usize, Vec<f64>)> = (0..n * g.group())
+                .into_par_iter()
+                .map(|i| {
+                    let (tok, head) = (row0 + i / g.group(), kvh * g.group() + i % g.group());
+                    let mut o = vec![0f64; d];
+                    let keys = prefix + tok - row0 + 1;
+                    attend(
+                        &q_row(dt, q, tok * h + head, d),
+                        keys,
+                        scale,
+                        |t| kv.key(t),
+                        |t| kv.val(t),
+                        &mut o,
+                    );
+                    ((tok * h + head) * d, o)
+                })
+                .collect();
+            for (at, o) in rows {
+                out[at..at + d].copy_from_slice(&o);
             }
-        };
-        let keys: Vec<&[u16]> = (0..=pos).map(|t| pick(k_pool_before, k_new, t)).collect();
-        let vals: Vec<&[u16]> = (0..=pos).map(|t| pick(v_pool_before, v_new, t)).collect();
-        let qf: Vec<f64> = q[row * d..(row + 1) * d].iter().map(|&x| dt.to_f32(x) as f64).collect();
-        attend(dt, &qf, keys.len(), scale, |t| keys[t], |t| vals[t], o);
-    });
+        }
+    }
     out
 }
 
@@ -122,8 +176,10 @@ mod tests {
         let ln3 = (3f64.ln() / scale) as f32;
         let k = [enc(&[0.0; 4]), enc(&[ln3, 0.0, 0.0, 0.0])];
         let v = [enc(&[4.0, 8.0, -4.0, 0.0]), enc(&[0.0, 4.0, 8.0, 1.0])];
+        let wide = |r: &[u16]| r.iter().map(|&x| dt.to_f32(x) as f64).collect::<Vec<f64>>();
+        let (kf, vf): (Vec<_>, Vec<_>) = (k.iter().map(|r| wide(r)).collect(), v.iter().map(|r| wide(r)).collect());
         let mut out = [0f64; 4];
-        attend(dt, &q, 2, scale, |t| &k[t], |t| &v[t], &mut out);
+        attend(&q, 2, scale, |t| &kf[t], |t| &vf[t], &mut out);
         // e^(x1) is 3 up to the f16 rounding of ln3·√d.
         let w1 = ((dt.to_f32(k[1][0]) as f64) * scale).exp();
         let (p0, p1) = (1.0 / (1.0 + w1), w1 / (1.0 + w1));
