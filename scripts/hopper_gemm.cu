@@ -48,7 +48,15 @@
 
 // EPI_NONE stores nothing: the main loop and the pipeline alone, timed beside the store to show
 // what the (not overlapped) epilogue costs. It is not checked.
-enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2, EPI_NONE = 3 };
+// The RMSNorm between the residual add and the next linear, taken apart (its γ folded into the
+// next W, as fdpp's fused GEMV path does): EPI_RES_SS adds each stored row's sum of squares into
+// ss[row] (the O and FFN2 GEMMs), and EPI_STORE_RS / EPI_GLU_RS scale row r of their product by
+// 1/rms = rsqrt(ss[r]/K + eps) (QKV, FFN1), which is rmsnorm(x)·W'ᵀ since the scale is per row.
+// With them a Llama layer runs no add_rmsnorm and no silu_mul.
+enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2, EPI_NONE = 3, EPI_STORE_RS = 4, EPI_GLU_RS = 5, EPI_RES_SS = 6 };
+__host__ __device__ constexpr bool is_glu(int e) { return e == EPI_GLU || e == EPI_GLU_RS; }
+__host__ __device__ constexpr bool is_res(int e) { return e == EPI_RES || e == EPI_RES_SS; }
+__host__ __device__ constexpr bool row_scaled(int e) { return e == EPI_STORE_RS || e == EPI_GLU_RS; }
 
 constexpr int BM = 128;  // rows of a tile: two consumer warpgroups of 64
 constexpr int BK = 64;   // K of a stage: one 128-byte swizzle row of 16-bit elements
@@ -60,6 +68,8 @@ constexpr int GUARD = 256;          // poisoned elements past each output
 struct Args {
     u16* y;
     const u16* res;  // EPI_RES: added to the product (may be y itself)
+    float* ss;       // EPI_RES_SS: Σ y² per row, added to; EPI_*_RS: read
+    float eps;
     int M, N, K;     // N: columns of y (the intermediate width for EPI_GLU)
     int tiles_m, tiles_n;
 };
@@ -69,10 +79,10 @@ struct Args {
 // K block through L2 instead of A + B (B is twice A at BN = 256).
 template <int BN, int EPI, int CL>
 struct Tile {
-    static constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;  // columns of y a tile writes
+    static constexpr int OUT_N = is_glu(EPI) ? BN / 2 : BN;  // columns of y a tile writes
     // W rows of one TMA box: GLU loads gate and up as two boxes (rank 0 and 1 of a pair);
     // otherwise one box, or a half per rank.
-    static constexpr int W_BOX = EPI == EPI_GLU || CL == 2 ? BN / 2 : BN;
+    static constexpr int W_BOX = is_glu(EPI) || CL == 2 ? BN / 2 : BN;
     static constexpr u32 A_BYTES = BM * BK * 2;
     static constexpr u32 B_BYTES = BN * BK * 2;
     static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
@@ -158,31 +168,49 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
         return;
     }
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
-    constexpr int OUT_N = EPI == EPI_GLU ? BN / 2 : BN;
+    constexpr int OUT_N = is_glu(EPI) ? BN / 2 : BN;
     const int r0 = tm * BM + w * 64 + q * 16 + lane / 4;
     const int c0 = tn * OUT_N + 2 * (lane % 4);
     constexpr int PAIRS = OUT_N / 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
-        if (r >= a.M) continue;
+        if (r >= a.M) continue;  // a quad's four lanes share r: they skip together
         u16* yrow = a.y + (size_t)r * a.N;
+        float rs = 1.f, sq = 0.f;
+        if constexpr (row_scaled(EPI)) rs = rsqrtf(a.ss[r] / (float)a.K + a.eps);
 #pragma unroll
         for (int i = 0; i < PAIRS; ++i) {
             const int c = c0 + 8 * i;
             if (c >= a.N) continue;
             float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
-            if constexpr (EPI == EPI_GLU) {
+            if constexpr (is_glu(EPI)) {
                 // gate column c is accumulator pair i, up column c is pair i + PAIRS.
-                v0 = silu(v0) * acc[4 * (i + PAIRS) + 2 * h];
-                v1 = silu(v1) * acc[4 * (i + PAIRS) + 2 * h + 1];
-            } else if constexpr (EPI == EPI_RES) {
+                v0 = silu(rs * v0) * (rs * acc[4 * (i + PAIRS) + 2 * h]);
+                v1 = silu(rs * v1) * (rs * acc[4 * (i + PAIRS) + 2 * h + 1]);
+            } else if constexpr (is_res(EPI)) {
                 float r0f, r1f;
                 unpack2(*reinterpret_cast<const u32*>(a.res + (size_t)r * a.N + c), r0f, r1f);
                 v0 += r0f;
                 v1 += r1f;
+            } else {
+                v0 *= rs;
+                v1 *= rs;
             }
-            *reinterpret_cast<u32*>(yrow + c) = pack2(v0, v1);
+            const u32 out = pack2(v0, v1);
+            *reinterpret_cast<u32*>(yrow + c) = out;
+            if constexpr (EPI == EPI_RES_SS) {
+                // The squares of what was stored: the norm reads the rounded residual.
+                float q0, q1;
+                unpack2(out, q0, q1);
+                sq += q0 * q0 + q1 * q1;
+            }
+        }
+        if constexpr (EPI == EPI_RES_SS) {
+            const unsigned quad = 0xfu << (lane & ~3);
+            sq += __shfl_xor_sync(quad, sq, 1);
+            sq += __shfl_xor_sync(quad, sq, 2);
+            if (lane % 4 == 0) atomicAdd(a.ss + r, sq);
         }
     }
 }
@@ -233,8 +261,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
                     if constexpr (CL == 1) {
                         tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::W_BOX);
-                        if constexpr (EPI == EPI_GLU) tma_load_2d(sb(s) + T::W_BOX * 128, &umap, full(s), kb * BK, tn * T::W_BOX);
-                    } else if constexpr (EPI == EPI_GLU) {
+                        if constexpr (is_glu(EPI)) tma_load_2d(sb(s) + T::W_BOX * 128, &umap, full(s), kb * BK, tn * T::W_BOX);
+                    } else if constexpr (is_glu(EPI)) {
                         // rank 0 the gate rows, rank 1 the up rows, each to both CTAs.
                         tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, rank ? &umap : &wmap, full(s), kb * BK, tn * T::W_BOX, 3);
                     } else {
@@ -322,6 +350,51 @@ __global__ void silu_mul(const u16* __restrict__ gu, u16* __restrict__ y, int M,
     }
 }
 
+// fdpp's add_rmsnorm after a plain GEMM, its γ folded into the next W (none here): res += o,
+// rounded; normed = res · rsqrt(mean(res²) + eps). One block of 256 threads per row, H % 8 == 0.
+__global__ void add_rmsnorm(const u16* __restrict__ o, u16* __restrict__ res, u16* __restrict__ normed, int H, float eps) {
+    __shared__ float part[8];
+    const size_t row = (size_t)blockIdx.x * H;
+    float sq = 0.f;
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+        const uint4 a = *reinterpret_cast<const uint4*>(o + row + c), b = *reinterpret_cast<const uint4*>(res + row + c);
+        const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+        u32 sw[4];
+        for (int j = 0; j < 4; ++j) {
+            float a0, a1, b0, b1;
+            unpack2(aw[j], a0, a1);
+            unpack2(bw[j], b0, b1);
+            sw[j] = pack2(a0 + b0, a1 + b1);
+            unpack2(sw[j], a0, a1);
+            sq += a0 * a0 + a1 * a1;
+        }
+        *reinterpret_cast<uint4*>(res + row + c) = make_uint4(sw[0], sw[1], sw[2], sw[3]);
+    }
+    sq = warp_sum(sq);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sq;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < (int)blockDim.x / 32; ++i) tot += part[i];
+    const float rs = rsqrtf(tot / H + eps);
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+        const uint4 b = *reinterpret_cast<const uint4*>(res + row + c);  // this thread's own writes
+        const u32 bw[4] = {b.x, b.y, b.z, b.w};
+        u32 nw[4];
+        for (int j = 0; j < 4; ++j) {
+            float b0, b1;
+            unpack2(bw[j], b0, b1);
+            nw[j] = pack2(b0 * rs, b1 * rs);
+        }
+        *reinterpret_cast<uint4*>(normed + row + c) = make_uint4(nw[0], nw[1], nw[2], nw[3]);
+    }
+}
+
+// The peer's normalized input: xn[r, c] = x[r, c] · rsqrt(ss[r]/K + eps) (setup, not timed).
+__global__ void row_scale(const u16* __restrict__ x, const float* __restrict__ ss, u16* __restrict__ xn, int M, int K, float eps) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)M * K; i += (size_t)gridDim.x * blockDim.x)
+        xn[i] = from_f32(to_f32(x[i]) * rsqrtf(ss[i / K] / K + eps));
+}
+
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
     if (!fn) {
@@ -358,10 +431,16 @@ static TmaMap tma_map(const u16* p, int rows, int K, int box_rows) {
 struct Problem {
     std::string name;
     int M, N, K;  // N: columns of y (the intermediate width for GLU)
-    Epi epi;
+    Epi epi;  // EPI_STORE, EPI_GLU or EPI_RES
     bool timed;
+    bool norm = false;  // the RMSNorm taken apart (EPI_*_RS / EPI_RES_SS), against the peer's norm
     u16 *x = nullptr, *w = nullptr, *res = nullptr, *y = nullptr, *tmp = nullptr;
+    u16 *xn = nullptr, *tmp2 = nullptr;  // the peer's normalized input; its normed output
+    float* ss = nullptr;
     std::vector<u16> hx, hw, hres;
+    std::vector<float> hss;
+    static constexpr float EPS = 1e-5f;
+    double rs(int r) const { return 1.0 / std::sqrt((double)hss[r] / K + EPS); }
     int wrows() const { return epi == EPI_GLU ? 2 * N : N; }
     double flops() const { return 2.0 * M * (double)wrows() * K; }
 };
@@ -404,10 +483,12 @@ static void launch(const Problem& p, cudaStream_t st) {
     // production launcher would cache them per buffer.
     const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
     const TmaMap wm = tma_map(p.w, p.N, p.K, T::W_BOX);
-    const TmaMap um = EPI == EPI_GLU ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
+    const TmaMap um = is_glu(EPI) ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
     Args a;
     a.y = p.y;
-    a.res = EPI == EPI_RES ? p.res : nullptr;
+    a.res = is_res(EPI) ? p.res : nullptr;
+    a.ss = p.ss;
+    a.eps = Problem::EPS;
     a.M = p.M;
     a.N = p.N;
     a.K = p.K;
@@ -430,15 +511,24 @@ static void blas(const u16* x, const u16* w, u16* y, int M, int N, int K, float 
     }
 }
 
-// The peer of each epilogue: cuBLAS, then what fdpp runs after it today.
+// The peer of each epilogue: cuBLAS, then what fdpp runs after it today (with the norm: the
+// GEMM reads the normalized x; after O and FFN2, add_rmsnorm writes the residual and the normed).
 static void peer(const Problem& p, cudaStream_t) {
+    const u16* x = p.norm && p.epi != EPI_RES ? p.xn : p.x;
     switch (p.epi) {
-    case EPI_STORE: blas(p.x, p.w, p.y, p.M, p.N, p.K, 0.f); break;
     case EPI_GLU:
-        blas(p.x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f);
+        blas(x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f);
         silu_mul<<<4 * g_sms, 256>>>(p.tmp, p.y, p.M, p.N);
         break;
-    case EPI_RES: blas(p.x, p.w, p.y, p.M, p.N, p.K, 1.f); break;  // y holds the residual
+    case EPI_RES:
+        if (p.norm) {
+            blas(x, p.w, p.tmp, p.M, p.N, p.K, 0.f);
+            add_rmsnorm<<<p.M, 256>>>(p.tmp, p.y, p.tmp2, p.N, Problem::EPS);  // y holds the residual
+        } else {
+            blas(x, p.w, p.y, p.M, p.N, p.K, 1.f);  // y holds the residual
+        }
+        break;
+    default: blas(x, p.w, p.y, p.M, p.N, p.K, 0.f); break;
     }
 }
 
@@ -465,6 +555,7 @@ static void poison(const Problem& p) {
     const size_t n = (size_t)p.M * p.N + GUARD;
     fill_value<<<4 * g_sms, 256>>>(p.y, n, (u16)0xffff);  // NaN in f16 and bf16
     if (p.epi == EPI_RES) CK(cudaMemcpy(p.y, p.res, (size_t)p.M * p.N * 2, cudaMemcpyDeviceToDevice));
+    if (p.epi == EPI_RES && p.norm) CK(cudaMemset(p.ss, 0, (size_t)p.M * 4));  // summed into
 }
 
 // f64 at sampled outputs: the corners, the last row and column, and random points.
@@ -485,8 +576,9 @@ static double sampled_error(const Problem& p, const std::vector<u16>& y) {
     double sq = 0, worst = 0;
     std::vector<double> refs;
     for (auto [r, c] : pts) {
-        double v = dot(r, c);
-        if (p.epi == EPI_GLU) v = v / (1 + std::exp(-v)) * dot(r, p.N + c);
+        const double rs = p.norm && p.epi != EPI_RES ? p.rs(r) : 1.0;
+        double v = rs * dot(r, c);
+        if (p.epi == EPI_GLU) v = v / (1 + std::exp(-v)) * rs * dot(r, p.N + c);
         if (p.epi == EPI_RES) v += h2f(p.hres[(size_t)r * p.N + c]);
         refs.push_back(v);
         sq += v * v;
@@ -518,6 +610,19 @@ static std::string check(const Problem& p, const Variant& v, std::vector<u16>* o
         snprintf(buf, sizeof buf, "f64 samples: max error %.3g of the rms", e);
         return buf;
     }
+    if (p.epi == EPI_RES && p.norm && v.ours) {
+        // ss[r] against Σ y² of the row as stored, in f64, every row.
+        std::vector<float> ss(p.M);
+        CK(cudaMemcpy(ss.data(), p.ss, p.M * 4, cudaMemcpyDeviceToHost));
+        for (int r = 0; r < p.M; ++r) {
+            double want = 0;
+            for (int c = 0; c < p.N; ++c) want += (double)h2f(y[(size_t)r * p.N + c]) * h2f(y[(size_t)r * p.N + c]);
+            if (!(std::fabs(ss[r] - want) <= 1e-4 * want + 1e-6)) {
+                snprintf(buf, sizeof buf, "row %d: sum of squares %.6g, expected %.6g", r, ss[r], want);
+                return buf;
+            }
+        }
+    }
     if (out) *out = y;
     return "ok";
 }
@@ -539,6 +644,11 @@ static void setup(Problem& p) {
     CK(cudaMalloc(&p.y, (ny + GUARD) * 2));
     CK(cudaMalloc(&p.res, ny * 2));
     if (p.epi == EPI_GLU) CK(cudaMalloc(&p.tmp, (size_t)p.M * 2 * p.N * 2));
+    CK(cudaMalloc(&p.ss, (size_t)p.M * 4));
+    if (p.norm && p.epi == EPI_RES) {
+        CK(cudaMalloc(&p.tmp, ny * 2));
+        CK(cudaMalloc(&p.tmp2, ny * 2));
+    }
     static unsigned seed = 1;
     fill_random<<<4 * g_sms, 256>>>(p.x, nx, seed++ * 7919u, 1.f);
     fill_random<<<4 * g_sms, 256>>>(p.w, nw, seed++ * 7919u, 2.f / std::sqrt((float)p.K));
@@ -550,15 +660,45 @@ static void setup(Problem& p) {
     CK(cudaMemcpy(p.hx.data(), p.x, nx * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(p.hw.data(), p.w, nw * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(p.hres.data(), p.res, ny * 2, cudaMemcpyDeviceToHost));
+    if (p.norm && p.epi != EPI_RES) {
+        // A residual's sums of squares as the previous GEMM would leave them: 1/rms in 0.7-1.4.
+        p.hss.resize(p.M);
+        for (int r = 0; r < p.M; ++r) p.hss[r] = (float)p.K * (0.5f + 1.5f * (float)((r * 2654435761u) % 1000) / 1000.f);
+        CK(cudaMemcpy(p.ss, p.hss.data(), p.M * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&p.xn, nx * 2));
+        row_scale<<<4 * g_sms, 256>>>(p.x, p.ss, p.xn, p.M, p.K, Problem::EPS);
+        CK(cudaGetLastError());
+    }
 }
 
 static void release(Problem& p) {
-    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp})
+    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp, p.xn, p.tmp2})
         if (b) CK(cudaFree(b));
+    CK(cudaFree(p.ss));
     p.hx = p.hw = p.hres = {};
+    p.hss = {};
 }
 
-static std::vector<Variant> variants_of(Epi e) {
+static std::vector<Variant> variants_of(Epi e, bool norm) {
+    if (norm) {
+        switch (e) {
+        case EPI_STORE:
+            return {{"cublas on rmsnorm(x)", peer, false},
+                    {"hgemm ·1/rms 128x256 s4", launch<256, 4, EPI_STORE_RS, 1>, true},
+                    {"hgemm ·1/rms 128x128 s6", launch<128, 6, EPI_STORE_RS, 1>, true},
+                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true}};
+        case EPI_GLU:
+            return {{"cublas on rmsnorm(x) + silu_mul", peer, false},
+                    {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
+                    {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
+                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true}};
+        default:
+            return {{"cublas + add_rmsnorm", peer, false},
+                    {"hgemm res + Σy² 128x256 s4", launch<256, 4, EPI_RES_SS, 1>, true},
+                    {"hgemm res + Σy² 128x128 s6", launch<128, 6, EPI_RES_SS, 1>, true},
+                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true}};
+        }
+    }
     switch (e) {
     case EPI_STORE:
         return {{"cublas", peer, false},
@@ -617,6 +757,9 @@ int main(int argc, char** argv) {
         {"odd store", 1000, 4104, 4104, EPI_STORE, false},
         {"odd glu", 333, 1000, 1032, EPI_GLU, false},
         {"odd res", 77, 520, 264, EPI_RES, false},
+        {"odd store ·1/rms", 1000, 4104, 4104, EPI_STORE, false, true},
+        {"odd glu ·1/rms", 333, 1000, 1032, EPI_GLU, false, true},
+        {"odd res + Σy²", 77, 520, 264, EPI_RES, false, true},
     };
     for (int m : ms) {
         const std::string t = " M=" + std::to_string(m);
@@ -627,6 +770,11 @@ int main(int argc, char** argv) {
         probs.push_back({"llama3-8b qkv" + t, m, 6144, 4096, EPI_STORE, true});
         probs.push_back({"llama3-8b ffn1 (glu)" + t, m, 14336, 4096, EPI_GLU, true});
         probs.push_back({"llama3-8b ffn2 (+res)" + t, m, 4096, 14336, EPI_RES, true});
+        // A Llama2-7B layer with the norms taken apart: no add_rmsnorm, no silu_mul.
+        probs.push_back({"llama2-7b qkv ·1/rms" + t, m, 12288, 4096, EPI_STORE, true, true});
+        probs.push_back({"llama2-7b o (+res, Σy²)" + t, m, 4096, 4096, EPI_RES, true, true});
+        probs.push_back({"llama2-7b ffn1 (glu ·1/rms)" + t, m, 11008, 4096, EPI_GLU, true, true});
+        probs.push_back({"llama2-7b ffn2 (+res, Σy²)" + t, m, 4096, 11008, EPI_RES, true, true});
     }
 
     printf("\n| problem | variant | check | NMSE vs peer | us | TFLOP/s | vs peer |\n|---|---|---|---|---|---|---|\n");
@@ -637,7 +785,7 @@ int main(int argc, char** argv) {
     for (Problem& p : probs) {
         setup(p);
         std::vector<Variant> vs;
-        for (const Variant& v : variants_of(p.epi)) {
+        for (const Variant& v : variants_of(p.epi, p.norm)) {
             const bool cl = strstr(v.name, "cluster2") != nullptr;
             if (!v.ours || clusters == 0 || (clusters == 1 && !cl) || (clusters == 2 && cl)) vs.push_back(v);
         }

@@ -4,7 +4,7 @@
 # synccheck), then the Llama shapes timed against cuBLAS at each M given (default 1024 4096).
 # Six files land in $OUT (or /tmp/hg-out): build.log, san.log, errs.log, long-prefill-check.md and
 # the two tables, printed last.
-# Each step runs under `timeout` (the worst case adds up to ~14 minutes, past a device call's 10:
+# Each step runs under `timeout` (the worst case adds up to ~15 minutes, past a device call's 10:
 # leave FDPP unset, or split the steps, when the call is tight).
 #   FDPP=.carry/fdpp also runs fdpp's long prefill check cases (issue #20's 4097/16384 tokens).
 set -uo pipefail
@@ -41,6 +41,6 @@ if [ -n "${FDPP:-}" ]; then
     --case "new=[4096,1,4097]" --case "new=[1025,97]" --case "new=[2049]" >"$out/long-prefill-check.md" 2>&1
   echo "fdpp long prefill check: rc $? ($(tail -1 "$out/long-prefill-check.md"))"
 fi
-timeout 120 "$bin" --no-cluster "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm.md"
-timeout 120 "$bin" --cluster-only "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm_cluster.md"
+timeout 180 "$bin" --no-cluster "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm.md"
+timeout 180 "$bin" --cluster-only "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm_cluster.md"
 grep -v "^checking" "$out/errs.log" | tail -5
