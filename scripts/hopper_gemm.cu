@@ -54,10 +54,15 @@
 // ss[row] (the O and FFN2 GEMMs), and EPI_STORE_RS / EPI_GLU_RS scale row r of their product by
 // 1/rms = rsqrt(ss[r]/K + eps) (QKV, FFN1), which is rmsnorm(x)·W'ᵀ since the scale is per row.
 // With them a Llama layer runs no add_rmsnorm and no silu_mul.
-enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2, EPI_NONE = 3, EPI_STORE_RS = 4, EPI_GLU_RS = 5, EPI_RES_SS = 6 };
+// EPI_QKV_ROPE is QKV's whole tail: the 1/rms scale, the rotary of q and k heads (HF Llama's
+// rotate-half: d pairs with d + D/2, which one thread holds as accumulator groups i and i + 8),
+// q to its buffer and k, v straight to their slot rows of the paged pools, as fdpp's qkv_rope
+// does after the GEMM today.
+enum Epi { EPI_STORE = 0, EPI_GLU = 1, EPI_RES = 2, EPI_NONE = 3, EPI_STORE_RS = 4, EPI_GLU_RS = 5, EPI_RES_SS = 6, EPI_QKV_ROPE = 7 };
+constexpr int HD = 128;  // head_dim of the rotary epilogue
 __host__ __device__ constexpr bool is_glu(int e) { return e == EPI_GLU || e == EPI_GLU_RS; }
 __host__ __device__ constexpr bool is_res(int e) { return e == EPI_RES || e == EPI_RES_SS; }
-__host__ __device__ constexpr bool row_scaled(int e) { return e == EPI_STORE_RS || e == EPI_GLU_RS; }
+__host__ __device__ constexpr bool row_scaled(int e) { return e == EPI_STORE_RS || e == EPI_GLU_RS || e == EPI_QKV_ROPE; }
 
 constexpr int BM = 128;  // rows of a tile: two consumer warpgroups of 64
 constexpr int BK = 64;   // K of a stage: one 128-byte swizzle row of 16-bit elements
@@ -71,6 +76,12 @@ struct Args {
     const u16* res;  // EPI_RES: added to the product (may be y itself)
     float* ss;       // EPI_RES_SS: Σ y² per row, added to; EPI_*_RS: read
     float eps;
+    // EPI_QKV_ROPE: H q heads and G kv heads of HD; cos/sin [M][HD/2] of each row's position;
+    // q [M][H·HD]; the pools [slots][G·HD]; each row's slot.
+    const float2* cs;
+    u16 *q, *kpool, *vpool;
+    const int* slots;
+    int H, G;
     int M, N, K;     // N: columns of y (the intermediate width for EPI_GLU)
     int tiles_m, tiles_n;
 };
@@ -154,6 +165,48 @@ __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, 
     }
 }
 
+// EPI_QKV_ROPE (see Epi): the tile's BN / HD whole heads; columns d and d + HD/2 of a head are
+// this thread's groups i and i + 8 (i < 8), rotated with the row's (cos, sin) of d.
+template <int BN>
+__device__ __forceinline__ void rope_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w) {
+    static_assert(BN % HD == 0, "a tile holds whole heads");
+    const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+    const int r0 = tm * BM + w * 64 + q * 16 + lane / 4, d0 = 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        if (r >= a.M) continue;
+        const float rs = rsqrtf(a.ss[r] / (float)a.K + a.eps);
+#pragma unroll
+        for (int hh = 0; hh < BN / HD; ++hh) {
+            const int head = (tn * BN) / HD + hh;
+            if (head >= a.H + 2 * a.G) continue;
+            u16* dst = head < a.H            ? a.q + (size_t)r * a.H * HD + head * HD
+                       : head < a.H + a.G    ? a.kpool + (size_t)a.slots[r] * a.G * HD + (head - a.H) * HD
+                                             : a.vpool + (size_t)a.slots[r] * a.G * HD + (head - a.H - a.G) * HD;
+            const bool rot = head < a.H + a.G;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int d = 8 * i + d0;
+                const int g1 = 4 * (hh * 16 + i) + 2 * h, g2 = 4 * (hh * 16 + i + 8) + 2 * h;
+                float x1[2] = {rs * acc[g1], rs * acc[g1 + 1]}, x2[2] = {rs * acc[g2], rs * acc[g2 + 1]};
+                if (rot) {
+                    const float4 t = *reinterpret_cast<const float4*>(a.cs + (size_t)r * (HD / 2) + d);  // (cos, sin) of d, d + 1
+                    const float c[2] = {t.x, t.z}, sn[2] = {t.y, t.w};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float o1 = x1[j] * c[j] - x2[j] * sn[j], o2 = x2[j] * c[j] + x1[j] * sn[j];
+                        x1[j] = o1;
+                        x2[j] = o2;
+                    }
+                }
+                *reinterpret_cast<u32*>(dst + d) = pack2(x1[0], x1[1]);
+                *reinterpret_cast<u32*>(dst + d + HD / 2) = pack2(x2[0], x2[1]);
+            }
+        }
+    }
+}
+
 // The accumulator layout of m64nN (PTX ISA, wgmma D fragments): warp q of the warpgroup holds
 // rows 16q + lane/4 and +8; element 4i + {0,1} is (row, 8i + 2·(lane%4) + {0,1}), 4i + {2,3}
 // the same columns 8 rows down.
@@ -166,6 +219,10 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) sum += acc[i];
         if (sum == 1e30f) a.y[0] = 0;
+        return;
+    }
+    if constexpr (EPI == EPI_QKV_ROPE) {
+        rope_epilogue<BN>(a, acc, tm, tn, w);
         return;
     }
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
@@ -396,6 +453,37 @@ __global__ void row_scale(const u16* __restrict__ x, const float* __restrict__ s
         xn[i] = from_f32(to_f32(x[i]) * rsqrtf(ss[i / K] / K + eps));
 }
 
+// fdpp's qkv_rope after the GEMM (the peer of EPI_QKV_ROPE): per row, each q/k head's 8-wide
+// chunk of its first half and the matching chunk of the second, rotated; v copied; q to its
+// buffer, k and v to the row's slot of the pools.
+__global__ void qkv_rope_peer(const u16* __restrict__ qkv, const float2* __restrict__ cs, u16* __restrict__ q, u16* __restrict__ kpool,
+                              u16* __restrict__ vpool, const int* __restrict__ slots, int M, int H, int G) {
+    const int items = (H + 2 * G) * 8;
+    for (size_t it = blockIdx.x * (size_t)blockDim.x + threadIdx.x; it < (size_t)M * items; it += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(it / items), k = (int)(it % items), head = k / 8, d0 = 8 * (k % 8);
+        const u16* src = qkv + (size_t)r * (H + 2 * G) * HD + head * HD;
+        u16* dst = head < H       ? q + (size_t)r * H * HD + head * HD
+                   : head < H + G ? kpool + (size_t)slots[r] * G * HD + (head - H) * HD
+                                  : vpool + (size_t)slots[r] * G * HD + (head - H - G) * HD;
+        uint4 lo = *reinterpret_cast<const uint4*>(src + d0), hi = *reinterpret_cast<const uint4*>(src + d0 + HD / 2);
+        if (head < H + G) {
+            u32 l[4] = {lo.x, lo.y, lo.z, lo.w}, u[4] = {hi.x, hi.y, hi.z, hi.w};
+            for (int j = 0; j < 4; ++j) {
+                float a0, a1, b0, b1;
+                unpack2(l[j], a0, a1);
+                unpack2(u[j], b0, b1);
+                const float2 c0 = cs[(size_t)r * (HD / 2) + d0 + 2 * j], c1 = cs[(size_t)r * (HD / 2) + d0 + 2 * j + 1];
+                l[j] = pack2(a0 * c0.x - b0 * c0.y, a1 * c1.x - b1 * c1.y);
+                u[j] = pack2(b0 * c0.x + a0 * c0.y, b1 * c1.x + a1 * c1.y);
+            }
+            lo = make_uint4(l[0], l[1], l[2], l[3]);
+            hi = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+        *reinterpret_cast<uint4*>(dst + d0) = lo;
+        *reinterpret_cast<uint4*>(dst + d0 + HD / 2) = hi;
+    }
+}
+
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
     if (!fn) {
@@ -440,11 +528,27 @@ struct Problem {
     float* ss = nullptr;
     std::vector<u16> hx, hw, hres;
     std::vector<float> hss;
+    // The rotary QKV (H > 0; N = (H + 2G)·HD, with the norm): q, the pools of S slots, each row's
+    // slot and (cos, sin) table.
+    int H = 0, G = 0, S = 0;
+    u16 *qo = nullptr, *kpool = nullptr, *vpool = nullptr;
+    int* slots = nullptr;
+    float2* cs = nullptr;
+    std::vector<int> hslots;
+    std::vector<float2> hcs;
     static constexpr float EPS = 1e-5f;
     double rs(int r) const { return 1.0 / std::sqrt((double)hss[r] / K + EPS); }
     int wrows() const { return epi == EPI_GLU ? 2 * N : N; }
     double flops() const { return 2.0 * M * (double)wrows() * K; }
 };
+
+// The rotary QKV problem: H q heads and G kv heads of HD, with the norm.
+static Problem rope_problem(const std::string& name, int M, int H, int G, int K, bool timed) {
+    Problem p{name, M, (H + 2 * G) * HD, K, EPI_STORE, timed, true};
+    p.H = H;
+    p.G = G;
+    return p;
+}
 
 static int g_sms = 0;
 static cublasHandle_t g_blas;
@@ -490,6 +594,13 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.res = is_res(EPI) ? p.res : nullptr;
     a.ss = p.ss;
     a.eps = Problem::EPS;
+    a.cs = p.cs;
+    a.q = p.qo;
+    a.kpool = p.kpool;
+    a.vpool = p.vpool;
+    a.slots = p.slots;
+    a.H = p.H;
+    a.G = p.G;
     a.M = p.M;
     a.N = p.N;
     a.K = p.K;
@@ -516,6 +627,11 @@ static void blas(const u16* x, const u16* w, u16* y, int M, int N, int K, float 
 // GEMM reads the normalized x; after O and FFN2, add_rmsnorm writes the residual and the normed).
 static void peer(const Problem& p, cudaStream_t) {
     const u16* x = p.norm && p.epi != EPI_RES ? p.xn : p.x;
+    if (p.H) {
+        blas(x, p.w, p.tmp, p.M, p.N, p.K, 0.f);
+        qkv_rope_peer<<<4 * g_sms, 256>>>(p.tmp, p.cs, p.qo, p.kpool, p.vpool, p.slots, p.M, p.H, p.G);
+        return;
+    }
     switch (p.epi) {
     case EPI_GLU:
         blas(x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f);
@@ -557,6 +673,40 @@ static void poison(const Problem& p) {
     fill_value<<<4 * g_sms, 256>>>(p.y, n, (u16)0xffff);  // NaN in f16 and bf16
     if (p.epi == EPI_RES) CK(cudaMemcpy(p.y, p.res, (size_t)p.M * p.N * 2, cudaMemcpyDeviceToDevice));
     if (p.epi == EPI_RES && p.norm) CK(cudaMemset(p.ss, 0, (size_t)p.M * 4));  // summed into
+    if (p.H) {
+        fill_value<<<4 * g_sms, 256>>>(p.qo, (size_t)p.M * p.H * HD + GUARD, (u16)0xffff);
+        fill_value<<<4 * g_sms, 256>>>(p.kpool, (size_t)p.S * p.G * HD, (u16)0xffff);
+        fill_value<<<4 * g_sms, 256>>>(p.vpool, (size_t)p.S * p.G * HD, (u16)0xffff);
+    }
+}
+
+// The rotary QKV's output as one [M][N] matrix (q heads, then k and v from each row's slot), or
+// why not: a write past q's end or into a slot no row owns.
+static std::string gather_rope(const Problem& p, std::vector<u16>& y) {
+    const size_t nq = (size_t)p.M * p.H * HD, np = (size_t)p.S * p.G * HD;
+    std::vector<u16> q(nq + GUARD), k(np), v(np);
+    CK(cudaMemcpy(q.data(), p.qo, q.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(k.data(), p.kpool, np * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(v.data(), p.vpool, np * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = nq; i < q.size(); ++i)
+        if (q[i] != 0xffff) return "wrote past the end of q";
+    std::vector<char> owned(p.S, 0);
+    for (int r = 0; r < p.M; ++r) owned[p.hslots[r]] = 1;
+    for (int sl = 0; sl < p.S; ++sl)
+        if (!owned[sl])
+            for (int e = 0; e < p.G * HD; ++e)
+                if (k[(size_t)sl * p.G * HD + e] != 0xffff || v[(size_t)sl * p.G * HD + e] != 0xffff)
+                    return "wrote into pool slot " + std::to_string(sl) + ", which no row owns";
+    y.assign((size_t)p.M * p.N, 0);
+    for (int r = 0; r < p.M; ++r)
+        for (int c = 0; c < p.N; ++c) {
+            const int head = c / HD, d = c % HD;
+            const size_t sl = (size_t)p.hslots[r] * p.G * HD;
+            y[(size_t)r * p.N + c] = head < p.H         ? q[(size_t)r * p.H * HD + c]
+                                     : head < p.H + p.G ? k[sl + (head - p.H) * HD + d]
+                                                        : v[sl + (head - p.H - p.G) * HD + d];
+        }
+    return "ok";
 }
 
 // f64 at sampled outputs: the corners, the last row and column, and random points.
@@ -579,6 +729,12 @@ static double sampled_error(const Problem& p, const std::vector<u16>& y) {
     for (auto [r, c] : pts) {
         const double rs = p.norm && p.epi != EPI_RES ? p.rs(r) : 1.0;
         double v = rs * dot(r, c);
+        if (p.H && c / HD < p.H + p.G) {
+            // rotate-half: d < HD/2 pairs with d + HD/2, at the angle of d % (HD/2).
+            const int d = c % HD, half = HD / 2;
+            const float2 t = p.hcs[(size_t)r * half + d % half];
+            v = d < half ? v * t.x - rs * dot(r, c + half) * t.y : v * t.x + rs * dot(r, c - half) * t.y;
+        }
         if (p.epi == EPI_GLU) v = v / (1 + std::exp(-v)) * rs * dot(r, p.N + c);
         if (p.epi == EPI_RES) v += h2f(p.hres[(size_t)r * p.N + c]);
         refs.push_back(v);
@@ -599,10 +755,16 @@ static std::string check(const Problem& p, const Variant& v, std::vector<u16>* o
     v.run(p, 0);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
-    std::vector<u16> y((size_t)p.M * p.N + GUARD);
-    CK(cudaMemcpy(y.data(), p.y, y.size() * 2, cudaMemcpyDeviceToHost));
-    for (size_t i = (size_t)p.M * p.N; i < y.size(); ++i)
-        if (y[i] != 0xffff) return "wrote past the end (guard " + std::to_string(i - (size_t)p.M * p.N) + ")";
+    std::vector<u16> y;
+    if (p.H) {
+        const std::string why = gather_rope(p, y);
+        if (why != "ok") return why;
+    } else {
+        y.resize((size_t)p.M * p.N + GUARD);
+        CK(cudaMemcpy(y.data(), p.y, y.size() * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = (size_t)p.M * p.N; i < y.size(); ++i)
+            if (y[i] != 0xffff) return "wrote past the end (guard " + std::to_string(i - (size_t)p.M * p.N) + ")";
+    }
     for (size_t i = 0; i < (size_t)p.M * p.N; ++i)
         if (!std::isfinite(h2f(y[i]))) return "not finite at row " + std::to_string(i / p.N) + " col " + std::to_string(i % p.N);
     const double e = sampled_error(p, y);
@@ -670,17 +832,53 @@ static void setup(Problem& p) {
         row_scale<<<4 * g_sms, 256>>>(p.x, p.ss, p.xn, p.M, p.K, Problem::EPS);
         CK(cudaGetLastError());
     }
+    if (p.H) {
+        // Positions 3000 + 5r (angles of thousands of radians, as long prompts have), fdpp's
+        // inv_freq (base 10000) and θ in fp32; slots a shuffled subset of S = M + 61.
+        p.S = p.M + 61;
+        std::vector<int> all(p.S);
+        for (int i = 0; i < p.S; ++i) all[i] = i;
+        unsigned st = 777;
+        for (int i = p.S - 1; i > 0; --i) {
+            st = st * 1664525u + 1013904223u;
+            std::swap(all[i], all[(st >> 8) % (i + 1)]);
+        }
+        p.hslots.assign(all.begin(), all.begin() + p.M);
+        p.hcs.resize((size_t)p.M * HD / 2);
+        for (int r = 0; r < p.M; ++r)
+            for (int i = 0; i < HD / 2; ++i) {
+                const float theta = (float)(3000 + 5 * r) * powf(10000.f, -2.f * i / HD);
+                p.hcs[(size_t)r * HD / 2 + i] = make_float2(cosf(theta), sinf(theta));
+            }
+        CK(cudaMalloc(&p.qo, ((size_t)p.M * p.H * HD + GUARD) * 2));
+        CK(cudaMalloc(&p.kpool, (size_t)p.S * p.G * HD * 2));
+        CK(cudaMalloc(&p.vpool, (size_t)p.S * p.G * HD * 2));
+        CK(cudaMalloc(&p.slots, p.M * 4));
+        CK(cudaMalloc(&p.cs, p.hcs.size() * sizeof(float2)));
+        CK(cudaMemcpy(p.slots, p.hslots.data(), p.M * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(p.cs, p.hcs.data(), p.hcs.size() * sizeof(float2), cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&p.tmp, ny * 2));
+    }
 }
 
 static void release(Problem& p) {
-    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp, p.xn, p.tmp2})
+    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp, p.xn, p.tmp2, p.qo, p.kpool, p.vpool})
         if (b) CK(cudaFree(b));
     CK(cudaFree(p.ss));
+    if (p.slots) CK(cudaFree(p.slots));
+    if (p.cs) CK(cudaFree(p.cs));
+    p.hslots = {};
+    p.hcs = {};
     p.hx = p.hw = p.hres = {};
     p.hss = {};
 }
 
-static std::vector<Variant> variants_of(Epi e, bool norm) {
+static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
+    if (rope)
+        return {{"cublas on rmsnorm(x) + qkv_rope", peer, false},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4", launch<256, 4, EPI_QKV_ROPE, 1>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x128 s6", launch<128, 6, EPI_QKV_ROPE, 1>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true}};
     if (norm) {
         switch (e) {
         case EPI_STORE:
@@ -761,6 +959,8 @@ int main(int argc, char** argv) {
         {"odd store ·1/rms", 1000, 4104, 4104, EPI_STORE, false, true},
         {"odd glu ·1/rms", 333, 1000, 1032, EPI_GLU, false, true},
         {"odd res + Σy²", 77, 520, 264, EPI_RES, false, true},
+        // 5 heads: the 128x256 tiles' last holds one head and skips the other.
+        rope_problem("odd qkv rope (3 q, 1 kv heads)", 333, 3, 1, 1032, false),
     };
     for (int m : ms) {
         const std::string t = " M=" + std::to_string(m);
@@ -773,6 +973,8 @@ int main(int argc, char** argv) {
         probs.push_back({"llama3-8b ffn2 (+res)" + t, m, 4096, 14336, EPI_RES, true});
         // A Llama2-7B layer with the norms taken apart: no add_rmsnorm, no silu_mul.
         probs.push_back({"llama2-7b qkv ·1/rms" + t, m, 12288, 4096, EPI_STORE, true, true});
+        probs.push_back(rope_problem("llama2-7b qkv ·1/rms, rope, to the pools" + t, m, 32, 32, 4096, true));
+        probs.push_back(rope_problem("llama3-8b qkv ·1/rms, rope, to the pools" + t, m, 32, 8, 4096, true));
         probs.push_back({"llama2-7b o (+res, Σy²)" + t, m, 4096, 4096, EPI_RES, true, true});
         probs.push_back({"llama2-7b ffn1 (glu ·1/rms)" + t, m, 11008, 4096, EPI_GLU, true, true});
         probs.push_back({"llama2-7b ffn2 (+res, Σy²)" + t, m, 4096, 11008, EPI_RES, true, true});
@@ -786,7 +988,7 @@ int main(int argc, char** argv) {
     for (Problem& p : probs) {
         setup(p);
         std::vector<Variant> vs;
-        for (const Variant& v : variants_of(p.epi, p.norm)) {
+        for (const Variant& v : variants_of(p.epi, p.norm, p.H > 0)) {
             const bool cl = strstr(v.name, "cluster2") != nullptr;
             if (!v.ours || clusters == 0 || (clusters == 1 && !cl) || (clusters == 2 && cl)) vs.push_back(v);
         }
