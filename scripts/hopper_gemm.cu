@@ -388,6 +388,20 @@ __global__ void fill_value(u16* p, size_t n, u16 v) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
 }
 
+// f(a, b) on each of the 8 element pairs of two 16-byte chunks, packed back.
+template <class F>
+__device__ __forceinline__ uint4 map8(uint4 a, uint4 b, F f) {
+    const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+    u32 o[4];
+    for (int j = 0; j < 4; ++j) {
+        float a0, a1, b0, b1;
+        unpack2(aw[j], a0, a1);
+        unpack2(bw[j], b0, b1);
+        o[j] = pack2(f(a0, b0), f(a1, b1));
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // The unfused SwiGLU after cuBLAS: gate_up [M, 2·inter] (gate columns first) → y [M, inter], 8
 // elements a thread.
 __global__ void silu_mul(const u16* __restrict__ gu, u16* __restrict__ y, int M, int inter) {
@@ -396,15 +410,7 @@ __global__ void silu_mul(const u16* __restrict__ gu, u16* __restrict__ y, int M,
         const size_t e = i * 8, r = e / inter, c = e % inter;
         const uint4 g = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + c);
         const uint4 u = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + inter + c);
-        const u32 gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-        u32 o[4];
-        for (int j = 0; j < 4; ++j) {
-            float g0, g1, u0, u1;
-            unpack2(gw[j], g0, g1);
-            unpack2(uw[j], u0, u1);
-            o[j] = pack2(silu(g0) * u0, silu(g1) * u1);
-        }
-        *reinterpret_cast<uint4*>(y + r * inter + c) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(y + r * inter + c) = map8(g, u, [](float g, float u) { return silu(g) * u; });
     }
 }
 
@@ -416,17 +422,13 @@ __global__ void add_rmsnorm(const u16* __restrict__ o, u16* __restrict__ res, u1
     float sq = 0.f;
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
         const uint4 a = *reinterpret_cast<const uint4*>(o + row + c), b = *reinterpret_cast<const uint4*>(res + row + c);
-        const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-        u32 sw[4];
-        for (int j = 0; j < 4; ++j) {
-            float a0, a1, b0, b1;
-            unpack2(aw[j], a0, a1);
-            unpack2(bw[j], b0, b1);
-            sw[j] = pack2(a0 + b0, a1 + b1);
-            unpack2(sw[j], a0, a1);
-            sq += a0 * a0 + a1 * a1;
-        }
-        *reinterpret_cast<uint4*>(res + row + c) = make_uint4(sw[0], sw[1], sw[2], sw[3]);
+        const uint4 sum = map8(a, b, [](float x, float y) { return x + y; });
+        // The squares of the rounded sums, as stored.
+        map8(sum, sum, [&](float x, float) {
+            sq += x * x;
+            return x;
+        });
+        *reinterpret_cast<uint4*>(res + row + c) = sum;
     }
     sq = warp_sum(sq);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sq;
@@ -436,14 +438,7 @@ __global__ void add_rmsnorm(const u16* __restrict__ o, u16* __restrict__ res, u1
     const float rs = rsqrtf(tot / H + eps);
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
         const uint4 b = *reinterpret_cast<const uint4*>(res + row + c);  // this thread's own writes
-        const u32 bw[4] = {b.x, b.y, b.z, b.w};
-        u32 nw[4];
-        for (int j = 0; j < 4; ++j) {
-            float b0, b1;
-            unpack2(bw[j], b0, b1);
-            nw[j] = pack2(b0 * rs, b1 * rs);
-        }
-        *reinterpret_cast<uint4*>(normed + row + c) = make_uint4(nw[0], nw[1], nw[2], nw[3]);
+        *reinterpret_cast<uint4*>(normed + row + c) = map8(b, b, [rs](float x, float) { return x * rs; });
     }
 }
 
