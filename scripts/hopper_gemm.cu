@@ -5,7 +5,10 @@
 // add_rmsnorm and qkv_rope, each already at the card's streaming rate; issue #20's TTFT bar
 // (≤ 19 ms) is out of reach unless those ops become GEMM epilogues, which cuBLAS cannot take.
 // This program answers the first question of that route: does a wgmma GEMM of ours, with
-// the SwiGLU (FFN1) or the residual add (O, FFN2) in its epilogue, run at cuBLAS's rate?
+// those ops in its epilogue, run at cuBLAS's rate? The epilogues (see Epi): SwiGLU (FFN1), the
+// residual add (O, FFN2), the RMSNorm taken apart (Σy² after O and FFN2, the 1/rms scale in QKV
+// and FFN1) and QKV's rotary with q/k/v written to the paged pools, each against cuBLAS and
+// what fdpp runs after it today.
 //
 // The kernel (FlashAttention-3's warp specialisation, Shah et al. 2024 §3.1, applied to a GEMM;
 // the plumbing of kernels_cuda/hopper.cuh, which the Hopper prefill uses):
