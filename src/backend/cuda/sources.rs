@@ -360,6 +360,20 @@ pub fn flat_stages(spec: &GemmSpec) -> u32 {
 mod tests {
     use super::*;
 
+    /// NVRTC gets one text per spec: every repository header it includes must have been pasted
+    /// in by `expand` (a header added to a kernel but not there fails only at compile time, in
+    /// CI's `kernels check` or on the GPU).
+    #[test]
+    fn every_kernel_source_has_its_headers_expanded() {
+        for src in all_sources() {
+            assert!(
+                !src.text.contains("#include \""),
+                "{}: an #include \"...\" left unexpanded",
+                src.uri
+            );
+        }
+    }
+
     #[test]
     fn the_kernel_hash_covers_every_gemm_launch_constant() {
         let c = gemm_launch_constants();
