@@ -4,9 +4,10 @@
 # synccheck), then the Llama shapes timed against cuBLAS at each M given (default 1024 4096).
 # Six files land in $OUT (or /tmp/hg-out): build.log, san.log, errs.log, long-prefill-check.md and
 # the two tables, printed last.
-# Each step runs under `timeout` (the worst case adds up to ~15 minutes, past a device call's 10:
-# leave FDPP unset, or split the steps, when the call is tight).
-#   FDPP=.carry/fdpp also runs fdpp's long prefill check cases (issue #20's 4097/16384 tokens).
+# Each step runs under `timeout` (the worst case adds up to ~18 minutes, past a device call's 10:
+# leave FDPP and LT unset, or split the steps, when the call is tight).
+#   FDPP=.carry/fdpp also runs fdpp's long prefill check cases (issue #20's 4097/16384 tokens);
+#   LT=1 also times cuBLASLt's other algorithms at the first M (scripts/cublaslt_algos.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/hg-out}"
@@ -41,6 +42,13 @@ if [ -n "${FDPP:-}" ]; then
     --case "new=[4096,1,4097]" --case "new=[1025,97]" --case "new=[2049]" >"$out/long-prefill-check.md" 2>&1
   echo "fdpp long prefill check: rc $? ($(tail -1 "$out/long-prefill-check.md"))"
 fi
+if [ -n "${LT:-}" ]; then
+  # cuBLASLt's other algorithms at the same shapes, in the same call: the peer above is
+  # cublasGemmEx's default, which the best of them beat by 0-6 % in session 26.
+  nvcc -O2 -arch=sm_90a scripts/cublaslt_algos.cu -lcublasLt -lcublas -o /tmp/lt >>"$out/build.log" 2>&1 &&
+    timeout 150 /tmp/lt "${ms[0]}" 5 >>"$out/errs.log" 2>&1
+  echo "cublaslt_algos: rc $? (its table is at the end of errs.log)"
+fi
 timeout 180 "$bin" --no-cluster "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm.md"
 timeout 180 "$bin" --cluster-only "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm_cluster.md"
-grep -v "^checking" "$out/errs.log" | tail -5
+grep -v "^checking" "$out/errs.log" | tail -30
