@@ -63,6 +63,20 @@ struct KvRows {
 }
 
 impl KvRows {
+    /// `n` tokens' rows; `row(pool, t)` gives token t's row of the K or V source (None: zeros).
+    fn widen<'a, P: Copy + Sync>(
+        dt: DType,
+        n: usize,
+        d: usize,
+        pools: (P, P),
+        row: impl Fn(P, usize) -> Option<&'a [u16]> + Sync,
+    ) -> Self {
+        KvRows {
+            k: widen(dt, n, d, |t| row(pools.0, t)),
+            v: widen(dt, n, d, |t| row(pools.1, t)),
+            d,
+        }
+    }
     fn key(&self, t: usize) -> &[f64] {
         &self.k[t * self.d..(t + 1) * self.d]
     }
@@ -88,11 +102,9 @@ pub fn decode_ref(p: &DecodeParams, layout: &PagedKvLayout, q: &[u16], k_pool: &
         let (b, kvh) = (i / g.num_kv_heads, i % g.num_kv_heads);
         let table = p.tables.table(b);
         let n = p.tables.seq_len(b);
-        let kv = KvRows {
-            k: widen(dt, n, d, |t| read_token(layout, k_pool, &table, t, kvh)),
-            v: widen(dt, n, d, |t| read_token(layout, v_pool, &table, t, kvh)),
-            d,
-        };
+        let kv = KvRows::widen(dt, n, d, (k_pool, v_pool), |pool, t| {
+            read_token(layout, pool, &table, t, kvh)
+        });
         o.par_chunks_mut(d).enumerate().for_each(|(j, o)| {
             let qf = q_row(dt, q, b * h + kvh * g.group() + j, d);
             attend(&qf, n, scale, |t| kv.key(t), |t| kv.val(t), o);
@@ -120,41 +132,33 @@ pub fn prefill_ref<'a>(
         let table = p.tables.table(b);
         for kvh in 0..g.num_kv_heads {
             // Position t: the cached prefix from the pools as they were, the new tokens from k/v.
-            let row = |pool: &'a [u16], new: &'a [u16], t: usize| -> Option<&'a [u16]> {
-                if t < prefix {
-                    read_token(layout, pool, &table, t, kvh)
-                } else {
-                    let r = row0 + t - prefix;
-                    Some(&new[r * kvd + kvh * d..r * kvd + (kvh + 1) * d])
-                }
-            };
-            let kv = KvRows {
-                k: widen(dt, prefix + n, d, |t| row(k_pool_before, k_new, t)),
-                v: widen(dt, prefix + n, d, |t| row(v_pool_before, v_new, t)),
+            let kv = KvRows::widen(
+                dt,
+                prefix + n,
                 d,
-            };
-            // This group's heads of every new token of the sequence, each row attending to its
-            // causal prefix.
-            let rows: Vec<(usize, Vec<f64>)> = (0..n * g.group())
-                .into_par_iter()
-                .map(|i| {
-                    let (tok, head) = (row0 + i / g.group(), kvh * g.group() + i % g.group());
-                    let mut o = vec![0f64; d];
-                    let keys = prefix + tok - row0 + 1;
-                    attend(
-                        &q_row(dt, q, tok * h + head, d),
-                        keys,
-                        scale,
-                        |t| kv.key(t),
-                        |t| kv.val(t),
-                        &mut o,
-                    );
-                    ((tok * h + head) * d, o)
-                })
-                .collect();
-            for (at, o) in rows {
-                out[at..at + d].copy_from_slice(&o);
-            }
+                ((k_pool_before, k_new), (v_pool_before, v_new)),
+                |(pool, new): (&'a [u16], &'a [u16]), t| {
+                    if t < prefix {
+                        read_token(layout, pool, &table, t, kvh)
+                    } else {
+                        let r = row0 + t - prefix;
+                        Some(&new[r * kvd + kvh * d..r * kvd + (kvh + 1) * d])
+                    }
+                },
+            );
+            // This group's heads of each new token (adjacent in the token's row), each attending
+            // to the token's causal prefix.
+            let heads = kvh * g.group()..(kvh + 1) * g.group();
+            out[row0 * h * d..(row0 + n) * h * d]
+                .par_chunks_mut(h * d)
+                .enumerate()
+                .for_each(|(i, o)| {
+                    let tok = row0 + i;
+                    for (j, o) in o[heads.start * d..heads.end * d].chunks_mut(d).enumerate() {
+                        let qf = q_row(dt, q, tok * h + heads.start + j, d);
+                        attend(&qf, prefix + i + 1, scale, |t| kv.key(t), |t| kv.val(t), o);
+                    }
+                });
         }
     }
     out
