@@ -57,15 +57,20 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
+// Whether the phase of parity `parity` of the barrier has completed (one try, which the
+// hardware may hold for a while before it answers no).
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
 // Block until the phase of parity `parity` of the barrier has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
+    while (!mbar_try_wait(bar, parity)) {
+    }
 }
 // Expect `bytes` more of asynchronous (TMA) writes in the current phase, without arriving.
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {

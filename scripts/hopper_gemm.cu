@@ -45,8 +45,8 @@
 #include <vector>
 
 #include "common.cuh"
-#include "attn_common.cuh"  // pack2
 #include "hopper.cuh"
+#include "layer.cu"  // pack2, and the peers: fdpp's fill_random, silu_mul_v, add_rmsnorm_v, qkv_rope
 
 #include "cuda_check.h"
 
@@ -112,21 +112,13 @@ constexpr size_t smem_bytes() {
 // launch fails with an illegal-instruction error) ends the process where a hang would eat the
 // device call. No printf: a call there would serialise the wgmmas and void setmaxnreg (ptxas
 // C7510 / C7507).
-__device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-    return done;
-}
 #ifndef HG_WATCHDOG_CYCLES
 #define HG_WATCHDOG_CYCLES (1ll << 32)  // ~2 s at 1.98 GHz; the sanitizer build waits far longer
 #endif
 __device__ __forceinline__ void wait_or_trap(u32 bar, u32 parity) {
-    if (try_wait(bar, parity)) return;
+    if (mbar_try_wait(bar, parity)) return;
     const long long t0 = clock64();
-    while (!try_wait(bar, parity))
+    while (!mbar_try_wait(bar, parity))
         if (clock64() - t0 > HG_WATCHDOG_CYCLES) __trap();
 }
 
@@ -229,7 +221,7 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
         return;
     }
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
-    constexpr int OUT_N = is_glu(EPI) ? BN / 2 : BN;
+    constexpr int OUT_N = Tile<BN, EPI, 1>::OUT_N;
     const int r0 = tm * BM + w * 64 + q * 16 + lane / 4;
     const int c0 = tn * OUT_N + 2 * (lane % 4);
     constexpr int PAIRS = OUT_N / 8;
@@ -375,111 +367,38 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 // ---- the peers and the harness ----
 
-__global__ void fill_random(u16* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        h *= 3266489917u;
-        h ^= h >> 16;
-        p[i] = from_f32(((float)(h & 0xffffff) / 8388608.f - 1.f) * scale);
-    }
-}
-
 __global__ void fill_value(u16* p, size_t n, u16 v) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
 }
 
-// f(a, b) on each of the 8 element pairs of two 16-byte chunks, packed back.
-template <class F>
-__device__ __forceinline__ uint4 map8(uint4 a, uint4 b, F f) {
-    const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-    u32 o[4];
-    for (int j = 0; j < 4; ++j) {
-        float a0, a1, b0, b1;
-        unpack2(aw[j], a0, a1);
-        unpack2(bw[j], b0, b1);
-        o[j] = pack2(f(a0, b0), f(a1, b1));
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// The unfused SwiGLU after cuBLAS: gate_up [M, 2·inter] (gate columns first) → y [M, inter], 8
-// elements a thread.
-__global__ void silu_mul(const u16* __restrict__ gu, u16* __restrict__ y, int M, int inter) {
-    const size_t n8 = (size_t)M * inter / 8;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t e = i * 8, r = e / inter, c = e % inter;
-        const uint4 g = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + c);
-        const uint4 u = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + inter + c);
-        *reinterpret_cast<uint4*>(y + r * inter + c) = map8(g, u, [](float g, float u) { return silu(g) * u; });
+// The (cos, sin) table EPI_QKV_ROPE reads: row r's angles as layer.cu's qkv_rope takes them
+// (θ = pos · inv_freq[i] rounded in fp32, sincosf), so that the fused epilogue and the peer rotate
+// by the same values.
+__global__ void rope_table(const int* __restrict__ pos, const float* __restrict__ inv_freq, float2* __restrict__ cs, int M) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < M * HD / 2; i += gridDim.x * blockDim.x) {
+        float sn, c;
+        sincosf(__fmul_rn((float)pos[i / (HD / 2)], inv_freq[i % (HD / 2)]), &sn, &c);
+        cs[i] = make_float2(c, sn);
     }
 }
 
-// fdpp's add_rmsnorm after a plain GEMM, its γ folded into the next W (none here): res += o,
-// rounded; normed = res · rsqrt(mean(res²) + eps). One block of 256 threads per row, H % 8 == 0.
-__global__ void add_rmsnorm(const u16* __restrict__ o, u16* __restrict__ res, u16* __restrict__ normed, int H, float eps) {
-    __shared__ float part[8];
-    const size_t row = (size_t)blockIdx.x * H;
-    float sq = 0.f;
-    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-        const uint4 a = *reinterpret_cast<const uint4*>(o + row + c), b = *reinterpret_cast<const uint4*>(res + row + c);
-        const uint4 sum = map8(a, b, [](float x, float y) { return x + y; });
-        // The squares of the rounded sums, as stored.
-        map8(sum, sum, [&](float x, float) {
-            sq += x * x;
-            return x;
-        });
-        *reinterpret_cast<uint4*>(res + row + c) = sum;
-    }
-    sq = warp_sum(sq);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sq;
-    __syncthreads();
-    float tot = 0.f;
-    for (int i = 0; i < (int)blockDim.x / 32; ++i) tot += part[i];
-    const float rs = rsqrtf(tot / H + eps);
-    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-        const uint4 b = *reinterpret_cast<const uint4*>(res + row + c);  // this thread's own writes
-        *reinterpret_cast<uint4*>(normed + row + c) = map8(b, b, [rs](float x, float) { return x * rs; });
-    }
+// The peers run fdpp's own kernels (layer.cu, included above, launched as
+// src/backend/layer_plan.rs sizes them): what the engine runs after cuBLAS today.
+static void fdpp_fill_random(u16* p, size_t n, unsigned long long seed, float scale) {
+    fill_random<<<(unsigned)std::min<size_t>((n / 8 + 255) / 256 + 1, 1 << 16), 256>>>(p, n, seed, scale);
 }
-
-// The peer's normalized input: xn[r, c] = x[r, c] · rsqrt(ss[r]/K + eps) (setup, not timed).
-__global__ void row_scale(const u16* __restrict__ x, const float* __restrict__ ss, u16* __restrict__ xn, int M, int K, float eps) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)M * K; i += (size_t)gridDim.x * blockDim.x)
-        xn[i] = from_f32(to_f32(x[i]) * rsqrtf(ss[i / K] / K + eps));
+static void fdpp_silu_mul(const u16* gate_up, u16* y, int M, int inter) {
+    silu_mul_v<<<(unsigned)std::min<size_t>(((size_t)M * inter / 8 + 255) / 256, 1 << 16), 256>>>(gate_up, y, M, inter);
 }
-
-// fdpp's qkv_rope after the GEMM (the peer of EPI_QKV_ROPE): per row, each q/k head's 8-wide
-// chunk of its first half and the matching chunk of the second, rotated; v copied; q to its
-// buffer, k and v to the row's slot of the pools.
-__global__ void qkv_rope_peer(const u16* __restrict__ qkv, const float2* __restrict__ cs, u16* __restrict__ q, u16* __restrict__ kpool,
-                              u16* __restrict__ vpool, const int* __restrict__ slots, int M, int H, int G) {
-    const int items = (H + 2 * G) * 8;
-    for (size_t it = blockIdx.x * (size_t)blockDim.x + threadIdx.x; it < (size_t)M * items; it += (size_t)gridDim.x * blockDim.x) {
-        const int r = (int)(it / items), k = (int)(it % items), head = k / 8, d0 = 8 * (k % 8);
-        const u16* src = qkv + (size_t)r * (H + 2 * G) * HD + head * HD;
-        u16* dst = head < H       ? q + (size_t)r * H * HD + head * HD
-                   : head < H + G ? kpool + (size_t)slots[r] * G * HD + (head - H) * HD
-                                  : vpool + (size_t)slots[r] * G * HD + (head - H - G) * HD;
-        uint4 lo = *reinterpret_cast<const uint4*>(src + d0), hi = *reinterpret_cast<const uint4*>(src + d0 + HD / 2);
-        if (head < H + G) {
-            u32 l[4] = {lo.x, lo.y, lo.z, lo.w}, u[4] = {hi.x, hi.y, hi.z, hi.w};
-            for (int j = 0; j < 4; ++j) {
-                float a0, a1, b0, b1;
-                unpack2(l[j], a0, a1);
-                unpack2(u[j], b0, b1);
-                const float2 c0 = cs[(size_t)r * (HD / 2) + d0 + 2 * j], c1 = cs[(size_t)r * (HD / 2) + d0 + 2 * j + 1];
-                l[j] = pack2(a0 * c0.x - b0 * c0.y, a1 * c1.x - b1 * c1.y);
-                u[j] = pack2(b0 * c0.x + a0 * c0.y, b1 * c1.x + a1 * c1.y);
-            }
-            lo = make_uint4(l[0], l[1], l[2], l[3]);
-            hi = make_uint4(u[0], u[1], u[2], u[3]);
-        }
-        *reinterpret_cast<uint4*>(dst + d0) = lo;
-        *reinterpret_cast<uint4*>(dst + d0 + HD / 2) = hi;
-    }
+// One block per row, a thread per 16-byte vector in whole warps (at most 1024).
+static void fdpp_add_rmsnorm(u16* residual, const u16* delta, const u16* ones, u16* out, int M, int H, float eps) {
+    const int block = std::min(1024, std::max(32, (H / 8 + 31) / 32 * 32));
+    add_rmsnorm_v<<<M, block>>>(residual, delta, ones, out, H, eps);
+}
+static void fdpp_qkv_rope(const u16* qkv, u16* q, u16* k, u16* v, const int* pos, const float* inv_freq, int M, int H, int G,
+                          const int* slots) {
+    const int items = (H + G) * (HD / 16) + G * (HD / 8);
+    qkv_rope<<<dim3(M, (items + 127) / 128), 128>>>(qkv, nullptr, q, k, v, pos, inv_freq, H, G, HD, slots);
 }
 
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
@@ -523,6 +442,7 @@ struct Problem {
     bool norm = false;  // the RMSNorm taken apart (EPI_*_RS / EPI_RES_SS), against the peer's norm
     u16 *x = nullptr, *w = nullptr, *res = nullptr, *y = nullptr, *tmp = nullptr;
     u16 *xn = nullptr, *tmp2 = nullptr;  // the peer's normalized input; its normed output
+    u16* ones = nullptr;                 // the norm's γ, folded into W (so ones), max(N, K) long
     float* ss = nullptr;
     std::vector<u16> hx, hw, hres;
     std::vector<float> hss;
@@ -531,6 +451,8 @@ struct Problem {
     int H = 0, G = 0, S = 0;
     u16 *qo = nullptr, *kpool = nullptr, *vpool = nullptr;
     int* slots = nullptr;
+    int* pos = nullptr;
+    float* inv_freq = nullptr;
     float2* cs = nullptr;
     std::vector<int> hslots;
     std::vector<float2> hcs;
@@ -627,18 +549,18 @@ static void peer(const Problem& p, cudaStream_t) {
     const u16* x = p.norm && p.epi != EPI_RES ? p.xn : p.x;
     if (p.H) {
         blas(x, p.w, p.tmp, p.M, p.N, p.K, 0.f);
-        qkv_rope_peer<<<4 * g_sms, 256>>>(p.tmp, p.cs, p.qo, p.kpool, p.vpool, p.slots, p.M, p.H, p.G);
+        fdpp_qkv_rope(p.tmp, p.qo, p.kpool, p.vpool, p.pos, p.inv_freq, p.M, p.H, p.G, p.slots);
         return;
     }
     switch (p.epi) {
     case EPI_GLU:
         blas(x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f);
-        silu_mul<<<4 * g_sms, 256>>>(p.tmp, p.y, p.M, p.N);
+        fdpp_silu_mul(p.tmp, p.y, p.M, p.N);
         break;
     case EPI_RES:
         if (p.norm) {
             blas(x, p.w, p.tmp, p.M, p.N, p.K, 0.f);
-            add_rmsnorm<<<p.M, 256>>>(p.tmp, p.y, p.tmp2, p.N, Problem::EPS);  // y holds the residual
+            fdpp_add_rmsnorm(p.y, p.tmp, p.ones, p.tmp2, p.M, p.N, Problem::EPS);  // y holds the residual
         } else {
             blas(x, p.w, p.y, p.M, p.N, p.K, 1.f);  // y holds the residual
         }
@@ -810,10 +732,13 @@ static void setup(Problem& p) {
         CK(cudaMalloc(&p.tmp, ny * 2));
         CK(cudaMalloc(&p.tmp2, ny * 2));
     }
-    static unsigned seed = 1;
-    fill_random<<<4 * g_sms, 256>>>(p.x, nx, seed++ * 7919u, 1.f);
-    fill_random<<<4 * g_sms, 256>>>(p.w, nw, seed++ * 7919u, 2.f / std::sqrt((float)p.K));
-    fill_random<<<4 * g_sms, 256>>>(p.res, ny, seed++ * 7919u, 1.f);
+    static unsigned long long seed = 1;
+    fdpp_fill_random(p.x, nx, seed++, 1.f);
+    fdpp_fill_random(p.w, nw, seed++, 2.f / std::sqrt((float)p.K));
+    fdpp_fill_random(p.res, ny, seed++, 1.f);
+    const std::vector<u16> ones(std::max(p.N, p.K), FDPP_BF16 ? 0x3f80 : 0x3c00);
+    CK(cudaMalloc(&p.ones, ones.size() * 2));
+    CK(cudaMemcpy(p.ones, ones.data(), ones.size() * 2, cudaMemcpyHostToDevice));
     CK(cudaGetLastError());
     p.hx.resize(nx);
     p.hw.resize(nw);
@@ -822,13 +747,23 @@ static void setup(Problem& p) {
     CK(cudaMemcpy(p.hw.data(), p.w, nw * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(p.hres.data(), p.res, ny * 2, cudaMemcpyDeviceToHost));
     if (p.norm && p.epi != EPI_RES) {
-        // A residual's sums of squares as the previous GEMM would leave them: 1/rms in 0.7-1.4.
+        // ss as the previous GEMM's Σy² epilogue would leave it for this x, the norm of x itself;
+        // the peer's input is rmsnorm(x) by fdpp's add_rmsnorm (no delta, γ folded: ones).
         p.hss.resize(p.M);
-        for (int r = 0; r < p.M; ++r) p.hss[r] = (float)p.K * (0.5f + 1.5f * (float)((r * 2654435761u) % 1000) / 1000.f);
+        for (int r = 0; r < p.M; ++r) {
+            double sq = 0;
+            for (int k = 0; k < p.K; ++k) sq += (double)h2f(p.hx[(size_t)r * p.K + k]) * h2f(p.hx[(size_t)r * p.K + k]);
+            p.hss[r] = (float)sq;
+        }
         CK(cudaMemcpy(p.ss, p.hss.data(), p.M * 4, cudaMemcpyHostToDevice));
+        u16* scratch = nullptr;
+        CK(cudaMalloc(&scratch, nx * 2));
         CK(cudaMalloc(&p.xn, nx * 2));
-        row_scale<<<4 * g_sms, 256>>>(p.x, p.ss, p.xn, p.M, p.K, Problem::EPS);
+        CK(cudaMemcpy(scratch, p.x, nx * 2, cudaMemcpyDeviceToDevice));
+        fdpp_add_rmsnorm(scratch, nullptr, p.ones, p.xn, p.M, p.K, Problem::EPS);
         CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        CK(cudaFree(scratch));
     }
     if (p.H) {
         // Positions 3000 + 5r (angles of thousands of radians, as long prompts have), fdpp's
@@ -842,29 +777,33 @@ static void setup(Problem& p) {
             std::swap(all[i], all[(st >> 8) % (i + 1)]);
         }
         p.hslots.assign(all.begin(), all.begin() + p.M);
-        p.hcs.resize((size_t)p.M * HD / 2);
-        for (int r = 0; r < p.M; ++r)
-            for (int i = 0; i < HD / 2; ++i) {
-                const float theta = (float)(3000 + 5 * r) * powf(10000.f, -2.f * i / HD);
-                p.hcs[(size_t)r * HD / 2 + i] = make_float2(cosf(theta), sinf(theta));
-            }
+        std::vector<int> hpos(p.M);
+        std::vector<float> hfreq(HD / 2);
+        for (int r = 0; r < p.M; ++r) hpos[r] = 3000 + 5 * r;
+        for (int i = 0; i < HD / 2; ++i) hfreq[i] = (float)std::pow(10000.0, -2.0 * i / HD);
         CK(cudaMalloc(&p.qo, ((size_t)p.M * p.H * HD + GUARD) * 2));
         CK(cudaMalloc(&p.kpool, (size_t)p.S * p.G * HD * 2));
         CK(cudaMalloc(&p.vpool, (size_t)p.S * p.G * HD * 2));
         CK(cudaMalloc(&p.slots, p.M * 4));
-        CK(cudaMalloc(&p.cs, p.hcs.size() * sizeof(float2)));
+        CK(cudaMalloc(&p.pos, p.M * 4));
+        CK(cudaMalloc(&p.inv_freq, HD / 2 * 4));
+        CK(cudaMalloc(&p.cs, (size_t)p.M * HD / 2 * sizeof(float2)));
         CK(cudaMemcpy(p.slots, p.hslots.data(), p.M * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(p.cs, p.hcs.data(), p.hcs.size() * sizeof(float2), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(p.pos, hpos.data(), p.M * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(p.inv_freq, hfreq.data(), HD / 2 * 4, cudaMemcpyHostToDevice));
+        rope_table<<<4 * g_sms, 256>>>(p.pos, p.inv_freq, p.cs, p.M);
+        CK(cudaGetLastError());
+        p.hcs.resize((size_t)p.M * HD / 2);
+        CK(cudaMemcpy(p.hcs.data(), p.cs, p.hcs.size() * sizeof(float2), cudaMemcpyDeviceToHost));
         CK(cudaMalloc(&p.tmp, ny * 2));
     }
 }
 
 static void release(Problem& p) {
-    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp, p.xn, p.tmp2, p.qo, p.kpool, p.vpool})
+    for (u16* b : {p.x, p.w, p.y, p.res, p.tmp, p.xn, p.tmp2, p.qo, p.kpool, p.vpool, p.ones})
         if (b) CK(cudaFree(b));
-    CK(cudaFree(p.ss));
-    if (p.slots) CK(cudaFree(p.slots));
-    if (p.cs) CK(cudaFree(p.cs));
+    for (void* b : {(void*)p.ss, (void*)p.slots, (void*)p.pos, (void*)p.inv_freq, (void*)p.cs})
+        if (b) CK(cudaFree(b));
     p.hslots = {};
     p.hcs = {};
     p.hx = p.hw = p.hres = {};
