@@ -103,10 +103,47 @@ struct Tile {
     static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
 };
 
-template <int BN, int STAGES, int EPI, int CL>
+// The staged epilogue (SG): each consumer warpgroup writes its 64 rows of the tile, 64 columns
+// at a time, into one of two 8 KiB shared buffers (the 128-byte swizzle: conflict-free for the
+// accumulator layout) and one thread hands the buffer to a TMA store, which runs on while the
+// warpgroup goes on to the next chunk and the next tile's main loop (CUTLASS's TMA epilogue).
+// The residual comes the same way, a TMA load into the buffer, the first two issued halfway
+// through the tile's main loop. Direct stores (SG = 0) keep the tensor cores idle until the
+// last store has left: session 31 measured 5-8 us of a 46 us tile.
+constexpr int CH = 64;                              // columns of a staged chunk
+constexpr u32 CHUNK_BYTES = 64 * CH * 2;            // 64 rows of one chunk: 8 KiB
+constexpr u32 STAGING_BYTES = 2 * 2 * CHUNK_BYTES;  // two buffers per consumer warpgroup
+
+template <int BN, int STAGES, int EPI, int CL, int SG>
 constexpr size_t smem_bytes() {
-    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + 16 * STAGES + 1024;
+    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + (SG ? STAGING_BYTES + 32 : 0) + 16 * STAGES + 1024;
 }
+
+__device__ __forceinline__ void tma_store_2d(const TmaMap* map, u32 src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(reinterpret_cast<u64>(map)),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most N of this thread's committed TMA stores still read shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ uint4 smem_ld16(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
+// A consumer warpgroup's staging state (uniform over its threads).
+struct Staging {
+    u32 buf;   // its two buffers: buf and buf + CHUNK_BYTES
+    u32 rbar;  // their residual loads' barriers: rbar and rbar + 8
+    u32 n;     // chunks it has staged so far: the next one goes to buffer n & 1
+    u32 rph;   // bit b: the parity of buffer b's next residual load
+};
 
 // mbar_wait that gives up: a kernel that has never run on a GPU may deadlock, and a trap (the
 // launch fails with an illegal-instruction error) ends the process where a hang would eat the
@@ -268,14 +305,181 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
     }
 }
 
-template <int BN, int STAGES, int EPI, int CL>
+// The byte of (row rr of the warpgroup's 64, column pair of accumulator group ii of a chunk) in
+// a staging buffer: 128 bytes a row, the 16-byte group XORed with rr % 8 (the TMA's 128-byte
+// swizzle); rr % 8 is lane / 4 for every row a thread holds.
+__device__ __forceinline__ u32 stage_at(u32 buf, int rr, int ii, int lane) {
+    return buf + rr * 128 + ((ii ^ (lane / 4)) << 4) + 4 * (lane % 4);
+}
+
+// Leader of the warpgroup, halfway through a tile's main loop: the residual of its first two
+// chunks into the two buffers, once the previous tile's stores have read them.
+// A box wholly past the last row (a cluster pair's spare tile, whose results are never stored)
+// loads the last row's box instead: whether TMA completes the bytes of a box wholly outside the
+// tensor is not something to rely on.
+template <int BN, int EPI>
+__device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMap* rmap, int tm, int tn, int w, int M) {
+    constexpr int NCH = Tile<BN, EPI, 1>::OUT_N / CH;
+    const int row0 = min(tm * BM + w * 64, M - 1);
+    bulk_wait_read<0>();
+#pragma unroll
+    for (int c = 0; c < (NCH < 2 ? NCH : 2); ++c) {
+        const u32 b = (st.n + c) & 1;
+        mbar_arrive_expect_tx(st.rbar + 8 * b, CHUNK_BYTES);
+        tma_load_2d(st.buf + b * CHUNK_BYTES, rmap, st.rbar + 8 * b, tn * Tile<BN, EPI, 1>::OUT_N + c * CH, row0);
+    }
+}
+
+// The epilogues of `epilogue` (STORE, GLU, RES and their norm forms) through the staging
+// buffers and TMA stores: the store clips rows past M and columns past N.
+template <int BN, int EPI>
+__device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
+                                                const TmaMap* ymap, const TmaMap* rmap) {
+    constexpr int OUT_N = Tile<BN, EPI, 1>::OUT_N, NCH = OUT_N / CH, PAIRS = OUT_N / 8;
+    static_assert(OUT_N % CH == 0, "whole chunks");
+    const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+    const bool leader = threadIdx.x % 128 == 0;
+    const int row0 = tm * BM + w * 64;
+    float rs[2] = {1.f, 1.f}, sq[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + q * 16 + lane / 4 + 8 * h;
+        if (row_scaled(EPI) && r < a.M) rs[h] = rsqrtf(a.ss[r] / (float)a.K + a.eps);
+    }
+#pragma unroll
+    for (int j = 0; j < NCH; ++j, ++st.n) {
+        const u32 b = st.n & 1, buf = st.buf + b * CHUNK_BYTES;
+        if constexpr (is_res(EPI)) {
+            // Its load was issued only after the store that last read the buffer was done.
+            wait_or_trap(st.rbar + 8 * b, (st.rph >> b) & 1);
+            st.rph ^= 1u << b;
+        } else {
+            if (leader) bulk_wait_read<1>();  // the store of two chunks ago has read this buffer
+            named_sync(1 + w, 128);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rr = q * 16 + lane / 4 + 8 * h;
+#pragma unroll
+            for (int ii = 0; ii < CH / 8; ++ii) {
+                const int i = j * (CH / 8) + ii;
+                const u32 at = stage_at(buf, rr, ii, lane);
+                float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+                if constexpr (is_glu(EPI)) {
+                    v0 = silu(rs[h] * v0) * (rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
+                    v1 = silu(rs[h] * v1) * (rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
+                } else if constexpr (is_res(EPI)) {
+                    float r0f, r1f;
+                    unpack2(smem_ld(at), r0f, r1f);
+                    v0 += r0f;
+                    v1 += r1f;
+                } else {
+                    v0 *= rs[h];
+                    v1 *= rs[h];
+                }
+                const u32 out = pack2(v0, v1);
+                smem_st(at, out);
+                if constexpr (EPI == EPI_RES_SS) {
+                    float q0, q1;
+                    unpack2(out, q0, q1);
+                    sq[h] += q0 * q0 + q1 * q1;
+                }
+            }
+        }
+        fence_async_smem();  // the generic writes, before the TMA (async proxy) reads them
+        named_sync(1 + w, 128);
+        if (leader) {
+            tma_store_2d(ymap, buf, tn * OUT_N + j * CH, row0);
+            bulk_commit();
+            if constexpr (is_res(EPI)) {
+                if (j + 2 < NCH) {
+                    bulk_wait_read<0>();
+                    mbar_arrive_expect_tx(st.rbar + 8 * b, CHUNK_BYTES);
+                    tma_load_2d(buf, rmap, st.rbar + 8 * b, tn * OUT_N + (j + 2) * CH, min(row0, a.M - 1));
+                }
+            }
+        }
+    }
+    if constexpr (EPI == EPI_RES_SS) {
+        const unsigned quad = 0xfu << (lane & ~3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = sq[h];
+            v += __shfl_xor_sync(quad, v, 1);
+            v += __shfl_xor_sync(quad, v, 2);
+            const int r = row0 + q * 16 + lane / 4 + 8 * h;
+            if (lane % 4 == 0 && r < a.M) atomicAdd(a.ss + r, v);
+        }
+    }
+}
+
+// EPI_QKV_ROPE staged: a head at a time, its two halves (d < 64, d >= 64) rotated into the two
+// buffers, then read back as 16-byte rows pieces and stored whole (a warp writes two 256-byte
+// head rows) to q or to the row's slot of a pool; no TMA, since the pool rows are scattered.
+template <int BN>
+__device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, const Staging& st) {
+    static_assert(BN % HD == 0 && HD == 2 * CH, "a tile holds whole heads, a head two chunks");
+    const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4, t = threadIdx.x % 128;
+    const int row0 = tm * BM + w * 64;
+    float rs[2] = {1.f, 1.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + q * 16 + lane / 4 + 8 * h;
+        if (r < a.M) rs[h] = rsqrtf(a.ss[r] / (float)a.K + a.eps);
+    }
+#pragma unroll
+    for (int hh = 0; hh < BN / HD; ++hh) {
+        const int head = (tn * BN) / HD + hh;
+        if (head >= a.H + 2 * a.G) break;  // uniform: the tile's heads past the last
+        const bool rot = head < a.H + a.G;
+        named_sync(1 + w, 128);  // the previous head's read-back is done with the buffers
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rr = q * 16 + lane / 4 + 8 * h, r = row0 + rr;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int d = 8 * i + 2 * (lane % 4);
+                const int g1 = 4 * (hh * 16 + i) + 2 * h, g2 = 4 * (hh * 16 + i + 8) + 2 * h;
+                float x1[2] = {rs[h] * acc[g1], rs[h] * acc[g1 + 1]}, x2[2] = {rs[h] * acc[g2], rs[h] * acc[g2 + 1]};
+                if (rot && r < a.M) {
+                    const float4 cs = *reinterpret_cast<const float4*>(a.cs + (size_t)r * (HD / 2) + d);
+                    const float c[2] = {cs.x, cs.z}, sn[2] = {cs.y, cs.w};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float o1 = x1[j] * c[j] - x2[j] * sn[j], o2 = x2[j] * c[j] + x1[j] * sn[j];
+                        x1[j] = o1;
+                        x2[j] = o2;
+                    }
+                }
+                smem_st(stage_at(st.buf, rr, i, lane), pack2(x1[0], x1[1]));
+                smem_st(stage_at(st.buf + CHUNK_BYTES, rr, i, lane), pack2(x2[0], x2[1]));
+            }
+        }
+        named_sync(1 + w, 128);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int v = t + 128 * k, row = v / 16, part = v % 16, r = row0 + row;
+            if (r >= a.M) continue;
+            const uint4 val = smem_ld16(st.buf + (part / 8) * CHUNK_BYTES + row * 128 + (((part % 8) ^ (row & 7)) << 4));
+            u16* dst = head < a.H         ? a.q + (size_t)r * a.H * HD + head * HD
+                       : head < a.H + a.G ? a.kpool + (size_t)a.slots[r] * a.G * HD + (head - a.H) * HD
+                                          : a.vpool + (size_t)a.slots[r] * a.G * HD + (head - a.H - a.G) * HD;
+            *reinterpret_cast<uint4*>(dst + part * 8) = val;
+        }
+    }
+}
+
+template <int BN, int STAGES, int EPI, int CL, int SG>
 __global__ void __launch_bounds__(THREADS, 1)
-    hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap, Args a) {
+    hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap,
+          const __grid_constant__ TmaMap ymap, const __grid_constant__ TmaMap rmap, Args a) {
     using T = Tile<BN, EPI, CL>;
+    static_assert(!SG || EPI != EPI_NONE, "EPI_NONE stores nothing to stage");
     static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
-    const u32 bars = base + STAGES * T::STAGE_BYTES;
+    const u32 stg = base + STAGES * T::STAGE_BYTES;  // SG: the staging buffers (1024-aligned)
+    const u32 bars = stg + (SG ? STAGING_BYTES : 0);
     auto sa = [&](int s) { return base + s * T::STAGE_BYTES; };
     auto sb = [&](int s) { return base + s * T::STAGE_BYTES + T::A_BYTES; };
     auto full = [&](int s) { return bars + 8 * s; };
@@ -294,6 +498,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(full(s), 1);            // the producer's arrival, with the stage's bytes
             mbar_init(empty(s), 2 * 4 * CL);  // one arrival per consumer warp of the cluster
         }
+        if (SG)
+            for (int i = 0; i < 4; ++i) mbar_init(bars + 16 * STAGES + 8 * i, 1);  // residual loads
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     if (CL == 2) cluster_sync();  // the peer's barriers exist before anything lands on them
@@ -333,6 +539,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_arrive(empty(s));
             if (CL == 2) mbar_arrive_remote(empty(s), rank ^ 1);
         };
+        Staging st = {stg + (u32)w * 2 * CHUNK_BYTES, bars + 16 * STAGES + 16 * (u32)w, 0, 0};
+        const bool leader = threadIdx.x % 128 == 0;
         int it = 0;
         for (int u = unit0; u < units; u += unit_step) {
             const int tm = (u % pairs_m) * CL + rank, tn = u / pairs_m;
@@ -347,6 +555,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 wg_fence();
                 mma_block<BN>(acc, da, db, kb == 0);
                 wg_commit();
+                if constexpr (SG && is_res(EPI))
+                    if (leader && kb == kblocks / 2) prefetch_residual<BN, EPI>(st, &rmap, tm, tn, w, a.M);
                 wg_wait<1>();  // the previous block's wgmmas have read their stage
                 if (kb > 0) release((it - 1) % STAGES);
             }
@@ -354,8 +564,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
             release((it - 1) % STAGES);
-            epilogue<BN, EPI>(a, acc, tm, tn, w);
+            if constexpr (SG && EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, tm, tn, w, st);
+            else if constexpr (SG) staged_epilogue<BN, EPI>(a, acc, tm, tn, w, st, &ymap, &rmap);
+            else epilogue<BN, EPI>(a, acc, tm, tn, w);
         }
+        if (SG && leader) bulk_wait_all();  // the last stores are out before the CTA's memory goes
     }
     // No CTA of a pair leaves while its peer may still arrive on its barriers (the producer's
     // idle lanes waited here for its lane 0).
@@ -473,11 +686,11 @@ static Problem rope_problem(const std::string& name, int M, int H, int G, int K,
 static int g_sms = 0;
 static cublasHandle_t g_blas;
 
-template <int BN, int STAGES, int EPI, int CL>
+template <int BN, int STAGES, int EPI, int CL, int SG = 0>
 static void launch(const Problem& p, cudaStream_t st) {
     using T = Tile<BN, EPI, CL>;
-    auto kern = hgemm<BN, STAGES, EPI, CL>;
-    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL>();
+    auto kern = hgemm<BN, STAGES, EPI, CL, SG>;
+    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL, SG>();
     static int max_units = 0;  // CTAs (CL = 1) or clusters (CL = 2) resident at once
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -509,6 +722,10 @@ static void launch(const Problem& p, cudaStream_t st) {
     const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
     const TmaMap wm = tma_map(p.w, p.N, p.K, T::W_BOX);
     const TmaMap um = is_glu(EPI) ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
+    // SG: y and the residual as boxes of 64 rows × 64 columns (the staging chunks).
+    const bool maps = SG && EPI != EPI_QKV_ROPE;
+    const TmaMap ym = maps ? tma_map(p.y, p.M, p.N, 64) : xm;
+    const TmaMap rm = maps && is_res(EPI) ? tma_map(p.res, p.M, p.N, 64) : xm;
     Args a;
     a.y = p.y;
     a.res = is_res(EPI) ? p.res : nullptr;
@@ -528,7 +745,7 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.tiles_n = (p.N + T::OUT_N - 1) / T::OUT_N;
     const int units = (a.tiles_m + CL - 1) / CL * a.tiles_n;
     cfg.gridDim = dim3(CL * std::min(units, max_units));
-    CK(cudaLaunchKernelEx(&cfg, kern, xm, wm, um, a));
+    CK(cudaLaunchKernelEx(&cfg, kern, xm, wm, um, ym, rm, a));
 }
 
 // y = x·Wᵀ through cublasGemmEx (fdpp's ImplC call): beta 1 adds into y (the residual already
@@ -814,47 +1031,68 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
     if (rope)
         return {{"cublas on rmsnorm(x) + qkv_rope", peer, false},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4", launch<256, 4, EPI_QKV_ROPE, 1>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 staged", launch<256, 4, EPI_QKV_ROPE, 1, 1>, true},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x128 s6", launch<128, 6, EPI_QKV_ROPE, 1>, true},
-                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true}};
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x128 s6 staged", launch<128, 6, EPI_QKV_ROPE, 1, 1>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2 staged", launch<256, 4, EPI_QKV_ROPE, 2, 1>, true}};
     if (norm) {
         switch (e) {
         case EPI_STORE:
             return {{"cublas on rmsnorm(x)", peer, false},
                     {"hgemm ·1/rms 128x256 s4", launch<256, 4, EPI_STORE_RS, 1>, true},
+                    {"hgemm ·1/rms 128x256 s4 staged", launch<256, 4, EPI_STORE_RS, 1, 1>, true},
                     {"hgemm ·1/rms 128x128 s6", launch<128, 6, EPI_STORE_RS, 1>, true},
-                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true}};
+                    {"hgemm ·1/rms 128x128 s6 staged", launch<128, 6, EPI_STORE_RS, 1, 1>, true},
+                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true},
+                    {"hgemm ·1/rms 128x256 s4 cluster2 staged", launch<256, 4, EPI_STORE_RS, 2, 1>, true}};
         case EPI_GLU:
             return {{"cublas on rmsnorm(x) + silu_mul", peer, false},
                     {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
+                    {"hgemm glu ·1/rms 128x(128+128) s4 staged", launch<256, 4, EPI_GLU_RS, 1, 1>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
-                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true}};
+                    {"hgemm glu ·1/rms 128x(64+64) s6 staged", launch<128, 6, EPI_GLU_RS, 1, 1>, true},
+                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
+                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2 staged", launch<256, 4, EPI_GLU_RS, 2, 1>, true}};
         default:
             return {{"cublas + add_rmsnorm", peer, false},
                     {"hgemm res + Σy² 128x256 s4", launch<256, 4, EPI_RES_SS, 1>, true},
+                    {"hgemm res + Σy² 128x256 s4 staged", launch<256, 4, EPI_RES_SS, 1, 1>, true},
                     {"hgemm res + Σy² 128x128 s6", launch<128, 6, EPI_RES_SS, 1>, true},
-                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true}};
+                    {"hgemm res + Σy² 128x128 s6 staged", launch<128, 6, EPI_RES_SS, 1, 1>, true},
+                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true},
+                    {"hgemm res + Σy² 128x256 s4 cluster2 staged", launch<256, 4, EPI_RES_SS, 2, 1>, true}};
         }
     }
     switch (e) {
     case EPI_STORE:
         return {{"cublas", peer, false},
                 {"hgemm 128x256 s4", launch<256, 4, EPI_STORE, 1>, true},
+                {"hgemm 128x256 s4 staged", launch<256, 4, EPI_STORE, 1, 1>, true},
                 {"hgemm 128x128 s6", launch<128, 6, EPI_STORE, 1>, true},
+                {"hgemm 128x128 s6 staged", launch<128, 6, EPI_STORE, 1, 1>, true},
                 {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true},
+                {"hgemm 128x256 s4 cluster2 staged", launch<256, 4, EPI_STORE, 2, 1>, true},
                 {"hgemm 128x256 s4, no epilogue", launch<256, 4, EPI_NONE, 1>, true, true},
                 {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true}};
     case EPI_GLU:
         return {{"cublas + silu_mul", peer, false},
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
+                {"hgemm glu 128x(128+128) s4 staged", launch<256, 4, EPI_GLU, 1, 1>, true},
                 {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
+                {"hgemm glu 128x(64+64) s6 staged", launch<128, 6, EPI_GLU, 1, 1>, true},
                 {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true},
+                {"hgemm glu 128x(128+128) s4 cluster2 staged", launch<256, 4, EPI_GLU, 2, 1>, true},
                 {"hgemm glu 128x(64+64) s6 cluster2", launch<128, 6, EPI_GLU, 2>, true}};
     case EPI_RES:
     default:
         return {{"cublas beta=1", peer, false},
                 {"hgemm res 128x256 s4", launch<256, 4, EPI_RES, 1>, true},
+                {"hgemm res 128x256 s4 staged", launch<256, 4, EPI_RES, 1, 1>, true},
                 {"hgemm res 128x128 s6", launch<128, 6, EPI_RES, 1>, true},
-                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true}};
+                {"hgemm res 128x128 s6 staged", launch<128, 6, EPI_RES, 1, 1>, true},
+                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true},
+                {"hgemm res 128x256 s4 cluster2 staged", launch<256, 4, EPI_RES, 2, 1>, true}};
     }
 }
 
