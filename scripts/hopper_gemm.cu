@@ -110,13 +110,23 @@ struct Tile {
 // The residual comes the same way, a TMA load into the buffer, the first two issued halfway
 // through the tile's main loop. Direct stores (SG = 0) keep the tensor cores idle until the
 // last store has left: session 31 measured 5-8 us of a 46 us tile.
-constexpr int CH = 64;                              // columns of a staged chunk
-constexpr u32 CHUNK_BYTES = 64 * CH * 2;            // 64 rows of one chunk: 8 KiB
-constexpr u32 STAGING_BYTES = 2 * 2 * CHUNK_BYTES;  // two buffers per consumer warpgroup
+// A chunk is 64 columns (128-byte rows, 128-byte swizzle) where the tile's output width allows,
+// else 32 (64-byte rows, 64-byte swizzle: the 96 columns of a 128 x (96 + 96) SwiGLU tile).
+constexpr int CH = 64;                    // the rotary's chunk: half a head
+constexpr u32 CHUNK_BYTES = 64 * CH * 2;  // 64 rows of it: 8 KiB
+template <int BN, int EPI>
+struct Stage {
+    static constexpr int OUT_N = Tile<BN, EPI, 1>::OUT_N;
+    static constexpr int CW = OUT_N % 64 == 0 ? 64 : 32;  // columns of a chunk
+    static constexpr int NCH = OUT_N / CW;
+    static constexpr u32 BYTES = 64 * CW * 2;              // a warpgroup's 64 rows of a chunk
+    static_assert(OUT_N % CW == 0, "whole chunks");
+};
 
 template <int BN, int STAGES, int EPI, int CL, int SG>
 constexpr size_t smem_bytes() {
-    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + (SG ? STAGING_BYTES + 32 : 0) + 16 * STAGES + 1024;
+    // SG: two buffers per consumer warpgroup and their residual barriers.
+    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + (SG ? 4 * Stage<BN, EPI>::BYTES + 32 : 0) + 16 * STAGES + 1024;
 }
 
 __device__ __forceinline__ void tma_store_2d(const TmaMap* map, u32 src, int c0, int c1) {
@@ -139,7 +149,7 @@ __device__ __forceinline__ uint4 smem_ld16(u32 addr) {
 
 // A consumer warpgroup's staging state (uniform over its threads).
 struct Staging {
-    u32 buf;   // its two buffers: buf and buf + CHUNK_BYTES
+    u32 buf;   // its two buffers: buf and buf + Stage::BYTES
     u32 rbar;  // their residual loads' barriers: rbar and rbar + 8
     u32 n;     // chunks it has staged so far: the next one goes to buffer n & 1
     u32 rph;   // bit b: the parity of buffer b's next residual load
@@ -184,6 +194,18 @@ __device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TmaMap* map, u32 b
         : "memory");
 }
 
+// S = A·B (+ S when `acc`): m64n192k16, A and B from shared memory, both K-major (the SwiGLU
+// tile of 96 gate and 96 up columns: FFN1's 11008 columns in whole waves, see main).
+__device__ __forceinline__ void wgmma_ss_n192(float (&d)[96], u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32." WG_T "." WG_T " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+        "%96, %97, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
 template <int BN>
 __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, bool first) {
 #pragma unroll
@@ -191,6 +213,8 @@ __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, 
         // +32 bytes along K inside the swizzle atom: +2 in the descriptor's address field.
         if constexpr (BN == 256) {
             wgmma_ss_n256(acc, da + 2 * k, db + 2 * k, !(first && k == 0));
+        } else if constexpr (BN == 192) {
+            wgmma_ss_n192(acc, da + 2 * k, db + 2 * k, !(first && k == 0));
         } else {
             wgmma_ss_n128(acc, da + 2 * k, db + 2 * k, !(first && k == 0));
         }
@@ -306,10 +330,14 @@ __device__ __forceinline__ void epilogue(const Args& a, const float (&acc)[BN / 
 }
 
 // The byte of (row rr of the warpgroup's 64, column pair of accumulator group ii of a chunk) in
-// a staging buffer: 128 bytes a row, the 16-byte group XORed with rr % 8 (the TMA's 128-byte
-// swizzle); rr % 8 is lane / 4 for every row a thread holds.
+// a staging buffer, as the TMA's swizzle lays the box out: CW = 64, 128 bytes a row, the 16-byte
+// group XORed with rr % 8 (128-byte swizzle); CW = 32, 64 bytes a row, XORed with (rr / 2) % 4
+// (64-byte swizzle: address bits 4-5 with bits 7-8). rr % 8 is lane / 4 for every row a thread
+// holds; either way a warp's 32 stores hit 32 banks.
+template <int CW>
 __device__ __forceinline__ u32 stage_at(u32 buf, int rr, int ii, int lane) {
-    return buf + rr * 128 + ((ii ^ (lane / 4)) << 4) + 4 * (lane % 4);
+    if constexpr (CW == 64) return buf + rr * 128 + ((ii ^ (lane / 4)) << 4) + 4 * (lane % 4);
+    else return buf + rr * 64 + ((ii ^ ((lane / 8) & 3)) << 4) + 4 * (lane % 4);
 }
 
 // Leader of the warpgroup, halfway through a tile's main loop: the residual of its first two
@@ -319,14 +347,14 @@ __device__ __forceinline__ u32 stage_at(u32 buf, int rr, int ii, int lane) {
 // tensor is not something to rely on.
 template <int BN, int EPI>
 __device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMap* rmap, int tm, int tn, int w, int M) {
-    constexpr int NCH = Tile<BN, EPI, 1>::OUT_N / CH;
+    using S = Stage<BN, EPI>;
     const int row0 = min(tm * BM + w * 64, M - 1);
     bulk_wait_read<0>();
 #pragma unroll
-    for (int c = 0; c < (NCH < 2 ? NCH : 2); ++c) {
+    for (int c = 0; c < (S::NCH < 2 ? S::NCH : 2); ++c) {
         const u32 b = (st.n + c) & 1;
-        mbar_arrive_expect_tx(st.rbar + 8 * b, CHUNK_BYTES);
-        tma_load_2d(st.buf + b * CHUNK_BYTES, rmap, st.rbar + 8 * b, tn * Tile<BN, EPI, 1>::OUT_N + c * CH, row0);
+        mbar_arrive_expect_tx(st.rbar + 8 * b, S::BYTES);
+        tma_load_2d(st.buf + b * S::BYTES, rmap, st.rbar + 8 * b, tn * S::OUT_N + c * S::CW, row0);
     }
 }
 
@@ -335,8 +363,8 @@ __device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMa
 template <int BN, int EPI>
 __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
                                                 const TmaMap* ymap, const TmaMap* rmap) {
-    constexpr int OUT_N = Tile<BN, EPI, 1>::OUT_N, NCH = OUT_N / CH, PAIRS = OUT_N / 8;
-    static_assert(OUT_N % CH == 0, "whole chunks");
+    using S = Stage<BN, EPI>;
+    constexpr int OUT_N = S::OUT_N, NCH = S::NCH, CW = S::CW, PAIRS = OUT_N / 8;
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
     const int row0 = tm * BM + w * 64;
@@ -348,7 +376,7 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
     }
 #pragma unroll
     for (int j = 0; j < NCH; ++j, ++st.n) {
-        const u32 b = st.n & 1, buf = st.buf + b * CHUNK_BYTES;
+        const u32 b = st.n & 1, buf = st.buf + b * S::BYTES;
         if constexpr (is_res(EPI)) {
             // Its load was issued only after the store that last read the buffer was done.
             wait_or_trap(st.rbar + 8 * b, (st.rph >> b) & 1);
@@ -361,9 +389,9 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
         for (int h = 0; h < 2; ++h) {
             const int rr = q * 16 + lane / 4 + 8 * h;
 #pragma unroll
-            for (int ii = 0; ii < CH / 8; ++ii) {
-                const int i = j * (CH / 8) + ii;
-                const u32 at = stage_at(buf, rr, ii, lane);
+            for (int ii = 0; ii < CW / 8; ++ii) {
+                const int i = j * (CW / 8) + ii;
+                const u32 at = stage_at<CW>(buf, rr, ii, lane);
                 float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
                 if constexpr (is_glu(EPI)) {
                     v0 = silu(rs[h] * v0) * (rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
@@ -389,13 +417,13 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
         fence_async_smem();  // the generic writes, before the TMA (async proxy) reads them
         named_sync(1 + w, 128);
         if (leader) {
-            tma_store_2d(ymap, buf, tn * OUT_N + j * CH, row0);
+            tma_store_2d(ymap, buf, tn * OUT_N + j * CW, row0);
             bulk_commit();
             if constexpr (is_res(EPI)) {
                 if (j + 2 < NCH) {
                     bulk_wait_read<0>();
-                    mbar_arrive_expect_tx(st.rbar + 8 * b, CHUNK_BYTES);
-                    tma_load_2d(buf, rmap, st.rbar + 8 * b, tn * OUT_N + (j + 2) * CH, min(row0, a.M - 1));
+                    mbar_arrive_expect_tx(st.rbar + 8 * b, S::BYTES);
+                    tma_load_2d(buf, rmap, st.rbar + 8 * b, tn * OUT_N + (j + 2) * CW, min(row0, a.M - 1));
                 }
             }
         }
@@ -451,8 +479,8 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
                         x2[j] = o2;
                     }
                 }
-                smem_st(stage_at(st.buf, rr, i, lane), pack2(x1[0], x1[1]));
-                smem_st(stage_at(st.buf + CHUNK_BYTES, rr, i, lane), pack2(x2[0], x2[1]));
+                smem_st(stage_at<CH>(st.buf, rr, i, lane), pack2(x1[0], x1[1]));
+                smem_st(stage_at<CH>(st.buf + CHUNK_BYTES, rr, i, lane), pack2(x2[0], x2[1]));
             }
         }
         named_sync(1 + w, 128);
@@ -479,7 +507,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
     const u32 stg = base + STAGES * T::STAGE_BYTES;  // SG: the staging buffers (1024-aligned)
-    const u32 bars = stg + (SG ? STAGING_BYTES : 0);
+    const u32 bars = stg + (SG ? 4 * Stage<BN, EPI>::BYTES : 0);
     auto sa = [&](int s) { return base + s * T::STAGE_BYTES; };
     auto sb = [&](int s) { return base + s * T::STAGE_BYTES + T::A_BYTES; };
     auto full = [&](int s) { return bars + 8 * s; };
@@ -539,7 +567,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_arrive(empty(s));
             if (CL == 2) mbar_arrive_remote(empty(s), rank ^ 1);
         };
-        Staging st = {stg + (u32)w * 2 * CHUNK_BYTES, bars + 16 * STAGES + 16 * (u32)w, 0, 0};
+        Staging st = {stg + (u32)w * 2 * Stage<BN, EPI>::BYTES, bars + 16 * STAGES + 16 * (u32)w, 0, 0};
         const bool leader = threadIdx.x % 128 == 0;
         int it = 0;
         for (int u = unit0; u < units; u += unit_step) {
@@ -627,15 +655,17 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     return fn;
 }
 
-// A [rows, K] row-major matrix as TMA boxes of 64 (K) × box_rows, 128-byte swizzle.
-static TmaMap tma_map(const u16* p, int rows, int K, int box_rows) {
+// A [rows, K] row-major matrix as TMA boxes of box_cols (K) × box_rows: 64 columns with the
+// 128-byte swizzle, 32 with the 64-byte one.
+static TmaMap tma_map(const u16* p, int rows, int K, int box_rows, int box_cols = BK) {
     CUtensorMap m;
     const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
     const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
-    const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+    const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
     const cuuint32_t estr[2] = {1, 1};
     CUresult r = encode_tiled()(&m, FDPP_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                                (void*)p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                (void*)p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         fprintf(stderr, "cuTensorMapEncodeTiled failed (%d): rows %d K %d box %d\n", (int)r, rows, K, box_rows);
@@ -724,8 +754,9 @@ static void launch(const Problem& p, cudaStream_t st) {
     const TmaMap um = is_glu(EPI) ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
     // SG: y and the residual as boxes of 64 rows × 64 columns (the staging chunks).
     const bool maps = SG && EPI != EPI_QKV_ROPE;
-    const TmaMap ym = maps ? tma_map(p.y, p.M, p.N, 64) : xm;
-    const TmaMap rm = maps && is_res(EPI) ? tma_map(p.res, p.M, p.N, 64) : xm;
+    constexpr int CW = Stage<BN, EPI>::CW;
+    const TmaMap ym = maps ? tma_map(p.y, p.M, p.N, 64, CW) : xm;
+    const TmaMap rm = maps && is_res(EPI) ? tma_map(p.res, p.M, p.N, 64, CW) : xm;
     Args a;
     a.y = p.y;
     a.res = is_res(EPI) ? p.res : nullptr;
@@ -1050,6 +1081,8 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
             return {{"cublas on rmsnorm(x) + silu_mul", peer, false},
                     {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(128+128) s4 staged", launch<256, 4, EPI_GLU_RS, 1, 1>, true},
+                    {"hgemm glu ·1/rms 128x(96+96) s5 staged", launch<192, 5, EPI_GLU_RS, 1, 1>, true},
+                    {"hgemm glu ·1/rms 128x(96+96) s5 cluster2 staged", launch<192, 5, EPI_GLU_RS, 2, 1>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6 staged", launch<128, 6, EPI_GLU_RS, 1, 1>, true},
                     {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
@@ -1079,6 +1112,8 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
         return {{"cublas + silu_mul", peer, false},
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(128+128) s4 staged", launch<256, 4, EPI_GLU, 1, 1>, true},
+                {"hgemm glu 128x(96+96) s5 staged", launch<192, 5, EPI_GLU, 1, 1>, true},
+                {"hgemm glu 128x(96+96) s5 cluster2 staged", launch<192, 5, EPI_GLU, 2, 1>, true},
                 {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(64+64) s6 staged", launch<128, 6, EPI_GLU, 1, 1>, true},
                 {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true},

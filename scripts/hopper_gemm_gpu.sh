@@ -8,6 +8,7 @@
 # leave FDPP and LT unset, or split the steps, when the call is tight).
 #   FDPP=.carry/fdpp also runs fdpp's long prefill check cases (issue #20's 4097/16384 tokens);
 #   SAN=0 skips the sanitizer build and runs (the first look at a new build: ~1 minute less);
+#   TIMED=0 stops after the checks and the sanitizer (the tables take ~2 minutes per M);
 #   LT=1 also times cuBLASLt's other algorithms at the first M (scripts/cublaslt_algos.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,12 +35,17 @@ grep -E 'spill|registers' "$out/build.log" | sort | uniq -c | head
 timeout 60 "$bin" --check-only --no-cluster 2>&1 | tail -3
 timeout 60 "$bin" --check-only --cluster-only 2>&1 | tail -3
 san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-for tool in memcheck racecheck synccheck; do
-  [ "$san_on" != 0 ] || break
-  timeout 100 "$san" --tool "$tool" "$bin-san" --check-only >/tmp/san.log 2>&1
-  echo "compute-sanitizer $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san.log | tail -1))"
-  { echo "== $tool"; cat /tmp/san.log; } >>"$out/san.log"
-done
+# The three tools run side by side (the instrumentation is host-bound; 16 cores).
+if [ "$san_on" != 0 ]; then
+  for tool in memcheck racecheck synccheck; do
+    timeout 420 "$san" --tool "$tool" "$bin-san" --check-only >"/tmp/san-$tool.log" 2>&1 &
+  done
+  wait
+  for tool in memcheck racecheck synccheck; do
+    echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/san-$tool.log" | tail -1) ($(grep -c '| ok |' "/tmp/san-$tool.log") checks ok)"
+    { echo "== $tool"; cat "/tmp/san-$tool.log"; } >>"$out/san.log"
+  done
+fi
 if [ -n "${FDPP:-}" ]; then
   timeout 200 "$FDPP" check --backend cuda --op attention --case "new=[4097]" --case "new=[16384]" \
     --case "new=[4096,1,4097]" --case "new=[1025,97]" --case "new=[2049]" >"$out/long-prefill-check.md" 2>&1
@@ -52,6 +58,7 @@ if [ -n "${LT:-}" ]; then
     timeout 150 /tmp/lt "${ms[0]}" 5 >>"$out/errs.log" 2>&1
   echo "cublaslt_algos: rc $? (its table is at the end of errs.log)"
 fi
+[ "${TIMED:-1}" = 0 ] && exit 0
 timeout 180 "$bin" --no-cluster "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm.md"
 timeout 180 "$bin" --cluster-only "${ms[@]}" 2>>"$out/errs.log" | tee "$out/hopper_gemm_cluster.md"
 grep -v "^checking" "$out/errs.log" | tail -30
