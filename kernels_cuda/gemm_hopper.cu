@@ -98,7 +98,7 @@ struct Stage {
 // residual barriers, and the slack that aligns the base to 1024 (src/backend/cuda/gemm_hopper.rs
 // computes the same).
 template <int BN, int STAGES, int EPI, int CL>
-constexpr size_t smem_bytes() {
+__host__ __device__ constexpr size_t smem_bytes() {
     return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + 4 * Stage<BN, EPI>::BYTES + 16 * STAGES + 32 + 1024;
 }
 

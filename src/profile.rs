@@ -44,6 +44,11 @@ pub struct Provenance {
     pub fdpp_version: String,
     pub git_commit: String,
     pub kernel_hash: String,
+    /// Made on sm_90a: the hash of fdpp's Hopper GEMM, which its sweep timed
+    /// (`crate::backend::cuda::sources::hopper_gemm_hash`); None elsewhere and in profiles made
+    /// before the kernel existed, which name no spec of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hopper_gemm_hash: Option<String>,
     /// UTC, RFC 3339.
     pub created: String,
     /// The run-configuration switches set when it was made (`crate::run_config`); empty in
@@ -61,6 +66,7 @@ impl Provenance {
             fdpp_version: build.fdpp_version,
             git_commit: build.git_commit,
             kernel_hash: b.kernel_hash(),
+            hopper_gemm_hash: crate::backend::hopper_gemm_hash_of(b.info()),
             created: crate::provenance::now_utc(),
             run_config: build.run_config,
         }
@@ -772,6 +778,10 @@ pub fn classify_mismatches(made_on: &Provenance, current: &DeviceInfo, kernel_ha
         made_on.kernel_hash.clone(),
         kernel_hash.to_string(),
     );
+    if let Some(h) = &made_on.hopper_gemm_hash {
+        let here = crate::backend::hopper_gemm_hash_of(current).unwrap_or_else(|| "none".into());
+        push(Severity::Hard, "hopper_gemm_hash", h.clone(), here);
+    }
     push(Severity::Soft, "device name", d.name.clone(), current.name.clone());
     push(
         Severity::Soft,
@@ -832,6 +842,7 @@ mod tests {
             fdpp_version: "0.1.0".into(),
             git_commit: "abc".into(),
             kernel_hash: "k1".into(),
+            hopper_gemm_hash: None,
             created: "2025-01-01T00:00:00Z".into(),
             run_config: "defaults".into(),
         }
@@ -868,6 +879,25 @@ mod tests {
         d.backend = BackendKind::Cpu;
         let v = classify_mismatches(&prov(), &d, "k1");
         assert_eq!(fields(&v, Severity::Hard), vec!["backend"]);
+    }
+
+    #[test]
+    fn a_hopper_gemm_hash_must_match_where_one_was_recorded() {
+        // Recorded on sm_90a: the same build matches, another hash is refused.
+        let mut d = dev();
+        d.arch = "sm_90a".into();
+        let mut p = prov();
+        p.device.arch = "sm_90a".into();
+        p.hopper_gemm_hash = crate::backend::hopper_gemm_hash_of(&d);
+        assert!(p.hopper_gemm_hash.is_some());
+        assert!(classify_mismatches(&p, &d, "k1").is_empty());
+        p.hopper_gemm_hash = Some("0000000000000000".into());
+        let v = classify_mismatches(&p, &d, "k1");
+        assert_eq!(fields(&v, Severity::Hard), vec!["hopper_gemm_hash"]);
+        // A profile without one (made elsewhere or before the kernel) is not checked for it.
+        p.hopper_gemm_hash = None;
+        assert!(classify_mismatches(&p, &d, "k1").is_empty());
+        assert_eq!(crate::backend::hopper_gemm_hash_of(&dev()), None);
     }
 
     #[test]

@@ -94,6 +94,12 @@ pub fn kernel_hash_of(kind: BackendKind) -> String {
     }
 }
 
+/// The hash of fdpp's Hopper GEMM where this binary runs it (CUDA on sm_90a), else None: what a
+/// profile's `hopper_gemm_hash` is compared with.
+pub fn hopper_gemm_hash_of(info: &DeviceInfo) -> Option<String> {
+    (info.backend == BackendKind::Cuda && info.arch == cuda::prefill_hopper::ARCH).then(cuda::sources::hopper_gemm_hash)
+}
+
 /// Lowercase, alphanumerics kept, every other run of characters becomes one '-'.
 pub fn slugify(name: &str) -> String {
     let mut out = String::new();

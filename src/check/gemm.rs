@@ -28,6 +28,11 @@ const FULL_NK: [(usize, usize); 5] = [(11008, 4096), (5504, 4097), (1000, 4097),
 /// flat_gemm pads to on tensor cores, FlashDecoding++ §3), 41 (flat_gemm's 64-row block with
 /// three n8-tiles past M) and 70 (two blocks along M, the second holding 6 rows).
 const FULL_M: [usize; 6] = [1, 3, 8, 17, 41, 70];
+/// Prefill-sized cases for the GEMMs of 128-row tiles (fdpp's Hopper GEMM; cuBLAS): several M
+/// tiles with a ragged last one (333 = 2·128 + 77, 1000 = 7·128 + 104, 130 = 128 + 2), N with a
+/// ragged last 256- and 128-wide tile (1000, 4104 = 16·256 + 8), K with a partial last 64-wide
+/// block (1032, 264; multiples of 8, which TMA needs) and one full Llama shape (4096 × 4096).
+const PREFILL_MNK: [(usize, usize, usize); 3] = [(333, 1000, 1032), (1000, 4104, 264), (130, 4096, 4096)];
 
 /// The reduced list for `cargo test` and `fdpp check --quick`, small enough for a debug build
 /// (about 10 M multiply-adds per dtype) yet with every ragged edge: N = 1000 (no B_N of 16 or 64
@@ -45,11 +50,12 @@ const QUICK_MNK: [(usize, usize, usize); 8] = [
     (70, 67, 263),
 ];
 
-/// Every case of `fdpp check`: each M × (N, K) in f16 and bf16.
+/// Every case of `fdpp check`: each M × (N, K), then the prefill-sized cases, in f16 and bf16.
 pub fn gemm_cases() -> Vec<GemmCase> {
     let mnk: Vec<_> = FULL_NK
         .iter()
         .flat_map(|&(n, k)| FULL_M.iter().map(move |&m| (m, n, k)))
+        .chain(PREFILL_MNK)
         .collect();
     cases_of(&mnk)
 }
@@ -294,5 +300,13 @@ mod tests {
                 n: 11008,
                 k: 4096
             }));
+        // Several 128-row tiles with a ragged last one, and every axis TMA can take (multiples
+        // of 8) ragged against the 256- and 128-wide tiles and the 64-wide K blocks.
+        assert!(gemm_cases().iter().any(|c| c.dims.m > 256
+            && c.dims.m % 128 != 0
+            && c.dims.n % 128 != 0
+            && c.dims.k % 64 != 0
+            && c.dims.n % 8 == 0
+            && c.dims.k % 8 == 0));
     }
 }

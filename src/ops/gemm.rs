@@ -49,10 +49,12 @@ impl std::fmt::Display for GemmImpl {
 pub struct GemmSpec {
     pub imp: GemmImpl,
     pub dtype: DType,
-    /// Tile width along N (flat_gemm); rows per block (gemv). None where it does not apply.
+    /// Tile width along N (flat_gemm; ImplC: fdpp's Hopper GEMM instead of the library, on
+    /// sm_90a); rows per block (gemv). None where it does not apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_n: Option<u32>,
-    /// cp.async pipeline depth (flat_gemm): 2 is the paper's double buffering.
+    /// cp.async pipeline depth (flat_gemm): 2 is the paper's double buffering; TMA stages of
+    /// fdpp's Hopper GEMM (ImplC with block_n).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stages: Option<u32>,
     /// ImplC on CUDA: the rank of the cuBLASLt algorithm among its heuristic's suggestions for the
@@ -89,15 +91,26 @@ impl GemmSpec {
         self.algo = Some(rank);
         self
     }
-    /// The error for a spec naming a cuBLASLt algorithm on a backend that has none.
-    pub fn refuse_algo(&self, backend: &str) -> Result<()> {
-        match self.algo {
-            None => Ok(()),
-            Some(r) => Err(FdppError::InvalidArgument(format!(
-                "{self}: cuBLASLt algorithm rank {r} is a CUDA choice and the {backend} backend has no cuBLASLt; \
-                 use a profile tuned on this backend (fdpp tune --backend {backend})"
-            ))),
-        }
+    /// Whether this is fdpp's Hopper GEMM: ImplC with a tile width and a stage count (on the CPU
+    /// an ImplC block_n alone is its rows per task).
+    pub fn is_hopper_gemm(&self) -> bool {
+        self.imp == GemmImpl::Gemm && self.block_n.is_some() && self.stages.is_some()
+    }
+    /// The error for a spec only the CUDA backend runs (a cuBLASLt algorithm, fdpp's Hopper GEMM)
+    /// on a backend that has none.
+    pub fn refuse_cuda_only(&self, backend: &str) -> Result<()> {
+        let what = match self.algo {
+            Some(r) => {
+                format!("cuBLASLt algorithm rank {r} is a CUDA choice and the {backend} backend has no cuBLASLt")
+            }
+            None if self.is_hopper_gemm() => {
+                format!("fdpp's Hopper GEMM is a CUDA sm_90a kernel, which the {backend} backend does not run")
+            }
+            None => return Ok(()),
+        };
+        Err(FdppError::InvalidArgument(format!(
+            "{self}: {what}; use a profile tuned on this backend (fdpp tune --backend {backend})"
+        )))
     }
     /// A name that carries every compile-time parameter, e.g. `flat_gemm_f16_bn64_s2`.
     pub fn uri(&self) -> String {
@@ -190,11 +203,26 @@ mod tests {
     #[test]
     fn backends_without_cublaslt_refuse_a_rank() {
         let r = GemmSpec::new(GemmImpl::Gemm, DType::Bf16).with_algo(1);
-        let e = r.refuse_algo("cpu").unwrap_err().to_string();
+        let e = r.refuse_cuda_only("cpu").unwrap_err().to_string();
         assert!(
             e.contains("gemm_bf16_lt1") && e.contains("rank 1") && e.contains("fdpp tune --backend cpu"),
             "{e}"
         );
-        assert!(GemmSpec::new(GemmImpl::Gemm, DType::Bf16).refuse_algo("cpu").is_ok());
+        assert!(GemmSpec::new(GemmImpl::Gemm, DType::Bf16)
+            .refuse_cuda_only("cpu")
+            .is_ok());
+        // fdpp's Hopper GEMM is refused too; the CPU's ImplC rows per task (block_n alone) is not.
+        let h = GemmSpec::new(GemmImpl::Gemm, DType::F16)
+            .with_block_n(256)
+            .with_stages(4);
+        let e = h.refuse_cuda_only("rocm").unwrap_err().to_string();
+        assert!(
+            e.contains("gemm_f16_bn256_s4") && e.contains("sm_90a") && e.contains("--backend rocm"),
+            "{e}"
+        );
+        assert!(GemmSpec::new(GemmImpl::Gemm, DType::F16)
+            .with_block_n(64)
+            .refuse_cuda_only("cpu")
+            .is_ok());
     }
 }

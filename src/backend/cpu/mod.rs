@@ -293,7 +293,7 @@ impl Backend for CpuBackend {
     }
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &CpuBuffer, w: &CpuBuffer, y: &mut CpuBuffer) -> Result<()> {
-        spec.refuse_algo("cpu")?;
+        spec.refuse_cuda_only("cpu")?;
         check_gemm_buffers(spec, dims, x, w, y)?;
         let block = block_rows(spec, dims)?;
         if check_panels(w, dims)? {

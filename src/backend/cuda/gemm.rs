@@ -1,4 +1,5 @@
-//! Launching the three GEMM implementations on CUDA.
+//! Launching the three GEMM implementations on CUDA (ImplC: cuBLAS, a cuBLASLt rank, or on
+//! sm_90a fdpp's own wgmma GEMM, gemm_hopper.rs).
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{sys, LaunchConfig};
@@ -46,6 +47,7 @@ pub fn run(
     match spec.imp {
         GemmImpl::Gemv => gemv(b, spec, d, x, w, y),
         GemmImpl::FlatGemm => flat(b, spec, d, x, w, y),
+        GemmImpl::Gemm if super::gemm_hopper::is_hopper_gemm(spec) => super::gemm_hopper::run(b, spec, d, x, w, y),
         GemmImpl::Gemm => match spec.algo {
             None => cublas(b, spec, d, x, w, y),
             Some(rank) => {

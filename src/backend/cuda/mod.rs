@@ -7,6 +7,7 @@ pub mod decode_tc;
 #[cfg(test)]
 mod decode_tc_model;
 pub mod gemm;
+pub mod gemm_hopper;
 pub mod gemv_fused;
 pub mod graph;
 pub mod jit;
@@ -287,6 +288,9 @@ impl Backend for CudaBackend {
         v.push(vendor);
         if blaslt::present() {
             v.extend((0..crate::ops::gemm::LT_RANKS).map(|r| vendor.with_algo(r)));
+        }
+        if self.info.arch == prefill_hopper::ARCH {
+            v.extend(gemm_hopper::specs(dtype));
         }
         v
     }

@@ -22,6 +22,7 @@ const HOPPER: &str = include_str!("../../../kernels_cuda/hopper.cuh");
 const LAYER: &str = include_str!("../../../kernels_cuda/layer.cu");
 const SAMPLE: &str = include_str!("../../../kernels_cuda/sample.cu");
 const GEMV_ROPE: &str = include_str!("../../../kernels_cuda/gemv_rope.cu");
+const GEMM_HOPPER: &str = include_str!("../../../kernels_cuda/gemm_hopper.cu");
 
 /// The files of the GEMM kernels: their hash is the profiles' kernel hash (a profile holds GEMM
 /// timings; an edit to another kernel does not invalidate it).
@@ -59,6 +60,21 @@ pub fn kernel_hash() -> String {
     let mut files = FILES.to_vec();
     files.push(("launch constants", constants.as_str()));
     hash_files(&files)
+}
+
+/// SHA-256 over fdpp's Hopper GEMM (kernels_cuda/gemm_hopper.cu, the headers it includes and its
+/// tiles), hex, first 16 digits: a profile made on sm_90a records it beside [`kernel_hash`], and
+/// one that records another is refused as one with another kernel hash is. It is a hash of its
+/// own so that the profiles made before the kernel existed (the shipped H100 ones), which never
+/// timed it, stay valid; they name no spec of it.
+pub fn hopper_gemm_hash() -> String {
+    let tiles = format!("TILES={:?}", super::gemm_hopper::TILES);
+    hash_files(&[
+        ("common.cuh", COMMON),
+        ("hopper.cuh", HOPPER),
+        ("gemm_hopper.cu", GEMM_HOPPER),
+        ("launch constants", tiles.as_str()),
+    ])
 }
 
 /// The GEMM launch constants of this file, one `NAME=value` per line, in the order hashed.
@@ -122,9 +138,19 @@ pub fn gemv_rope_source(dt: DType) -> KernelSource {
     }
 }
 
-/// The source to compile for a GEMM spec, or None for ImplC (a library, nothing to compile).
+/// The source to compile for a GEMM spec, or None for ImplC through a library (nothing to
+/// compile); ImplC with a tile (block_n, stages) is fdpp's Hopper GEMM (sm_90a only).
 pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
     match spec.imp {
+        GemmImpl::Gemm if super::gemm_hopper::is_hopper_gemm(spec) => Some(KernelSource {
+            uri: spec.uri(),
+            text: expand(GEMM_HOPPER),
+            defines: vec![
+                dtype_define(spec.dtype),
+                ("FDPP_BN".into(), spec.block_n.unwrap_or(256).to_string()),
+                ("FDPP_STAGES".into(), spec.stages.unwrap_or(4).to_string()),
+            ],
+        }),
         GemmImpl::Gemv => {
             let (rows, ksplit) = gemv_layout(spec.block_n.unwrap_or(8));
             Some(KernelSource {
@@ -194,7 +220,7 @@ pub fn all_sources() -> Vec<KernelSource> {
     let dtypes = [DType::F16, DType::Bf16];
     let mut v: Vec<KernelSource> = dtypes
         .iter()
-        .flat_map(|&dt| all_gemm_specs(dt))
+        .flat_map(|&dt| all_gemm_specs(dt).into_iter().chain(super::gemm_hopper::specs(dt)))
         .filter_map(|s| gemm_source(&s))
         .collect();
     v.extend(dtypes.iter().map(|&dt| gemv_glu_source(dt)));
@@ -218,11 +244,15 @@ pub fn all_sources() -> Vec<KernelSource> {
     v
 }
 
-/// Whether `src` compiles for `arch`: the Hopper prefill (wgmma, setmaxnreg) needs sm_90a,
-/// every other kernel compiles everywhere.
+/// Whether `src` compiles for `arch`: the Hopper prefill and GEMM (wgmma, setmaxnreg) need
+/// sm_90a, every other kernel compiles everywhere.
 pub fn compiles_for(src: &KernelSource, arch: &str) -> bool {
-    !src.uri.starts_with(HOPPER_PREFILL_PREFIX) || arch == "sm_90a"
+    let hopper = src.uri.starts_with(HOPPER_PREFILL_PREFIX) || src.uri.starts_with(HOPPER_GEMM_PREFIX);
+    !hopper || arch == "sm_90a"
 }
+
+/// ImplC's uri prefix: only fdpp's Hopper GEMM has a source under it (cuBLAS has none).
+const HOPPER_GEMM_PREFIX: &str = "gemm_";
 
 const HOPPER_PREFILL_PREFIX: &str = "attn_prefill_hopper_";
 

@@ -191,6 +191,53 @@ fn encode_rows(base: u64, d: usize, heads: usize, n: usize, rows: usize, what: &
     Ok(TmaMap(map.opaque))
 }
 
+/// A 2-D map over a row-major [rows, cols] matrix of 16-bit values at `base` (cols a multiple of
+/// 8: rows start on 16-byte boundaries), boxes of `box_cols` × `box_rows` with the 128-byte
+/// swizzle (box_cols = 64: one 128-byte row) — fdpp's Hopper GEMM (gemm_hopper.rs). Boxes past
+/// the edges read as zeros and store nothing there.
+pub fn matrix_map(base: u64, rows: usize, cols: usize, box_rows: u32, box_cols: u32, what: &str) -> Result<TmaMap> {
+    let spec = || format!("tma map of {what} [{rows}, {cols}]");
+    if rows == 0 || !cols.is_multiple_of(8) || box_cols * 2 != 128 || box_rows == 0 || box_rows > 256 {
+        return Err(FdppError::Unsupported {
+            spec: spec(),
+            what: format!("a box of {box_cols} × {box_rows} (64 columns, 1-256 rows, and columns a multiple of 8)"),
+        });
+    }
+    let dims: [u64; 2] = [cols as u64, rows as u64];
+    let strides: [u64; 1] = [cols as u64 * 2];
+    let boxes: [u32; 2] = [box_cols, box_rows];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local array of the rank given; the driver only writes
+    // `map`. The address, dims and strides describe the caller's buffer (checked by the driver).
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+            2,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(FdppError::device(
+            "cuda",
+            format!(
+                "{}: cuTensorMapEncodeTiled({dims:?}, strides {strides:?}, box {boxes:?}) failed: {r:?}",
+                spec()
+            ),
+        ));
+    }
+    Ok(TmaMap(map.opaque))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -351,7 +351,7 @@ impl Backend for RocmBackend {
     }
 
     fn gemm(&self, spec: &GemmSpec, dims: GemmDims, x: &RocmBuffer, w: &RocmBuffer, y: &mut RocmBuffer) -> Result<()> {
-        spec.refuse_algo("rocm")?;
+        spec.refuse_cuda_only("rocm")?;
         dims.check_lens(spec, x.len(), w.len(), y.len())?;
         if x.dtype() != spec.dtype || w.dtype() != spec.dtype || y.dtype() != spec.dtype {
             return Err(FdppError::InvalidArgument(format!(
