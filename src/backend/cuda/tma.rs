@@ -155,40 +155,15 @@ fn encode_rows(base: u64, d: usize, heads: usize, n: usize, rows: usize, what: &
             what: format!("head_dim {d} (a multiple of {BOX_COLS} is needed)"),
         });
     }
-    let dims: [u64; 3] = [d, heads as u64, n as u64];
     // Byte strides of dims 1 and 2 (dim 0 is contiguous).
-    let strides: [u64; 2] = [d * 2, heads as u64 * d * 2];
-    let boxes: [u32; 3] = [BOX_COLS, 1, rows as u32];
-    let elem: [u32; 3] = [1, 1, 1];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer is to a live local array of the rank given; the driver only writes
-    // `map`. The address, dims and strides are the pool's allocation (checked by the driver).
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
-            3,
-            base as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(FdppError::device(
-            "cuda",
-            format!(
-                "{}: cuTensorMapEncodeTiled({dims:?}, strides {strides:?}, box {boxes:?}) failed: {r:?}",
-                spec()
-            ),
-        ));
-    }
-    Ok(TmaMap(map.opaque))
+    let strides = [d * 2, heads as u64 * d * 2];
+    encode_tiled(
+        base,
+        [d, heads as u64, n as u64],
+        &strides,
+        [BOX_COLS, 1, rows as u32],
+        &spec(),
+    )
 }
 
 /// A 2-D map over a row-major [rows, cols] matrix of 16-bit values at `base` (cols a multiple of
@@ -203,18 +178,36 @@ pub fn matrix_map(base: u64, rows: usize, cols: usize, box_rows: u32, box_cols: 
             what: format!("a box of {box_cols} × {box_rows} (64 columns, 1-256 rows, and columns a multiple of 8)"),
         });
     }
-    let dims: [u64; 2] = [cols as u64, rows as u64];
-    let strides: [u64; 1] = [cols as u64 * 2];
-    let boxes: [u32; 2] = [box_cols, box_rows];
-    let elem: [u32; 2] = [1, 1];
+    encode_tiled(
+        base,
+        [cols as u64, rows as u64],
+        &[cols as u64 * 2],
+        [box_cols, box_rows],
+        &spec(),
+    )
+}
+
+/// cuTensorMapEncodeTiled over 16-bit values at `base`: `dims` innermost first, the byte
+/// strides of dims 1.. (dim 0 is contiguous), boxes of `boxes`, the 128-byte swizzle, zeros
+/// past the edges; `spec` names the map in an error.
+fn encode_tiled<const R: usize>(
+    base: u64,
+    dims: [u64; R],
+    strides: &[u64],
+    boxes: [u32; R],
+    spec: &str,
+) -> Result<TmaMap> {
+    debug_assert_eq!(strides.len() + 1, R);
+    let elem = [1u32; R];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer is to a live local array of the rank given; the driver only writes
-    // `map`. The address, dims and strides describe the caller's buffer (checked by the driver).
+    // SAFETY: every pointer is to a live local array of the rank given (strides: R - 1); the
+    // driver only writes `map`. The address, dims and strides are the caller's allocation
+    // (checked by the driver).
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
-            2,
+            R as u32,
             base as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -229,10 +222,7 @@ pub fn matrix_map(base: u64, rows: usize, cols: usize, box_rows: u32, box_cols: 
     if r != sys::CUresult::CUDA_SUCCESS {
         return Err(FdppError::device(
             "cuda",
-            format!(
-                "{}: cuTensorMapEncodeTiled({dims:?}, strides {strides:?}, box {boxes:?}) failed: {r:?}",
-                spec()
-            ),
+            format!("{spec}: cuTensorMapEncodeTiled({dims:?}, strides {strides:?}, box {boxes:?}) failed: {r:?}"),
         ));
     }
     Ok(TmaMap(map.opaque))
