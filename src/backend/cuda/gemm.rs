@@ -47,7 +47,7 @@ pub fn run(
     match spec.imp {
         GemmImpl::Gemv => gemv(b, spec, d, x, w, y),
         GemmImpl::FlatGemm => flat(b, spec, d, x, w, y),
-        GemmImpl::Gemm if super::gemm_hopper::is_hopper_gemm(spec) => super::gemm_hopper::run(b, spec, d, x, w, y),
+        GemmImpl::Gemm if spec.is_hopper_gemm() => super::gemm_hopper::run(b, spec, d, x, w, y),
         GemmImpl::Gemm => match spec.algo {
             None => cublas(b, spec, d, x, w, y),
             Some(rank) => {

@@ -3,8 +3,9 @@
 //! wgmma consumer warpgroups, whose results leave through shared memory and TMA stores while
 //! the next tile's main loop runs. A spec of ImplC with `block_n` and `stages` names it (uri
 //! `gemm_f16_bn256_s4`); `fdpp tune` times it beside cuBLAS and cuBLASLt's ranks, and the profile
-//! keeps whichever wins per shape and M (reports/NOTES.md, session 31: 1.00-1.06× cublasGemmEx
-//! on Llama2-7B's QKV, O and FFN2 at M = 1024 and 4096 on an H200).
+//! keeps whichever wins per shape and M (reports/NOTES.md, session 31, `bench gemm` on an H200:
+//! Llama2-7B's QKV, O and FFN2 at M = 1024 1.03×, 1.01× and 1.01× cublasGemmEx; at 4096
+//! 0.96-1.02×; FFN1 0.87×, whose 128 × 256 tiles fill 5.2 of 6 waves).
 
 use cudarc::driver::LaunchConfig;
 
@@ -34,11 +35,6 @@ const THREADS: u32 = 384;
 /// residual barriers and 1024 bytes of slack to align the base for the swizzle.
 pub fn smem_bytes(bn: u32, stages: u32) -> u32 {
     stages * (BM * BK * 2 + bn * BK * 2) + 4 * CHUNK * CHUNK * 2 + 16 * stages + 32 + 1024
-}
-
-/// Whether a spec of ImplC is this kernel (rather than cuBLAS or a cuBLASLt rank).
-pub fn is_hopper_gemm(spec: &GemmSpec) -> bool {
-    spec.is_hopper_gemm()
 }
 
 /// The specs of the kernel for one dtype, as `fdpp tune` and `fdpp check` offer them on sm_90a.
@@ -142,12 +138,9 @@ mod tests {
     #[test]
     fn its_specs_are_implc_with_a_tile() {
         for s in specs(crate::dtype::DType::F16) {
-            assert!(is_hopper_gemm(&s));
+            assert!(s.is_hopper_gemm());
             assert!(s.uri().starts_with("gemm_f16_bn"), "{}", s.uri());
         }
-        assert!(!is_hopper_gemm(&GemmSpec::new(
-            crate::ops::gemm::GemmImpl::Gemm,
-            crate::dtype::DType::F16
-        )));
+        assert!(!GemmSpec::new(crate::ops::gemm::GemmImpl::Gemm, crate::dtype::DType::F16).is_hopper_gemm());
     }
 }

@@ -142,7 +142,7 @@ pub fn gemv_rope_source(dt: DType) -> KernelSource {
 /// compile); ImplC with a tile (block_n, stages) is fdpp's Hopper GEMM (sm_90a only).
 pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
     match spec.imp {
-        GemmImpl::Gemm if super::gemm_hopper::is_hopper_gemm(spec) => Some(KernelSource {
+        GemmImpl::Gemm if spec.is_hopper_gemm() => Some(KernelSource {
             uri: spec.uri(),
             text: expand(GEMM_HOPPER),
             defines: vec![
