@@ -79,6 +79,7 @@ pub fn run(a: KernelsArgs) -> anyhow::Result<()> {
             backend: KernelBackend::Cuda,
         } => {
             println!("kernel source hash: {}", sources::kernel_hash());
+            println!("Hopper GEMM hash (sm_90a profiles): {}", sources::hopper_gemm_hash());
             for s in sources::all_sources() {
                 let d: Vec<String> = s.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 println!("{}  ({})", s.uri, d.join(" "));
@@ -135,9 +136,10 @@ fn check(archs: &[String], only: Option<&str>, emit: Option<&std::path::Path>, f
         );
     }
     println!(
-        "NVRTC {}; kernel source hash {}",
+        "NVRTC {}; kernel source hash {}; Hopper GEMM hash {}",
         jit::nvrtc_version().unwrap_or_default(),
-        sources::kernel_hash()
+        sources::kernel_hash(),
+        sources::hopper_gemm_hash()
     );
     let srcs = sources::all_sources();
     // Arch-specific kernels (the sm_90a prefill) are skipped on the other archs.
