@@ -29,6 +29,15 @@ pub(crate) fn i32_of(v: usize, what: &str, spec: &GemmSpec) -> Result<i32> {
     })
 }
 
+/// M, N and K as the kernels' and cuBLAS's i32 arguments.
+pub(crate) fn mnk_i32(d: &GemmDims, spec: &GemmSpec) -> Result<(i32, i32, i32)> {
+    Ok((
+        i32_of(d.m, "M", spec)?,
+        i32_of(d.n, "N", spec)?,
+        i32_of(d.k, "K", spec)?,
+    ))
+}
+
 pub fn run(
     b: &CudaBackend,
     spec: &GemmSpec,
@@ -132,11 +141,7 @@ fn flat(
     let f = b.function_of(&spec.uri(), &name, smem, || {
         sources::gemm_source(spec).ok_or_else(|| FdppError::device("cuda", format!("{spec}: no source")))
     })?;
-    let (m, n, k) = (
-        i32_of(d.m, "M", spec)?,
-        i32_of(d.n, "N", spec)?,
-        i32_of(d.k, "K", spec)?,
-    );
+    let (m, n, k) = mnk_i32(&d, spec)?;
     let cfg = LaunchConfig {
         grid_dim: (
             d.n.div_ceil(bn as usize) as u32,
@@ -168,11 +173,7 @@ fn cublas(
         DType::F16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16F),
         DType::Bf16 => sys_dt(blas_sys::cudaDataType_t::CUDA_R_16BF),
     };
-    let (m, n, k) = (
-        i32_of(d.m, "M", spec)?,
-        i32_of(d.n, "N", spec)?,
-        i32_of(d.k, "K", spec)?,
-    );
+    let (m, n, k) = mnk_i32(&d, spec)?;
     let (alpha, beta) = (1f32, 0f32);
     let (xp, wp, yp) = (b.ptr(x), b.ptr(w), b.ptr(y));
     // SAFETY: pointers cover the operands (checked in run); scalars are host f32 as the compute

@@ -9,7 +9,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::gemm::i32_of;
+use super::gemm::mnk_i32;
 use super::launch::Launch;
 use super::sources;
 use super::tma;
@@ -92,11 +92,7 @@ pub fn run(
             b.max_smem_per_block() >> 10
         )));
     }
-    let (m, n, k) = (
-        i32_of(d.m, "M", spec)?,
-        i32_of(d.n, "N", spec)?,
-        i32_of(d.k, "K", spec)?,
-    );
+    let (m, n, k) = mnk_i32(&d, spec)?;
     let xm = tma::matrix_map(xp, d.m, d.k, BM, BK, "x")?;
     let wm = tma::matrix_map(wp, d.n, d.k, bn, BK, "W")?;
     let ym = tma::matrix_map(yp, d.m, d.n, CHUNK, CHUNK, "y")?;
