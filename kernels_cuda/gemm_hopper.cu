@@ -16,7 +16,9 @@
 // 17.5 ms in cuBLAS and 1.8 ms in silu_mul, add_rmsnorm and qkv_rope, each at the card's streaming
 // rate; only a GEMM that takes them as epilogues, which cuBLAS cannot, removes them.
 //
-// The engine's entry (gemm_hopper, below) is the plain product; scripts/hopper_gemm.cu times every
+// The engine's entries (below): gemm_hopper, the plain product (ImplC on sm_90a), and
+// gemm_hopper_epi, one epilogue per build (FDPP_EPI), with row_sumsq and rope_table beside it: the
+// prefill's fused layer (src/backend/cuda/gemm_epi.rs). scripts/hopper_gemm.cu times every
 // epilogue against cuBLAS plus fdpp's own small ops.
 #include "common.cuh"
 #include "hopper.cuh"
@@ -24,10 +26,16 @@
 // EPI_NONE stores nothing: the main loop and the pipeline alone, timed beside the others to show
 // what an epilogue costs (scripts/hopper_gemm.cu; not checked).
 // The RMSNorm between the residual add and the next linear, taken apart (its γ folded into the
-// next W, as fdpp's fused GEMV path does): EPI_RES_SS adds each stored row's sum of squares into
-// ss[row] (the O and FFN2 GEMMs), and EPI_STORE_RS / EPI_GLU_RS scale row r of their product by
-// 1/rms = rsqrt(ss[r]/K + eps) (QKV, FFN1), which is rmsnorm(x)·W'ᵀ since the scale is per row.
-// With them a Llama layer runs no add_rmsnorm and no silu_mul.
+// next W, as fdpp's fused GEMV path does): EPI_RES_SS writes each stored row's sum of squares
+// over the tile's columns to ss[tn][row] (the O and FFN2 GEMMs: one partial per column tile, no
+// atomics, so the sum's order and the result are the same on every run), and EPI_STORE_RS /
+// EPI_GLU_RS scale row r of their product by 1/rms = 1/sqrt(Σ_t ss[t][r]/K + eps) (QKV, FFN1),
+// which is rmsnorm(x)·W'ᵀ since the scale is per row. With them a Llama layer runs no
+// add_rmsnorm and no silu_mul.
+// Roundings, as the fused GEMV's (gemv.cu) so that each epilogue is its unfused pair bit for bit
+// on the same tile: EPI_RES stores round(res + round(acc)) (the plain product, then add_rmsnorm's
+// add), the GLU silu(round(g))·round(u) (the product, then silu_mul), the rotary rotates the
+// rounded product with qkv_rope's arithmetic.
 // EPI_QKV_ROPE is QKV's whole tail: the 1/rms scale, the rotary of q and k heads (HF Llama's
 // rotate-half: d pairs with d + D/2, which one thread holds as accumulator groups i and i + 8),
 // q to its buffer and k, v straight to their slot rows of the paged pools, as fdpp's qkv_rope
@@ -47,7 +55,7 @@ constexpr int CONSUMER_REGS = 232;  // 128·40 + 256·232 = 64512 ≤ 65536
 struct Args {
     u16* y;
     const u16* res;  // EPI_RES: added to the product (may be y itself)
-    float* ss;       // EPI_RES_SS: Σ y² per row, added to; EPI_*_RS: read
+    float* ss;       // [parts][M]: EPI_RES_SS writes Σ y² of each row's tile (parts = tiles_n); *_RS read
     float eps;
     // EPI_QKV_ROPE: H q heads and G kv heads of HD; cos/sin [M][HD/2] of each row's position;
     // q [M][H·HD]; the pools [slots][G·HD]; each row's slot.
@@ -57,7 +65,18 @@ struct Args {
     int H, G;
     int M, N, K;     // N: columns of y (the intermediate width for EPI_GLU)
     int tiles_m, tiles_n;
+    int nparts;      // *_RS: partial sums of squares per row in ss
 };
+
+// The 16-bit value a rounded store and reload of f gives (the unfused op's stored output).
+__device__ __forceinline__ float rnd16(float f) { return to_f32(from_f32(f)); }
+
+// 1/rms of row r from its partial sums of squares, in a fixed order (add_rmsnorm_v's formula).
+__device__ __forceinline__ float inv_rms(const Args& a, int r) {
+    float s = 0.f;
+    for (int t = 0; t < a.nparts; ++t) s += a.ss[(size_t)t * a.M + r];
+    return 1.f / sqrtf(s / (float)a.K + a.eps);
+}
 
 // CL CTAs of a cluster take CL tiles stacked along M that share their W block: each loads 1/CL
 // of it and multicasts it to all (TMA .multicast::cluster), so a CTA pulls A + B/CL bytes of a
@@ -243,20 +262,16 @@ __device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMa
 
 // STORE, GLU, RES and their norm forms (see Epi) through the staging buffers and TMA stores,
 // which clip rows past M and columns past N.
+// rs: 1/rms of the thread's two rows (row_scaled epilogues; 1 otherwise), from row_scales.
 template <int BN, int EPI>
 __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
-                                                const TmaMap* ymap, const TmaMap* rmap) {
+                                                const TmaMap* ymap, const TmaMap* rmap, const float (&rs)[2]) {
     using S = Stage<BN, EPI>;
     constexpr int OUT_N = S::OUT_N, NCH = S::NCH, CW = S::CW, PAIRS = OUT_N / 8;
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
     const int row0 = tm * BM + w * 64;
-    float rs[2] = {1.f, 1.f}, sq[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = row0 + q * 16 + lane / 4 + 8 * h;
-        if (row_scaled(EPI) && r < a.M) rs[h] = rsqrtf(a.ss[r] / (float)a.K + a.eps);
-    }
+    float sq[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < NCH; ++j, ++st.n) {
         const u32 b = st.n & 1, buf = st.buf + b * S::BYTES;
@@ -277,13 +292,13 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
                 const u32 at = stage_at<CW>(buf, rr, ii, lane);
                 float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
                 if constexpr (is_glu(EPI)) {
-                    v0 = silu(rs[h] * v0) * (rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
-                    v1 = silu(rs[h] * v1) * (rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
+                    v0 = silu(rnd16(rs[h] * v0)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
+                    v1 = silu(rnd16(rs[h] * v1)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
                 } else if constexpr (is_res(EPI)) {
                     float r0f, r1f;
                     unpack2(smem_ld(at), r0f, r1f);
-                    v0 += r0f;
-                    v1 += r1f;
+                    v0 = r0f + rnd16(v0);
+                    v1 = r1f + rnd16(v1);
                 } else {
                     v0 *= rs[h];
                     v1 *= rs[h];
@@ -319,7 +334,7 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
             v += __shfl_xor_sync(quad, v, 1);
             v += __shfl_xor_sync(quad, v, 2);
             const int r = row0 + q * 16 + lane / 4 + 8 * h;
-            if (lane % 4 == 0 && r < a.M) atomicAdd(a.ss + r, v);
+            if (lane % 4 == 0 && r < a.M) a.ss[(size_t)tn * a.M + r] = v;
         }
     }
 }
@@ -328,16 +343,11 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
 // buffers, then read back as 16-byte rows pieces and stored whole (a warp writes two 256-byte
 // head rows) to q or to the row's slot of a pool; no TMA, since the pool rows are scattered.
 template <int BN>
-__device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, const Staging& st) {
+__device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, const Staging& st,
+                                            const float (&rs)[2]) {
     static_assert(BN % HD == 0 && HD == 2 * CH, "a tile holds whole heads, a head two chunks");
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4, t = threadIdx.x % 128;
     const int row0 = tm * BM + w * 64;
-    float rs[2] = {1.f, 1.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = row0 + q * 16 + lane / 4 + 8 * h;
-        if (r < a.M) rs[h] = rsqrtf(a.ss[r] / (float)a.K + a.eps);
-    }
 #pragma unroll
     for (int hh = 0; hh < BN / HD; ++hh) {
         const int head = (tn * BN) / HD + hh;
@@ -351,13 +361,17 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
             for (int i = 0; i < 8; ++i) {
                 const int d = 8 * i + 2 * (lane % 4);
                 const int g1 = 4 * (hh * 16 + i) + 2 * h, g2 = 4 * (hh * 16 + i + 8) + 2 * h;
-                float x1[2] = {rs[h] * acc[g1], rs[h] * acc[g1 + 1]}, x2[2] = {rs[h] * acc[g2], rs[h] * acc[g2 + 1]};
+                // qkv_rope's input is the product as stored (16 bits); its arithmetic: _rn products
+                // (no FMA contraction), the angles' sincosf values from rope_table.
+                float x1[2] = {rnd16(rs[h] * acc[g1]), rnd16(rs[h] * acc[g1 + 1])};
+                float x2[2] = {rnd16(rs[h] * acc[g2]), rnd16(rs[h] * acc[g2 + 1])};
                 if (rot && r < a.M) {
                     const float4 cs = *reinterpret_cast<const float4*>(a.cs + (size_t)r * (HD / 2) + d);
                     const float c[2] = {cs.x, cs.z}, sn[2] = {cs.y, cs.w};
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        const float o1 = x1[j] * c[j] - x2[j] * sn[j], o2 = x2[j] * c[j] + x1[j] * sn[j];
+                        const float o1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
+                        const float o2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
                         x1[j] = o1;
                         x2[j] = o2;
                     }
@@ -456,6 +470,7 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
         int it = 0;
         for (int u = unit0; u < units; u += unit_step) {
             const int tm = (u % pairs_m) * CL + rank, tn = u / pairs_m;
+            float rs[2] = {1.f, 1.f};
             float acc[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -467,6 +482,19 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
                 wg_fence();
                 mma_block<BN>(acc, da, db, kb == 0);
                 wg_commit();
+                if constexpr (row_scaled(EPI)) {
+                    // The rows' 1/rms: the loads of the previous GEMM's partial sums (in L2) and
+                    // the wait for them run while the tensor cores work on the first K block
+                    // (~0.5 us), not on the epilogue's path.
+                    if (kb == 0) {
+                        const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int r = tm * BM + w * 64 + q * 16 + lane / 4 + 8 * h;
+                            if (r < a.M) rs[h] = inv_rms(a, r);
+                        }
+                    }
+                }
                 if constexpr (is_res(EPI))
                     if (leader && kb == kblocks / 2) prefetch_residual<BN, EPI>(st, &rmap, tm, tn, w, a.M);
                 wg_wait<1>();  // the previous block's wgmmas have read their stage
@@ -477,8 +505,8 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
             for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
             release((it - 1) % STAGES);
             if constexpr (EPI == EPI_NONE) none_epilogue<BN>(a, acc);
-            else if constexpr (EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, tm, tn, w, st);
-            else staged_epilogue<BN, EPI>(a, acc, tm, tn, w, st, &ymap, &rmap);
+            else if constexpr (EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, tm, tn, w, st, rs);
+            else staged_epilogue<BN, EPI>(a, acc, tm, tn, w, st, &ymap, &rmap, rs);
         }
         if (leader) bulk_wait_all();  // the last stores are out before the CTA's memory goes
     }
@@ -491,7 +519,7 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
 }
 
 
-#ifdef FDPP_BN
+#if defined(FDPP_BN) && !defined(FDPP_EPI)
 // ImplC's fdpp form (GemmSpec with block_n and stages, src/backend/cuda/gemm_hopper.rs): the
 // plain product, 128 × FDPP_BN tiles, FDPP_STAGES stages; grid min(tiles, SMs) × 384 threads.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -504,5 +532,56 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     a.tiles_m = (M + BM - 1) / BM;
     a.tiles_n = (N + FDPP_BN - 1) / FDPP_BN;
     hgemm_body<FDPP_BN, FDPP_STAGES, EPI_STORE, 1>(xmap, wmap, wmap, ymap, ymap, a);
+}
+#endif
+
+#ifdef FDPP_EPI
+// The prefill's fused layer (src/backend/cuda/gemm_epi.rs): epilogue FDPP_EPI on 128 × FDPP_BN
+// tiles, FDPP_STAGES stages, clusters of FDPP_CL CTAs along M; the host fills `a` (tiles_m,
+// tiles_n, nparts included) and the grid is min(units, resident clusters) · FDPP_CL.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    gemm_hopper_epi(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,
+                    const __grid_constant__ TmaMap umap, const __grid_constant__ TmaMap ymap,
+                    const __grid_constant__ TmaMap rmap, const Args a) {
+    hgemm_body<FDPP_BN, FDPP_STAGES, FDPP_EPI, FDPP_CL>(xmap, wmap, umap, ymap, rmap, a);
+}
+
+// ss[r] = Σ_c x[r, c]² of a row-major [rows, C] matrix (C % 8 == 0), one block of 256 per row:
+// the first layer's norm input, which no GEMM epilogue has summed (one partial per row).
+extern "C" __global__ void __launch_bounds__(256) row_sumsq(const u16* __restrict__ x, float* __restrict__ ss, int C) {
+    __shared__ float part[8];
+    const u16* row = x + (size_t)blockIdx.x * C;
+    float s = 0.f;
+    for (int c = 8 * threadIdx.x; c < C; c += 8 * 256) {
+        const uint4 v = *reinterpret_cast<const uint4*>(row + c);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float lo, hi;
+            unpack2(w[e], lo, hi);
+            s = fmaf(lo, lo, s);
+            s = fmaf(hi, hi, s);
+        }
+    }
+    s = warp_sum(s);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int i = 0; i < 8; ++i) t += part[i];
+        ss[blockIdx.x] = t;
+    }
+}
+
+// The (cos, sin) table EPI_QKV_ROPE reads, [M][HD/2]: row r's angles as layer.cu's qkv_rope
+// computes them (θ = pos · inv_freq[i] rounded in fp32, sincosf), so that the fused epilogue
+// rotates by the same values. Once per step: every layer's positions are the same.
+extern "C" __global__ void __launch_bounds__(256)
+    rope_table(const int* __restrict__ pos, const float* __restrict__ inv_freq, float2* __restrict__ cs, int M) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < M * (HD / 2); i += gridDim.x * blockDim.x) {
+        float sn, c;
+        sincosf(__fmul_rn((float)pos[i / (HD / 2)], inv_freq[i % (HD / 2)]), &sn, &c);
+        cs[i] = make_float2(c, sn);
+    }
 }
 #endif

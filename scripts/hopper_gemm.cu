@@ -44,6 +44,8 @@
 #include "gemm_hopper.cu"
 
 constexpr int GUARD = 256;  // poisoned elements past each output
+// Partial sums of squares per row EPI_RES_SS may write (one per column tile: N / 128 at most).
+constexpr int SS_PARTS = 64;
 
 template <int BN, int STAGES, int EPI, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -220,6 +222,7 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.K = p.K;
     a.tiles_m = (p.M + BM - 1) / BM;
     a.tiles_n = (p.N + T::OUT_N - 1) / T::OUT_N;
+    a.nparts = 1;  // the *_RS epilogues read ss as setup left it: Σx² of x in part 0
     const int units = (a.tiles_m + CL - 1) / CL * a.tiles_n;
     cfg.gridDim = dim3(CL * std::min(units, max_units));
     CK(cudaLaunchKernelEx(&cfg, kern, xm, wm, um, ym, rm, a));
@@ -286,7 +289,8 @@ static void poison(const Problem& p) {
     const size_t n = (size_t)p.M * p.N + GUARD;
     fill_value<<<4 * g_sms, 256>>>(p.y, n, (u16)0xffff);  // NaN in f16 and bf16
     if (p.epi == EPI_RES) CK(cudaMemcpy(p.y, p.res, (size_t)p.M * p.N * 2, cudaMemcpyDeviceToDevice));
-    if (p.epi == EPI_RES && p.norm) CK(cudaMemset(p.ss, 0, (size_t)p.M * 4));  // summed into
+    // EPI_RES_SS writes one partial per column tile; the parts past its tiles stay zero.
+    if (p.epi == EPI_RES && p.norm) CK(cudaMemset(p.ss, 0, (size_t)p.M * SS_PARTS * 4));
     if (p.H) {
         fill_value<<<4 * g_sms, 256>>>(p.qo, (size_t)p.M * p.H * HD + GUARD, (u16)0xffff);
         fill_value<<<4 * g_sms, 256>>>(p.kpool, (size_t)p.S * p.G * HD, (u16)0xffff);
@@ -388,9 +392,11 @@ static std::string check(const Problem& p, const Variant& v, std::vector<u16>* o
         return buf;
     }
     if (p.epi == EPI_RES && p.norm && v.ours) {
-        // ss[r] against Σ y² of the row as stored, in f64, every row.
-        std::vector<float> ss(p.M);
-        CK(cudaMemcpy(ss.data(), p.ss, p.M * 4, cudaMemcpyDeviceToHost));
+        // Σ_t ss[t][r] against Σ y² of the row as stored, in f64, every row.
+        std::vector<float> parts((size_t)p.M * SS_PARTS), ss(p.M, 0.f);
+        CK(cudaMemcpy(parts.data(), p.ss, parts.size() * 4, cudaMemcpyDeviceToHost));
+        for (int t = 0; t < SS_PARTS; ++t)
+            for (int r = 0; r < p.M; ++r) ss[r] += parts[(size_t)t * p.M + r];
         for (int r = 0; r < p.M; ++r) {
             double want = 0;
             for (int c = 0; c < p.N; ++c) want += (double)h2f(y[(size_t)r * p.N + c]) * h2f(y[(size_t)r * p.N + c]);
@@ -421,7 +427,7 @@ static void setup(Problem& p) {
     CK(cudaMalloc(&p.y, (ny + GUARD) * 2));
     CK(cudaMalloc(&p.res, ny * 2));
     if (p.epi == EPI_GLU) CK(cudaMalloc(&p.tmp, (size_t)p.M * 2 * p.N * 2));
-    CK(cudaMalloc(&p.ss, (size_t)p.M * 4));
+    CK(cudaMalloc(&p.ss, (size_t)p.M * SS_PARTS * 4));
     if (p.norm && p.epi == EPI_RES) {
         CK(cudaMalloc(&p.tmp, ny * 2));
         CK(cudaMalloc(&p.tmp2, ny * 2));

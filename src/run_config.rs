@@ -18,6 +18,8 @@ pub enum Key {
     FusedGemv,
     FusedGlu,
     FusedRope,
+    FusedPrefill,
+    FusedPrefillMin,
     Graphs,
     Pdl,
     Pipeline,
@@ -105,7 +107,25 @@ pub const KEYS: &[KeyInfo] = &[
         values: "1|0",
         default: "1",
         kind: Kind::Behaviour,
-        what: "a fused decode step rotates q and k and appends k and v to the cache inside the QKV GEMV (whole-head rotate-half rotary)",
+        what: "a fused step rotates q and k and appends k and v to the cache inside the QKV GEMV (decode) or GEMM (prefill; whole-head rotate-half rotary)",
+    },
+    KeyInfo {
+        key: Key::FusedPrefill,
+        name: "fused_prefill",
+        env: "FDPP_FUSED_PREFILL",
+        values: "1|0",
+        default: "1",
+        kind: Kind::Behaviour,
+        what: "on sm_90a, prefill layers run fdpp's wgmma GEMM with the norms, the residual adds, the GLU and the rotary as its epilogues (no add_rmsnorm, silu_mul or qkv_rope launches)",
+    },
+    KeyInfo {
+        key: Key::FusedPrefillMin,
+        name: "fused_prefill_min",
+        env: "FDPP_FUSED_PREFILL_MIN",
+        values: "a number of tokens, at least 1",
+        default: "512",
+        kind: Kind::Behaviour,
+        what: "steps of at least this many tokens run the fused prefill layer (fused_prefill)",
     },
     KeyInfo {
         key: Key::TpGraphs,
@@ -604,7 +624,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 40);
+        assert_eq!(KEYS.len(), 42);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -117,6 +117,16 @@ pub fn slugify(name: &str) -> String {
 }
 
 /// A device buffer of 16-bit elements.
+/// Row sums of squares a fused prefill op left in the backend's row-sum scratch: `parts`
+/// partial sums for each of `rows` rows of a `cols`-wide residual, read by the next fused GEMM
+/// (whose K must be `cols`) for its 1/rms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSums {
+    pub rows: usize,
+    pub cols: usize,
+    pub parts: usize,
+}
+
 pub trait DeviceBuffer {
     fn len(&self) -> usize;
     fn dtype(&self) -> DType;
@@ -250,6 +260,95 @@ pub trait Backend {
     ) -> Result<()> {
         let _ = (spec, dims, x, w, residual);
         Err(op_unsupported(self.info(), "gemm_residual_out"))
+    }
+
+    /// Whether this backend runs the prefill's fused layer in `dt` (the `prefill_*` ops below):
+    /// GEMMs that take the layer's small ops as epilogues (fdpp's wgmma GEMM on sm_90a).
+    fn prefill_fusion(&self, dt: DType) -> bool {
+        let _ = dt;
+        false
+    }
+
+    /// 16-bit elements of the scratch the `prefill_*` ops keep row sums of squares in, for `rows`
+    /// rows of a `cols`-wide residual (the buffer's contents are this backend's own format).
+    fn row_sums_len(&self, rows: usize, cols: usize) -> usize {
+        let _ = (rows, cols);
+        0
+    }
+
+    /// ss ← Σ x² of each of `rows` rows of x [rows, cols]: the norm statistics of a residual no
+    /// fused GEMM has written (a prefill's first layer).
+    fn prefill_row_sumsq(&self, rows: usize, cols: usize, x: &Self::Buffer, ss: &mut Self::Buffer) -> Result<RowSums> {
+        let _ = (rows, cols, x, ss);
+        Err(op_unsupported(self.info(), "prefill_row_sumsq"))
+    }
+
+    /// [`gemm_residual_out`](Self::gemm_residual_out) at prefill sizes, which also leaves the
+    /// new residual's row sums of squares in ss for the next norm.
+    fn prefill_residual_out(
+        &self,
+        dims: GemmDims,
+        x: &Self::Buffer,
+        w: &Self::Buffer,
+        residual: &mut Self::Buffer,
+        ss: &mut Self::Buffer,
+    ) -> Result<RowSums> {
+        let _ = (dims, x, w, residual, ss);
+        Err(op_unsupported(self.info(), "prefill_residual_out"))
+    }
+
+    /// [`gemm_rms_in`](Self::gemm_rms_in) at prefill sizes, its 1/rms from the row sums `sums`
+    /// in ss (of `residual`, which is x).
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_rms_in(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &Self::Buffer,
+        residual: &Self::Buffer,
+        w: &Self::Buffer,
+        y: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (dims, sums, eps, ss, residual, w, y);
+        Err(op_unsupported(self.info(), "prefill_rms_in"))
+    }
+
+    /// [`gemm_rms_glu`](Self::gemm_rms_glu) at prefill sizes, its 1/rms from `sums` in ss.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_rms_glu(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &Self::Buffer,
+        residual: &Self::Buffer,
+        w: &Self::Buffer,
+        y: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (dims, sums, eps, ss, residual, w, y);
+        Err(op_unsupported(self.info(), "prefill_rms_glu"))
+    }
+
+    /// [`prefill_rms_in`](Self::prefill_rms_in) into qkv followed by
+    /// [`qkv_rope_append`](Self::qkv_rope_append) (no bias), in one launch where the backend
+    /// can; `Unsupported` otherwise (the caller then runs the two ops).
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_rms_rope_append(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &Self::Buffer,
+        residual: &Self::Buffer,
+        w: &Self::Buffer,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        q: &mut Self::Buffer,
+        kv: &mut PagedKv<Self::Buffer>,
+    ) -> Result<()> {
+        let _ = (dims, sums, eps, ss, residual, w, rope, append, q, kv);
+        Err(op_unsupported(self.info(), "prefill_rms_rope_append"))
     }
 
     /// One decode step of attention over the paged cache (split-KV, `p.scheme`): q and out

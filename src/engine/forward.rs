@@ -25,6 +25,18 @@
 //! (`gemm_rms_glu`, no GLU launch). `FDPP_FUSED_GEMV=0` keeps the weights and the unfused
 //! launches; `FDPP_FUSED_GLU=0` keeps the GLU apart.
 //!
+//! Fused prefill layers (issue #20), where the same folded weights meet a backend with GEMMs that
+//! take epilogues ([`Backend::prefill_fusion`]: fdpp's wgmma GEMM on sm_90a) and the step has at
+//! least `fused_prefill_min` tokens (default 512; below it the wgmma GEMM's 128-row tiles leave
+//! SMs idle): the same four hooks at prefill sizes. O and FFN2 add into the residual and leave
+//! each row's sum of squares for the next norm (`prefill_residual_out`), QKV and FFN1 scale
+//! their product by that norm's 1/rms (`prefill_rms_in`, `prefill_rms_glu`), and QKV also rotates
+//! q and k and writes k and v to the cache (`prefill_rms_rope_append`, heads of 128 without a
+//! QKV bias); layer 0's norm statistics come from `prefill_row_sumsq`. A layer then runs four
+//! GEMMs and attention, and no add_rmsnorm, silu_mul or qkv_rope. These GEMMs do not take the
+//! profile's ImplC pick (which timed the plain product): the backend picks their tiles.
+//! `fused_prefill=0` runs prefill unfused.
+//!
 //! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
 //! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
 //! collectives per layer) before the residual add. Each rank's embedding and LM head are its
@@ -35,12 +47,12 @@
 //! (the collectives captured) are on by default since session 14; `tp_fused=0` / `tp_graphs=0`
 //! turn them off ([`Model::set_comm`]).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use super::op_times::OpTimes;
 use super::score_stats::ScoreStats;
-use crate::backend::{Backend, DeviceBuffer};
+use crate::backend::{Backend, DeviceBuffer, RowSums};
 use crate::dtype::DType;
 use crate::engine::activations::Activations;
 use crate::engine::kv::KvCache;
@@ -93,6 +105,14 @@ pub struct Model<'b, B: Backend> {
     /// A fused decode step runs QKV, the rotary and the KV append as one launch
     /// (`gemm_rms_rope_append`): the switch is on and the rotary is whole-head rotate-half.
     fused_rope: bool,
+    /// Steps of at least this many tokens run the fused prefill layer (see the module comment);
+    /// None: never (the backend has no such GEMMs, the weights are not folded, or it is off).
+    fused_prefill_min: Option<usize>,
+    /// A fused prefill step runs QKV, the rotary and the KV write as one launch
+    /// (`prefill_rms_rope_append`): `fused_rope`, heads of 128 and no QKV bias.
+    prefill_rope: bool,
+    /// The fused prefill's row sums of squares (the backend's format), grown to the step.
+    row_sums: RefCell<Option<B::Buffer>>,
     /// Tensor parallelism (issue #22, [`crate::tp`]): this rank's group, None on one device.
     comm: Option<Arc<dyn Communicator<B> + 'b>>,
     /// With tp: the vocabulary rows of this rank's embedding and LM head when it holds a slice
@@ -143,6 +163,9 @@ impl<'b, B: Backend> Model<'b, B> {
             folded,
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
             fused_rope: false,
+            fused_prefill_min: None,
+            prefill_rope: false,
+            row_sums: RefCell::new(None),
             comm: None,
             vocab_slice: None,
             gathered_logits: RefCell::new(None),
@@ -152,6 +175,12 @@ impl<'b, B: Backend> Model<'b, B> {
         model.fused_rope = folded
             && crate::run_config::get().on(Key::FusedRope)
             && model.rope_params(Vec::new()).require_whole_half("gemv_rope").is_ok();
+        if folded && b.prefill_fusion(dtype) && crate::run_config::get().on(Key::FusedPrefill) {
+            model.fused_prefill_min = Some(fused_prefill_min()?);
+        }
+        model.prefill_rope = model.fused_rope
+            && model.arch.head_dim == PREFILL_ROPE_HEAD_DIM
+            && model.weights.layers.iter().all(|l| l.qkv_bias.is_none());
         Ok(model)
     }
 
@@ -287,6 +316,12 @@ impl<'b, B: Backend> Model<'b, B> {
         // reduced before the norm's add.
         let tp_fused = self.comm.is_none() || crate::run_config::get().on(Key::TpFused);
         let fused = self.folded && tp_fused && self.fusable(&gemms, t);
+        // Not in a graph-replayed step (a decode batch of hundreds): the fused prefill's
+        // rotary table is rebuilt when the positions change, which a replay would not do.
+        let prefill = !fused && !graphs && self.comm.is_none() && self.prefill_fusable(t);
+        if prefill {
+            self.grow_row_sums(t)?;
+        }
         self.op_times.start(self.b, kind.tag())?;
         self.embed(&inp, want, acts)?;
         let attn = Attn::new(kind, self.geom, self.dtype, self.scheme, tables, inp.new_lens.clone());
@@ -298,6 +333,8 @@ impl<'b, B: Backend> Model<'b, B> {
             tokens: t,
             residual: acts.plan.globals.residual,
             fused,
+            prefill,
+            sums: Cell::new(None),
         };
         self.run_layers(&mut la, graphs, kv, acts)?;
         self.final_norm(&la, acts)?;
@@ -433,7 +470,12 @@ impl<'b, B: Backend> Model<'b, B> {
     /// FFN2 added it already).
     fn final_norm(&self, la: &LayerArgs, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let g = acts.plan.globals;
-        let prev_ffn2 = acts.plan.layers.last().filter(|_| !la.fused).map(|s| s.ffn2);
+        let prev_ffn2 = acts
+            .plan
+            .layers
+            .last()
+            .filter(|_| !la.fused && !la.prefill)
+            .map(|s| s.ffn2);
         self.add_norm(
             la.tokens,
             acts,
@@ -629,6 +671,9 @@ impl<'b, B: Backend> Model<'b, B> {
     ) -> Result<bool> {
         let (w, s, h, t) = (&self.weights.layers[l], acts.plan.layers[l], self.arch.hidden, a.tokens);
         let n = self.arch.qkv_width();
+        if a.prefill {
+            return self.prefill_attn_in(a, l, kv, acts);
+        }
         if let (true, true, Attn::Decode(ap, _)) = (a.fused, self.fused_rope, &a.attn) {
             let dims = GemmDims::new(t, n, h)?;
             let [r, q] = acts.many([a.residual, s.q])?;
@@ -707,7 +752,9 @@ impl<'b, B: Backend> Model<'b, B> {
     fn attn_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, qd) = (self.arch.hidden, self.arch.q_width());
-        if a.fused {
+        if a.prefill {
+            self.prefill_residual_out(a, t, h, qd, acts, s.attn, &w.o)?;
+        } else if a.fused {
             self.residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
         } else {
             self.row_gemm(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, s.o)?;
@@ -721,7 +768,21 @@ impl<'b, B: Backend> Model<'b, B> {
     fn mlp_in(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, n) = (self.arch.hidden, self.arch.ffn1_width());
-        if a.fused && self.fused_glu {
+        if a.prefill {
+            let sums = self.sums_of(a)?;
+            let mut cell = self.row_sums.borrow_mut();
+            let ss = row_sums_buf(&mut cell)?;
+            let eps = self.arch.eps as f32;
+            if self.fused_glu {
+                let dims = GemmDims::new(t, self.arch.inter, h)?;
+                let [r, y] = acts.many([a.residual, s.act])?;
+                b.prefill_rms_glu(dims, sums, eps, ss, r, &w.ffn1, y)?;
+            } else {
+                let dims = GemmDims::new(t, n, h)?;
+                let [r, y] = acts.many([a.residual, s.ffn1])?;
+                b.prefill_rms_in(dims, sums, eps, ss, r, &w.ffn1, y)?;
+            }
+        } else if a.fused && self.fused_glu {
             // FFN1 and the GLU in one launch: the gate/up output never leaves the GEMV.
             let dims = GemmDims::new(t, self.arch.inter, h)?;
             let [r, out] = acts.many([a.residual, s.act])?;
@@ -742,7 +803,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (inter, dt) = (self.arch.inter, self.dtype);
         match self.arch.mlp {
-            Mlp::Gated(_) if a.fused && self.fused_glu => Ok(()),
+            Mlp::Gated(_) if (a.fused || a.prefill) && self.fused_glu => Ok(()),
             Mlp::Gated(act) => {
                 self.bias_act(t, 2 * inter, Activation::None, acts, s.ffn1, w.ffn1_bias.as_ref())?;
                 let [gate_up, out] = acts.many([s.ffn1, s.act])?;
@@ -767,7 +828,9 @@ impl<'b, B: Backend> Model<'b, B> {
     fn mlp_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, inter) = (self.arch.hidden, self.arch.inter);
-        if a.fused {
+        if a.prefill {
+            self.prefill_residual_out(a, t, h, inter, acts, s.act, &w.ffn2)?;
+        } else if a.fused {
             self.residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
         } else {
             self.row_gemm(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, s.ffn2)?;
@@ -817,6 +880,90 @@ impl<'b, B: Backend> Model<'b, B> {
                 .iter()
                 .all(|s| s.imp == GemmImpl::Gemv)
             && ks.iter().all(|k| k.is_multiple_of(8))
+    }
+
+    /// Whether a step of `t` tokens runs the fused prefill layer: on for this model, at least
+    /// `fused_prefill_min` tokens, and every K and N a whole number of 16-byte rows.
+    fn prefill_fusable(&self, t: usize) -> bool {
+        let a = &self.arch;
+        self.fused_prefill_min.is_some_and(|min| t >= min)
+            && [a.hidden, a.q_width(), a.inter, a.qkv_width(), a.ffn1_width()]
+                .iter()
+                .all(|k| k.is_multiple_of(8))
+    }
+
+    /// The row-sum scratch, grown to hold a step of `t` tokens.
+    fn grow_row_sums(&self, t: usize) -> Result<()> {
+        let need = self.b.row_sums_len(t, self.arch.hidden);
+        let mut cell = self.row_sums.borrow_mut();
+        if cell.as_ref().is_none_or(|buf| buf.len() < need) {
+            *cell = None; // the old buffer goes before the new one is allocated
+            *cell = Some(self.b.alloc(self.dtype, need)?);
+        }
+        Ok(())
+    }
+
+    /// The row sums the last fused op of this step left (the next norm's statistics).
+    fn sums_of(&self, a: &LayerArgs) -> Result<RowSums> {
+        a.sums.get().ok_or_else(|| {
+            FdppError::InvalidArgument("internal: a fused prefill norm before any op summed its rows".into())
+        })
+    }
+
+    /// A fused prefill layer's QKV: the norm's statistics (layer 0: from the residual itself),
+    /// then QKV scaled by 1/rms, with the rotary and the KV write where `prefill_rope` (returns
+    /// true: the rotary is done).
+    fn prefill_attn_in(
+        &self,
+        a: &LayerArgs,
+        l: usize,
+        kv: &mut KvCache<B::Buffer>,
+        acts: &mut Activations<B::Buffer>,
+    ) -> Result<bool> {
+        let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
+        let (h, n, eps) = (self.arch.hidden, self.arch.qkv_width(), self.arch.eps as f32);
+        let mut cell = self.row_sums.borrow_mut();
+        let ss = row_sums_buf(&mut cell)?;
+        let sums = match a.sums.get() {
+            Some(sums) => sums,
+            None => {
+                let sums = b.prefill_row_sumsq(t, h, acts.get(a.residual), ss)?;
+                self.op_times.lap(b, "row_sumsq")?;
+                sums
+            }
+        };
+        let dims = GemmDims::new(t, n, h)?;
+        if self.prefill_rope {
+            let (Attn::Prefill(ap, _) | Attn::Decode(ap, _)) = &a.attn;
+            let [r, q] = acts.many([a.residual, s.q])?;
+            b.prefill_rms_rope_append(dims, sums, eps, ss, r, &w.qkv, &a.rope, ap, q, &mut kv.layers[l])?;
+            self.op_times.lap(b, "gemm qkv + rope")?;
+            return Ok(true);
+        }
+        let [r, y] = acts.many([a.residual, s.qkv])?;
+        b.prefill_rms_in(dims, sums, eps, ss, r, &w.qkv, y)?;
+        self.op_times.lap(b, "gemm qkv")?;
+        Ok(false)
+    }
+
+    /// residual += x · Wᵀ of a fused prefill layer (O, FFN2), its row sums kept for the next norm.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_residual_out(
+        &self,
+        a: &LayerArgs,
+        m: usize,
+        n: usize,
+        k: usize,
+        acts: &mut Activations<B::Buffer>,
+        x: usize,
+        w: &B::Buffer,
+    ) -> Result<()> {
+        let dims = GemmDims::new(m, n, k)?;
+        let mut cell = self.row_sums.borrow_mut();
+        let ss = row_sums_buf(&mut cell)?;
+        let [x, r] = acts.many([x, a.residual])?;
+        a.sums.set(Some(self.b.prefill_residual_out(dims, x, w, r, ss)?));
+        Ok(())
     }
 
     /// y = rmsnorm(residual) · Wᵀ with W holding the norm's γ (a fused step).
@@ -979,10 +1126,39 @@ struct LayerArgs {
     stats_params: Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
+    /// Run the fused prefill layer (see the module comment).
+    prefill: bool,
+    /// The row sums the last fused prefill op left for the next norm (None before layer 0's).
+    sums: Cell<Option<RowSums>>,
 }
 
 /// The most rows the fused gemv kernels take (backend/cuda/gemv_fused.rs).
 const FUSED_MAX_M: usize = 8;
+
+/// The head_dim the fused prefill's rotary epilogue rotates (backend/cuda/gemm_epi.rs).
+const PREFILL_ROPE_HEAD_DIM: usize = 128;
+
+/// Tokens from which a step runs the fused prefill layer, unless `fused_prefill_min` says.
+/// Session 33's H200 measurements (reports/NOTES.md) put the break-even between 256 and 512.
+const FUSED_PREFILL_MIN: usize = 512;
+
+/// The `fused_prefill_min` switch: a token count of at least 1.
+fn fused_prefill_min() -> Result<usize> {
+    match crate::run_config::get().get(Key::FusedPrefillMin) {
+        None => Ok(FUSED_PREFILL_MIN),
+        Some(v) => v.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| {
+            FdppError::InvalidArgument(format!(
+                "fused_prefill_min = {v:?}: expected a number of tokens, at least 1 (--set fused_prefill_min=512)"
+            ))
+        }),
+    }
+}
+
+/// The row-sum scratch of a fused prefill step (allocated by `grow_row_sums` before the layers).
+fn row_sums_buf<Buf>(cell: &mut Option<Buf>) -> Result<&mut Buf> {
+    cell.as_mut()
+        .ok_or_else(|| FdppError::InvalidArgument("internal: the fused prefill's row sums were not allocated".into()))
+}
 
 /// Folds each layer's two norm weights into the GEMM that reads the norm (W_qkv by attn_norm,
 /// W_ffn1 by ffn_norm: W' = W·diag(γ)) and sets those norm weights to ones, so the unfused path

@@ -7,6 +7,7 @@ pub mod decode_tc;
 #[cfg(test)]
 mod decode_tc_model;
 pub mod gemm;
+pub mod gemm_epi;
 pub mod gemm_hopper;
 pub mod gemv_fused;
 pub mod graph;
@@ -31,7 +32,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 
-use super::{Backend, BackendStatus, DeviceBuffer, DeviceInfo};
+use super::{Backend, BackendStatus, DeviceBuffer, DeviceInfo, RowSums};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::kv::PagedKv;
@@ -97,6 +98,8 @@ pub struct CudaBackend {
     graphs: RefCell<Box<graph::Graphs>>,
     /// Queued greedy choices of the pipelined decode (sample.rs).
     greedy: RefCell<sample::Greedy>,
+    /// The fused prefill's rotary table and cluster occupancies (gemm_epi.rs).
+    epi: gemm_epi::ScratchCell,
 }
 
 impl CudaBackend {
@@ -157,6 +160,7 @@ impl CudaBackend {
                 crate::run_config::get().get(crate::run_config::Key::Graphs),
             )))),
             greedy: RefCell::default(),
+            epi: RefCell::default(),
         })
     }
 
@@ -359,6 +363,72 @@ impl Backend for CudaBackend {
         residual: &mut CudaBuffer,
     ) -> Result<()> {
         gemv_fused::residual_out(self, spec, dims, x, w, residual)
+    }
+
+    fn prefill_fusion(&self, dt: DType) -> bool {
+        let _ = dt;
+        gemm_epi::available(self)
+    }
+
+    fn row_sums_len(&self, rows: usize, cols: usize) -> usize {
+        gemm_epi::row_sums_len(rows, cols)
+    }
+
+    fn prefill_row_sumsq(&self, rows: usize, cols: usize, x: &CudaBuffer, ss: &mut CudaBuffer) -> Result<RowSums> {
+        gemm_epi::row_sumsq(self, rows, cols, x, ss)
+    }
+
+    fn prefill_residual_out(
+        &self,
+        dims: GemmDims,
+        x: &CudaBuffer,
+        w: &CudaBuffer,
+        residual: &mut CudaBuffer,
+        ss: &mut CudaBuffer,
+    ) -> Result<RowSums> {
+        gemm_epi::residual_out(self, dims, x, w, residual, ss)
+    }
+
+    fn prefill_rms_in(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &CudaBuffer,
+        residual: &CudaBuffer,
+        w: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        gemm_epi::rms_in(self, dims, sums, eps, ss, residual, w, y)
+    }
+
+    fn prefill_rms_glu(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &CudaBuffer,
+        residual: &CudaBuffer,
+        w: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        gemm_epi::rms_glu(self, dims, sums, eps, ss, residual, w, y)
+    }
+
+    fn prefill_rms_rope_append(
+        &self,
+        dims: GemmDims,
+        sums: RowSums,
+        eps: f32,
+        ss: &CudaBuffer,
+        residual: &CudaBuffer,
+        w: &CudaBuffer,
+        rope: &RopeParams,
+        append: &KvAppendParams,
+        q: &mut CudaBuffer,
+        kv: &mut PagedKv<CudaBuffer>,
+    ) -> Result<()> {
+        gemm_epi::rms_rope_append(self, dims, sums, eps, ss, residual, w, rope, append, q, kv)
     }
 
     fn attention_decode(

@@ -138,6 +138,23 @@ pub fn gemv_rope_source(dt: DType) -> KernelSource {
     }
 }
 
+/// fdpp's Hopper GEMM built with epilogue `epi` (gemm_hopper.cu's `Epi`) on 128 × `bn` tiles,
+/// `stages` stages, clusters of `cl`: the prefill's fused layer (gemm_epi.rs), sm_90a only (its
+/// uri starts with the Hopper GEMM's prefix). The module also holds row_sumsq and rope_table.
+pub fn gemm_epi_source(dt: DType, uri: &str, epi: u32, bn: u32, stages: u32, cl: u32) -> KernelSource {
+    KernelSource {
+        uri: uri.to_string(),
+        text: expand(GEMM_HOPPER),
+        defines: vec![
+            dtype_define(dt),
+            ("FDPP_EPI".into(), epi.to_string()),
+            ("FDPP_BN".into(), bn.to_string()),
+            ("FDPP_STAGES".into(), stages.to_string()),
+            ("FDPP_CL".into(), cl.to_string()),
+        ],
+    }
+}
+
 /// The source to compile for a GEMM spec, or None for ImplC through a library (nothing to
 /// compile); ImplC with a tile (block_n, stages) is fdpp's Hopper GEMM (sm_90a only).
 pub fn gemm_source(spec: &GemmSpec) -> Option<KernelSource> {
@@ -223,6 +240,13 @@ pub fn all_sources() -> Vec<KernelSource> {
         .flat_map(|&dt| all_gemm_specs(dt).into_iter().chain(super::gemm_hopper::specs(dt)))
         .filter_map(|s| gemm_source(&s))
         .collect();
+    for dt in dtypes {
+        v.extend(
+            super::gemm_epi::variants()
+                .into_iter()
+                .map(|(e, t)| super::gemm_epi::source(dt, e, t)),
+        );
+    }
     v.extend(dtypes.iter().map(|&dt| gemv_glu_source(dt)));
     v.extend(dtypes.iter().map(|&dt| gemv_rope_source(dt)));
     v.extend(dtypes.iter().map(|&dt| layer_source(dt)));

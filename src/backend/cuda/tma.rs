@@ -167,22 +167,37 @@ fn encode_rows(base: u64, d: usize, heads: usize, n: usize, rows: usize, what: &
 }
 
 /// A 2-D map over a row-major [rows, cols] matrix of 16-bit values at `base` (cols a multiple of
-/// 8: rows start on 16-byte boundaries), boxes of `box_cols` × `box_rows` with the 128-byte
-/// swizzle (box_cols = 64: one 128-byte row) — fdpp's Hopper GEMM (gemm_hopper.rs). Boxes past
-/// the edges read as zeros and store nothing there.
+/// 8: rows start on 16-byte boundaries), boxes of `box_cols` × `box_rows`: 64 columns with the
+/// 128-byte swizzle (one 128-byte row), or 32 with the 64-byte swizzle (the staging chunks of a
+/// tile whose output width is not a multiple of 64: the SwiGLU tile's 96 columns) — fdpp's
+/// Hopper GEMM (gemm_hopper.rs, gemm_epi.rs). Boxes past the edges read as zeros and store
+/// nothing there.
 pub fn matrix_map(base: u64, rows: usize, cols: usize, box_rows: u32, box_cols: u32, what: &str) -> Result<TmaMap> {
     let spec = || format!("tma map of {what} [{rows}, {cols}]");
-    if rows == 0 || !cols.is_multiple_of(8) || box_cols * 2 != 128 || box_rows == 0 || box_rows > 256 {
+    let swizzle = match box_cols {
+        64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        _ => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+    };
+    if rows == 0
+        || !cols.is_multiple_of(8)
+        || swizzle == sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+        || box_rows == 0
+        || box_rows > 256
+    {
         return Err(FdppError::Unsupported {
             spec: spec(),
-            what: format!("a box of {box_cols} × {box_rows} (64 columns, 1-256 rows, and columns a multiple of 8)"),
+            what: format!(
+                "a box of {box_cols} × {box_rows} (64 or 32 columns, 1-256 rows, and columns a multiple of 8)"
+            ),
         });
     }
-    encode_tiled(
+    encode_tiled_swizzled(
         base,
         [cols as u64, rows as u64],
         &[cols as u64 * 2],
         [box_cols, box_rows],
+        swizzle,
         &spec(),
     )
 }
@@ -195,6 +210,19 @@ fn encode_tiled<const R: usize>(
     dims: [u64; R],
     strides: &[u64],
     boxes: [u32; R],
+    spec: &str,
+) -> Result<TmaMap> {
+    let sw = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+    encode_tiled_swizzled(base, dims, strides, boxes, sw, spec)
+}
+
+/// [`encode_tiled`] with another swizzle.
+fn encode_tiled_swizzled<const R: usize>(
+    base: u64,
+    dims: [u64; R],
+    strides: &[u64],
+    boxes: [u32; R],
+    swizzle: sys::CUtensorMapSwizzle,
     spec: &str,
 ) -> Result<TmaMap> {
     debug_assert_eq!(strides.len() + 1, R);
@@ -214,7 +242,7 @@ fn encode_tiled<const R: usize>(
             boxes.as_ptr(),
             elem.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
