@@ -228,7 +228,8 @@ pub struct ShapeProfile {
     pub m_grid: Vec<usize>,
     /// Every candidate, with its outcome at every M of the grid.
     pub candidates: Vec<CandidateResult>,
-    /// Per grid M, each implementation's fastest verified config.
+    /// Per grid M, each implementation's fastest verified config (the gemv layout where some
+    /// were also timed fused: the fastest fused, see [`best_per_impl`]).
     pub best: Vec<BestAtM>,
     /// flat_gemm from here (None = never).
     pub m1: Option<usize>,
@@ -250,6 +251,91 @@ pub struct CandidateResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub algo: Option<u32>,
     pub results: Vec<Measurement>,
+    /// A gemv layout at the M where the engine runs it fused (`tune::fused`): the same layout
+    /// timed as that fused op. Empty for every other candidate, on backends without fused gemv
+    /// ops, and in profiles made before it was measured, which then serialise as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<FusedMeasurement>,
+}
+
+/// The fused op a decode step runs in place of a plain gemv (`Backend::fused_gemv_ops`), with
+/// the row / K-split layout of the gemv spec's block_n.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FusedOp {
+    /// QKV: rmsnorm of the residual inside the GEMV (`Backend::gemm_rms_in`; the engine's
+    /// `gemm_rms_rope_append` is the same GEMV with a rotary epilogue).
+    GemmRmsIn,
+    /// O and FFN2: the residual add as the GEMV's epilogue (`Backend::gemm_residual_out`).
+    GemmResidualOut,
+}
+
+impl FusedOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            FusedOp::GemmRmsIn => "gemm_rms_in",
+            FusedOp::GemmResidualOut => "gemm_residual_out",
+        }
+    }
+}
+
+impl std::fmt::Display for FusedOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One gemv layout at one M timed as its fused op. Only timed, never verified: the plain product
+/// verified the layout, and the fused kernels are checked against their unfused ops elsewhere
+/// (tests/gpu_cuda_fused.rs).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum FusedMeasurement {
+    Ok {
+        m: usize,
+        op: FusedOp,
+        samples: usize,
+        median_us: f64,
+        min_us: f64,
+        max_us: f64,
+    },
+    /// The fused op failed while timed: the layout is not chosen at this M by fused time.
+    Rejected { m: usize, op: FusedOp, reason: String },
+    /// The backend has no fused kernel for these dims after all (`Unsupported`).
+    Skipped { m: usize, op: FusedOp, reason: String },
+}
+
+impl FusedMeasurement {
+    pub fn m(&self) -> usize {
+        match self {
+            FusedMeasurement::Ok { m, .. }
+            | FusedMeasurement::Rejected { m, .. }
+            | FusedMeasurement::Skipped { m, .. } => *m,
+        }
+    }
+    pub fn median_us(&self) -> Option<f64> {
+        match self {
+            FusedMeasurement::Ok { median_us, .. } => Some(*median_us),
+            _ => None,
+        }
+    }
+}
+
+impl CandidateResult {
+    /// The plain median at grid M, if verified and timed there.
+    pub fn plain_us(&self, m: usize) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|r| r.m() == m)
+            .and_then(Measurement::median_us)
+    }
+    /// The fused median at grid M, if this layout was timed fused there.
+    pub fn fused_us(&self, m: usize) -> Option<f64> {
+        self.fused
+            .iter()
+            .find(|r| r.m() == m)
+            .and_then(FusedMeasurement::median_us)
+    }
 }
 
 /// One candidate at one M: timed after passing verification, rejected (wrong result or an
@@ -337,14 +423,16 @@ impl ShapeProfile {
         candidates: Vec<CandidateResult>,
         margin: f64,
     ) -> Self {
-        let best = best_per_impl(&m_grid, &candidates);
+        // M1/M2 choose between implementations on each one's fastest plain time, never a fused
+        // one: a fused time includes the norm or residual add that flat_gemm and gemm would run
+        // as separate kernels, so comparing it with their plain time would favour gemv.
         let mut sp = ShapeProfile {
             kind,
             k,
             n,
+            best: best_plain(&m_grid, &candidates),
             m_grid,
             candidates,
-            best,
             m1: None,
             m2: None,
         };
@@ -357,10 +445,15 @@ impl ShapeProfile {
         );
         sp.m1 = inf.m1;
         sp.m2 = inf.m2;
+        // Then the config each implementation runs with, which for gemv at a fused M is the
+        // layout fastest fused.
+        sp.best = best_per_impl(&sp.m_grid, &sp.candidates);
         sp
     }
 
-    /// The implementation's best verified median time at each grid M (None = none verified).
+    /// The plain median time of the implementation's config in `best` at each grid M (None = none
+    /// verified). For gemv at an M where layouts were timed fused, that is the fused pick's plain
+    /// time, which may exceed the fastest layout's that M1/M2 were read from.
     pub fn times(&self, imp: GemmImpl) -> Vec<Option<f64>> {
         self.m_grid
             .iter()
@@ -377,8 +470,22 @@ impl ShapeProfile {
     }
 }
 
-/// For each grid M and implementation, the fastest candidate that was verified and timed there.
+/// For each grid M and implementation, the config that runs there: the fastest verified and
+/// timed candidate, except that where some gemv layouts were also timed fused at M, the gemv is
+/// the layout whose fused op is fastest ([`fastest_fused_gemv`]).
 pub fn best_per_impl(m_grid: &[usize], candidates: &[CandidateResult]) -> Vec<BestAtM> {
+    let mut rows = best_plain(m_grid, candidates);
+    for row in &mut rows {
+        if let Some(b) = fastest_fused_gemv(candidates, row.m) {
+            row.gemv = Some(b);
+        }
+    }
+    rows
+}
+
+/// For each grid M and implementation, the candidate fastest by its plain time (what M1/M2 are
+/// chosen on, see [`ShapeProfile::from_measurements`]).
+pub fn best_plain(m_grid: &[usize], candidates: &[CandidateResult]) -> Vec<BestAtM> {
     m_grid
         .iter()
         .map(|&m| {
@@ -389,23 +496,45 @@ pub fn best_per_impl(m_grid: &[usize], candidates: &[CandidateResult]) -> Vec<Be
                 gemm: None,
             };
             for c in candidates {
-                let Some(t) = c.results.iter().find(|r| r.m() == m).and_then(|r| r.median_us()) else {
+                let Some(t) = c.plain_us(m) else {
                     continue;
                 };
                 let slot = row.slot(c.imp);
                 if slot.as_ref().is_none_or(|b| t < b.median_us) {
-                    *slot = Some(BestConfig {
-                        uri: c.uri.clone(),
-                        block_n: c.block_n,
-                        stages: c.stages,
-                        algo: c.algo,
-                        median_us: t,
-                    });
+                    *slot = Some(config_of(c, t));
                 }
             }
             row
         })
         .collect()
+}
+
+/// The gemv layout at grid M with the fastest fused time among those verified there, or None
+/// where no layout has a fused time at M. The engine runs the fused kernel with that layout
+/// (`gemv_fused` takes its row / K-split layout from block_n), and the layout fastest plain is
+/// not always fastest fused (H200: QKV bn16 and O bn1 plain-fastest made the fused decode 1.5 %
+/// slower than bn1 and bn8). Its `median_us` stays the plain time: that is what other
+/// implementations' times are compared with (`select`'s fallback) and shown beside. (A step
+/// whose other linears are not all gemv runs unfused, and then runs this layout plain, losing
+/// at most its plain gap to the fastest layout.)
+pub fn fastest_fused_gemv(candidates: &[CandidateResult], m: usize) -> Option<BestConfig> {
+    candidates
+        .iter()
+        .filter(|c| c.imp == GemmImpl::Gemv)
+        .filter_map(|c| Some((c, c.plain_us(m)?, c.fused_us(m)?)))
+        // min_by keeps the first of equal times, as best_plain does.
+        .min_by(|a, b| a.2.total_cmp(&b.2))
+        .map(|(c, plain, _)| config_of(c, plain))
+}
+
+fn config_of(c: &CandidateResult, median_us: f64) -> BestConfig {
+    BestConfig {
+        uri: c.uri.clone(),
+        block_n: c.block_n,
+        stages: c.stages,
+        algo: c.algo,
+        median_us,
+    }
 }
 
 /// `profiles/<device-slug>/<model>.json`.
@@ -955,6 +1084,7 @@ mod tests {
                 block_n: Some(64),
                 stages: None,
                 algo: None,
+                fused: Vec::new(),
                 results: vec![ok(1, 10.0), ok(2, 10.0)],
             },
             CandidateResult {
@@ -963,6 +1093,7 @@ mod tests {
                 block_n: Some(128),
                 stages: None,
                 algo: None,
+                fused: Vec::new(),
                 results: vec![
                     ok(1, 12.0),
                     Measurement::Rejected {
@@ -977,6 +1108,7 @@ mod tests {
                 block_n: Some(32),
                 stages: None,
                 algo: None,
+                fused: Vec::new(),
                 results: vec![ok(1, 9.0), ok(2, 11.0)],
             },
         ];
@@ -996,6 +1128,7 @@ mod tests {
                 block_n: None,
                 stages: None,
                 algo: None,
+                fused: Vec::new(),
                 results: vec![ok(1, 5.0)],
             },
             CandidateResult {
@@ -1004,6 +1137,7 @@ mod tests {
                 block_n: Some(64),
                 stages: None,
                 algo: None,
+                fused: Vec::new(),
                 results: vec![Measurement::Rejected {
                     m: 1,
                     reason: "NMSE 1".into(),
@@ -1014,6 +1148,127 @@ mod tests {
         assert_eq!(sp.times(GemmImpl::FlatGemm), vec![None]);
         assert_eq!(sp.times(GemmImpl::Gemv), vec![Some(5.0)]);
         assert_eq!(sp.m1, None);
+    }
+
+    fn gemv(bn: u32, plain: &[(usize, f64)], fused: Vec<FusedMeasurement>) -> CandidateResult {
+        CandidateResult {
+            uri: format!("gemv_f16_bn{bn}"),
+            imp: GemmImpl::Gemv,
+            block_n: Some(bn),
+            stages: None,
+            algo: None,
+            results: plain.iter().map(|&(m, t)| ok(m, t)).collect(),
+            fused,
+        }
+    }
+
+    fn fused_ok(m: usize, t: f64) -> FusedMeasurement {
+        FusedMeasurement::Ok {
+            m,
+            op: FusedOp::GemmResidualOut,
+            samples: 3,
+            median_us: t,
+            min_us: t,
+            max_us: t,
+        }
+    }
+
+    #[test]
+    fn the_gemv_layout_fastest_fused_beats_the_one_fastest_plain() {
+        // bn16 is fastest plain at both M, bn8 fastest fused at M = 1; at M = 2 bn8's fused op
+        // failed, so bn1 (the only other fused time) is taken; M = 3 has no fused time.
+        let cands = vec![
+            gemv(
+                16,
+                &[(1, 10.0), (2, 11.0), (3, 12.0)],
+                vec![fused_ok(1, 15.0), fused_ok(2, 16.0)],
+            ),
+            gemv(
+                8,
+                &[(1, 11.0), (2, 12.0), (3, 13.0)],
+                vec![
+                    fused_ok(1, 13.0),
+                    FusedMeasurement::Rejected {
+                        m: 2,
+                        op: FusedOp::GemmResidualOut,
+                        reason: "launch failed".into(),
+                    },
+                ],
+            ),
+            gemv(
+                1,
+                &[(1, 12.0), (2, 13.0), (3, 14.0)],
+                vec![fused_ok(1, 14.0), fused_ok(2, 14.5)],
+            ),
+        ];
+        let b = best_per_impl(&[1, 2, 3], &cands);
+        let pick = |i: usize| b[i].gemv.as_ref().map(|g| (g.block_n, g.median_us));
+        // The fused pick keeps its plain time, the one other implementations are compared with.
+        assert_eq!(pick(0), Some((Some(8), 11.0)));
+        assert_eq!(pick(1), Some((Some(1), 13.0)));
+        assert_eq!(pick(2), Some((Some(16), 12.0)));
+        // The plain rule, what M1/M2 are read from, still sees bn16 everywhere.
+        let plain = best_plain(&[1, 2, 3], &cands);
+        assert!(plain
+            .iter()
+            .all(|r| r.gemv.as_ref().and_then(|g| g.block_n) == Some(16)));
+    }
+
+    #[test]
+    fn fused_times_do_not_move_m1_or_m2() {
+        // Plain: gemv bn16 (10) beats flat_gemm (10.5) by less than the margin at M = 1, loses
+        // from M = 2. Fused, bn8 wins but is 14: were its fused time (or its plain 11) compared
+        // with flat_gemm, flat_gemm would take M = 1 too.
+        let flat = CandidateResult {
+            uri: "flat_gemm_f16_bn64".into(),
+            imp: GemmImpl::FlatGemm,
+            block_n: Some(64),
+            stages: None,
+            algo: None,
+            results: vec![ok(1, 10.5), ok(2, 10.6)],
+            fused: Vec::new(),
+        };
+        let with = vec![
+            gemv(16, &[(1, 10.0), (2, 12.0)], vec![fused_ok(1, 16.0), fused_ok(2, 18.0)]),
+            gemv(8, &[(1, 11.0), (2, 13.0)], vec![fused_ok(1, 14.0), fused_ok(2, 16.0)]),
+            flat.clone(),
+        ];
+        let without: Vec<CandidateResult> = with
+            .iter()
+            .cloned()
+            .map(|mut c| {
+                c.fused.clear();
+                c
+            })
+            .collect();
+        let a = ShapeProfile::from_measurements(LinearKind::O, 8, 8, vec![1, 2], with, 0.02);
+        let b = ShapeProfile::from_measurements(LinearKind::O, 8, 8, vec![1, 2], without, 0.02);
+        assert_eq!((a.m1, a.m2), (Some(2), None));
+        assert_eq!((a.m1, a.m2), (b.m1, b.m2));
+        assert_eq!(a.best[0].gemv.as_ref().unwrap().block_n, Some(8));
+        assert_eq!(b.best[0].gemv.as_ref().unwrap().block_n, Some(16));
+        assert_eq!(a.best[0].flat_gemm, b.best[0].flat_gemm);
+    }
+
+    #[test]
+    fn fused_times_are_optional_in_the_json() {
+        let plain = gemv(8, &[(1, 1.0)], Vec::new());
+        let j = serde_json::to_string(&plain).unwrap();
+        assert!(!j.contains("fused"), "{j}");
+        // A candidate written before fused times existed reads back with none.
+        let old: CandidateResult =
+            serde_json::from_str(r#"{"uri":"gemv_f16_bn8","imp":"gemv","block_n":8,"stages":null,"results":[]}"#)
+                .unwrap();
+        assert!(old.fused.is_empty());
+        let with = gemv(8, &[(1, 1.0)], vec![fused_ok(1, 2.0)]);
+        let j = serde_json::to_string(&with).unwrap();
+        assert!(
+            j.contains(r#""fused":[{"status":"ok","m":1,"op":"gemm_residual_out""#),
+            "{j}"
+        );
+        assert_eq!(serde_json::from_str::<CandidateResult>(&j).unwrap(), with);
+        assert_eq!(with.fused_us(1), Some(2.0));
+        assert_eq!(with.fused_us(2), None);
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The autotuner: sweep every GEMM candidate over a grid of M for each of a model's four linear
 //! shapes, verify each result against the f64 reference before timing it, and find the
-//! inflection points M1/M2 (FlashDecoding++ §4) that `select` reads from the profile.
+//! inflection points M1/M2 (FlashDecoding++ §4) that `select` reads from the profile. Where the
+//! engine runs a gemv layout as a fused op at decode, that layout is timed fused too (`fused`).
 
+pub mod fused;
 pub mod grid;
 pub mod inflection;
 pub mod softmax;

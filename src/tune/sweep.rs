@@ -4,17 +4,22 @@
 //! smaller M use their leading rows, so every M sees the same data. A candidate that errors or
 //! computes a wrong result at some M is recorded as rejected there, with the reason, and can
 //! never be selected at that M; one that does not support the dims is recorded as skipped.
+//!
+//! Where the engine runs a gemv layout as a fused op (see [`super::fused`]), a verified layout
+//! is also timed as that op; verification stays on the plain product.
 
 use crate::backend::{Backend, BackendKind};
 use crate::bench::{GemmInputs, TimingOpts};
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 use crate::model::{LinearShape, ModelConfig, ModelShapes};
-use crate::ops::gemm::GemmSpec;
+use crate::ops::gemm::{GemmImpl, GemmSpec};
 use crate::profile::{
-    CandidateResult, Measurement, ModelSection, Profile, Provenance, ShapeProfile, TimingSection, SCHEMA_VERSION,
+    CandidateResult, FusedMeasurement, Measurement, ModelSection, Profile, Provenance, ShapeProfile, TimingSection,
+    SCHEMA_VERSION,
 };
 
+use super::fused::{fused_op, FusedTimer};
 use super::inflection::{rule_text, DEFAULT_MARGIN};
 use super::verify::{Verifier, DEFAULT_SAMPLE_COLS};
 
@@ -81,7 +86,8 @@ pub fn candidates<B: Backend>(b: &B, dtype: DType, shape: &LinearShape) -> Vec<G
 pub struct Step<'a> {
     pub label: &'a str,
     /// The step's share of the sweep's work: its GEMM FLOPs (2·M·N·K) plus a fixed
-    /// [`STEP_OVERHEAD_FLOP`] for the launches and the verification around them.
+    /// [`STEP_OVERHEAD_FLOP`] for the launches and the verification around them; twice that for
+    /// a gemv layout also timed as its fused op (as many runs again of about the same kernel).
     pub work: u64,
 }
 
@@ -95,14 +101,29 @@ fn step_work(m: usize, shape: &LinearShape) -> u64 {
         .saturating_add(STEP_OVERHEAD_FLOP)
 }
 
+/// The work of the step of a candidate of `imp` at `m` on a backend whose `fused_gemv_ops()` is
+/// `fused_ops`.
+fn candidate_work(fused_ops: bool, shape: &LinearShape, imp: GemmImpl, m: usize) -> u64 {
+    let timings = if fused_op(fused_ops, shape, imp, m).is_some() {
+        2
+    } else {
+        1
+    };
+    step_work(m, shape).saturating_mul(timings)
+}
+
 /// The work (see [`Step::work`]) a tune of `shapes` takes in all: a progress bar weighted by it
 /// gives an honest time estimate although the large-M steps cost far more than the small.
 pub fn count_work<B: Backend>(b: &B, shapes: &[LinearShape], opts: &SweepOpts) -> u64 {
     shapes
         .iter()
         .map(|s| {
-            let per_m: u64 = opts.m_grid.iter().map(|&m| step_work(m, s)).sum();
-            per_m.saturating_mul(candidates(b, opts.dtype, s).len() as u64)
+            let specs = candidates(b, opts.dtype, s);
+            opts.m_grid
+                .iter()
+                .flat_map(|&m| specs.iter().map(move |c| (m, c.imp)))
+                .map(|(m, imp)| candidate_work(b.fused_gemv_ops(), s, imp, m))
+                .sum::<u64>()
         })
         .sum()
 }
@@ -137,7 +158,19 @@ pub fn sweep_shape<B: Backend>(
     crate::interrupt::check(&format!("the sweep of {}", shape.label()))?;
     let verifier = Verifier::new(&inputs, max_m, opts.verify_cols)?;
     let specs = candidates(b, opts.dtype, shape);
+    let fused_at = |m: usize| fused_op(b.fused_gemv_ops(), shape, GemmImpl::Gemv, m);
+    // One output / residual buffer for the shape's fused timings, where it has any.
+    let mut fused_timer = match opts.m_grid.iter().find_map(|&m| fused_at(m)) {
+        Some(op) => Some(FusedTimer::new(b, opts.dtype, op, shape.n, max_m).map_err(|e| {
+            FdppError::device(
+                backend,
+                format!("preparing the {op} timing of {} ({}): {e}", shape.label(), opts.dtype),
+            )
+        })?),
+        None => None,
+    };
     let mut results: Vec<Vec<Measurement>> = vec![Vec::with_capacity(opts.m_grid.len()); specs.len()];
+    let mut fused: Vec<Vec<FusedMeasurement>> = vec![Vec::new(); specs.len()];
     for &m in &opts.m_grid {
         // Verify every candidate first, then time the verified ones interleaved (see
         // GemmInputs::time_interleaved): only a candidate that computed the right answer is timed.
@@ -148,7 +181,7 @@ pub fn sweep_shape<B: Backend>(
             crate::interrupt::check(&format!("the sweep of {} at M={m}", shape.label()))?;
             on_step(&Step {
                 label: &format!("{} M={m} {spec}", shape.label()),
-                work: step_work(m, shape),
+                work: candidate_work(b.fused_gemv_ops(), shape, spec.imp, m),
             });
             match verifier.check(b, &mut inputs, spec, m) {
                 Ok(nmse) => verified.push((i, nmse)),
@@ -172,6 +205,15 @@ pub fn sweep_shape<B: Backend>(
                 Err(e) => classify(e, m, "failed while timed: "),
             });
         }
+        // The gemv layouts that passed, timed as the fused op the engine runs with them here.
+        if let Some(timer) = fused_timer.as_mut().filter(|_| fused_at(m).is_some()) {
+            let gemvs: Vec<usize> = (0..specs.len())
+                .filter(|&i| specs[i].imp == GemmImpl::Gemv && matches!(row[i], Some(Measurement::Ok { .. })))
+                .collect();
+            for (i, f) in time_fused(b, timer, &inputs, &specs, &gemvs, m, opts)? {
+                fused[i].push(f);
+            }
+        }
         for (out, r) in results.iter_mut().zip(row) {
             if let Some(r) = r {
                 out.push(r);
@@ -181,8 +223,19 @@ pub fn sweep_shape<B: Backend>(
     // A second look at disturbed rows: on the H100 a whole M row of one shape sometimes times
     // 1.5-6x its neighbours (cuBLAS at 99.8 µs between 19.6 and 16.7; seen in two tunes of
     // llama3-8b), and one such row moves M1/M2 far. Such rows are timed again and the new times
-    // replace the old; a slowdown that is real shows again.
-    for j in disturbed_rows(&results, SPIKE) {
+    // replace the old; a slowdown that is real shows again. The fused times are looked at too
+    // (they choose the gemv layout), and a disturbed row gets both timed again.
+    let mut series: Vec<Vec<Option<f64>>> = results
+        .iter()
+        .map(|r| r.iter().map(Measurement::median_us).collect())
+        .collect();
+    series.extend(fused.iter().filter(|f| !f.is_empty()).map(|f| {
+        opts.m_grid
+            .iter()
+            .map(|&m| f.iter().find(|x| x.m() == m).and_then(FusedMeasurement::median_us))
+            .collect()
+    }));
+    for j in disturbed(&series, SPIKE) {
         let m = opts.m_grid[j];
         let again: Vec<usize> = (0..specs.len())
             .filter(|&i| matches!(results[i].get(j), Some(Measurement::Ok { .. })))
@@ -203,17 +256,29 @@ pub fn sweep_shape<B: Backend>(
                 };
             }
         }
+        if let Some(timer) = fused_timer.as_mut().filter(|_| fused_at(m).is_some()) {
+            let gemvs: Vec<usize> = (0..specs.len())
+                .filter(|&i| fused[i].iter().any(|f| f.m() == m && f.median_us().is_some()))
+                .collect();
+            for (i, f) in time_fused(b, timer, &inputs, &specs, &gemvs, m, opts)? {
+                if let (Some(old), true) = (fused[i].iter_mut().find(|x| x.m() == m), f.median_us().is_some()) {
+                    *old = f;
+                }
+            }
+        }
     }
     let candidates = specs
         .iter()
         .zip(results)
-        .map(|(s, results)| CandidateResult {
+        .zip(fused)
+        .map(|((s, results), fused)| CandidateResult {
             uri: s.uri(),
             imp: s.imp,
             block_n: s.block_n,
             stages: s.stages,
             algo: s.algo,
             results,
+            fused,
         })
         .collect();
     Ok(ShapeProfile::from_measurements(
@@ -237,17 +302,50 @@ pub const SPIKE: f64 = 1.3;
 /// Grid indices (not the first or last) where some candidate's median exceeds `spike` times both
 /// of its neighbours' medians.
 pub fn disturbed_rows(results: &[Vec<Measurement>], spike: f64) -> Vec<usize> {
-    let cols = results.iter().map(|r| r.len()).min().unwrap_or(0);
+    let series: Vec<Vec<Option<f64>>> = results
+        .iter()
+        .map(|r| r.iter().map(Measurement::median_us).collect())
+        .collect();
+    disturbed(&series, spike)
+}
+
+/// [`disturbed_rows`] over series of medians by grid index (None = no time there).
+pub fn disturbed(series: &[Vec<Option<f64>>], spike: f64) -> Vec<usize> {
+    let cols = series.iter().map(|r| r.len()).min().unwrap_or(0);
     (1..cols.saturating_sub(1))
         .filter(|&j| {
-            results.iter().any(
-                |r| match (r[j - 1].median_us(), r[j].median_us(), r[j + 1].median_us()) {
-                    (Some(a), Some(t), Some(c)) => t > spike * a.max(c),
-                    _ => false,
-                },
-            )
+            series.iter().any(|r| match (r[j - 1], r[j], r[j + 1]) {
+                (Some(a), Some(t), Some(c)) => t > spike * a.max(c),
+                _ => false,
+            })
         })
         .collect()
+}
+
+/// Time the candidates `idx` of `specs` at `m` as the timer's fused op; their outcomes, by
+/// candidate index.
+fn time_fused<B: Backend>(
+    b: &B,
+    timer: &mut FusedTimer<B>,
+    inputs: &GemmInputs<B>,
+    specs: &[GemmSpec],
+    idx: &[usize],
+    m: usize,
+    opts: &SweepOpts,
+) -> Result<Vec<(usize, FusedMeasurement)>> {
+    let op = timer.op();
+    if idx.is_empty() {
+        return Ok(Vec::new());
+    }
+    let timed: Vec<GemmSpec> = idx.iter().map(|&i| specs[i]).collect();
+    let times = timer.time_interleaved(b, inputs, &timed, m, opts.timing, TIMING_ROUNDS);
+    // As after the plain timing: partial times of an interrupted run must not become a profile.
+    crate::interrupt::check(&format!("the {op} timing at M={m}"))?;
+    Ok(idx
+        .iter()
+        .zip(times)
+        .map(|(&i, t)| (i, super::fused::measurement(op, m, t)))
+        .collect())
 }
 
 /// An error of a candidate at M: `Unsupported` skips it there, anything else rejects it.
@@ -375,6 +473,8 @@ mod tests {
         assert_eq!(sp.candidates.len(), b.gemm_candidates(o.dtype, shape.n, shape.k).len());
         for c in &sp.candidates {
             assert_eq!(c.results.len(), 5, "{}", c.uri);
+            // The CPU backend has no fused gemv ops: nothing is timed fused.
+            assert!(c.fused.is_empty(), "{}: {:?}", c.uri, c.fused);
             for r in &c.results {
                 match r {
                     Measurement::Ok {
