@@ -46,6 +46,15 @@ __host__ __device__ constexpr bool is_glu(int e) { return e == EPI_GLU || e == E
 __host__ __device__ constexpr bool is_res(int e) { return e == EPI_RES || e == EPI_RES_SS; }
 __host__ __device__ constexpr bool row_scaled(int e) { return e == EPI_STORE_RS || e == EPI_GLU_RS || e == EPI_QKV_ROPE; }
 
+// FDPP_GEMM_PDL (the engine's fused-prefill entries, launched chained: src/backend/cuda/launch.rs):
+// every thread lets the next kernel launch at once and waits for the previous one before it reads
+// or writes activations; the producer first loads the W boxes of its first tile's first stages
+// (weights: no kernel writes them), so that a GEMM's set-up and first W reads run under the
+// previous kernel's tail instead of after it.
+#ifndef FDPP_GEMM_PDL
+#define FDPP_GEMM_PDL 0
+#endif
+
 constexpr int BM = 128;  // rows of a tile: two consumer warpgroups of 64
 constexpr int BK = 64;   // K of a stage: one 128-byte swizzle row of 16-bit elements
 constexpr int THREADS = 384;
@@ -430,10 +439,31 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
     }
     if (CL == 2) cluster_sync();  // the peer's barriers exist before anything lands on them
     else __syncthreads();
+    if constexpr (FDPP_GEMM_PDL) pdl_trigger();
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         if (threadIdx.x == 0) {
+            // Stage s's W boxes of K block kb of column tile tn, completing on full(s).
+            auto load_w = [&](int s, int kb, int tn) {
+                if constexpr (CL == 1) {
+                    tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::W_BOX);
+                    if constexpr (is_glu(EPI)) tma_load_2d(sb(s) + T::W_BOX * 128, &umap, full(s), kb * BK, tn * T::W_BOX);
+                } else if constexpr (is_glu(EPI)) {
+                    // rank 0 the gate rows, rank 1 the up rows, each to both CTAs.
+                    tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, rank ? &umap : &wmap, full(s), kb * BK, tn * T::W_BOX, 3);
+                } else {
+                    tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, &wmap, full(s), kb * BK, tn * BN + rank * T::W_BOX, 3);
+                }
+            };
+            // With PDL: the first tile's first stages' W before the wait (they hold no output of
+            // the previous kernel), each stage armed for its whole bytes, x to follow.
+            const int pre = FDPP_GEMM_PDL && unit0 < units ? min(STAGES, kblocks) : 0;
+            for (int kb = 0; kb < pre; ++kb) {
+                mbar_arrive_expect_tx(full(kb), T::STAGE_BYTES);
+                load_w(kb, kb, unit0 / pairs_m);
+            }
+            if constexpr (FDPP_GEMM_PDL) pdl_wait();
             int it = 0;
             for (int u = unit0; u < units; u += unit_step) {
                 // A pair's second tile past the last M tile loads the last one's rows (its
@@ -442,22 +472,18 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
                 for (int kb = 0; kb < kblocks; ++kb, ++it) {
                     const int s = it % STAGES;
                     if (it >= STAGES) wait_or_trap(empty(s), ((it / STAGES) - 1) & 1);
-                    mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
+                    if (it >= pre) mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
                     tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
-                    if constexpr (CL == 1) {
-                        tma_load_2d(sb(s), &wmap, full(s), kb * BK, tn * T::W_BOX);
-                        if constexpr (is_glu(EPI)) tma_load_2d(sb(s) + T::W_BOX * 128, &umap, full(s), kb * BK, tn * T::W_BOX);
-                    } else if constexpr (is_glu(EPI)) {
-                        // rank 0 the gate rows, rank 1 the up rows, each to both CTAs.
-                        tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, rank ? &umap : &wmap, full(s), kb * BK, tn * T::W_BOX, 3);
-                    } else {
-                        tma_load_2d_mc(sb(s) + rank * T::W_BOX * 128, &wmap, full(s), kb * BK, tn * BN + rank * T::W_BOX, 3);
-                    }
+                    if (it >= pre) load_w(s, kb, tn);
                 }
             }
+        } else if constexpr (FDPP_GEMM_PDL) {
+            pdl_wait();
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        // Before the row sums (ss) are read or anything is stored.
+        if constexpr (FDPP_GEMM_PDL) pdl_wait();
         const int w = wg - 1;
         const bool signal = threadIdx.x % 32 == 0;
         auto release = [&](int s) {

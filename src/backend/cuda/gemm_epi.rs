@@ -363,8 +363,9 @@ impl Gemm<'_> {
             shared_mem_bytes: smem,
         };
         let args = self.args;
-        // Plain: the kernel has no pdl_wait, so it must not start before its inputs are written.
-        let mut l = Launch::plain(b, &f);
+        // Chained: every thread waits (pdl_wait) before it touches an activation; only the W
+        // boxes of the first stages are read before (gemm_hopper.cu, FDPP_GEMM_PDL).
+        let mut l = Launch::chained(b, &f);
         l.cluster_x(t.cl);
         l.arg(&xm).arg(&wm).arg(&um).arg(&ym).arg(&ym).arg(&args);
         // SAFETY: the maps cover x [M, K], W [N (2N for the GLU), K] and y / the residual

@@ -151,6 +151,8 @@ pub fn gemm_epi_source(dt: DType, uri: &str, epi: u32, bn: u32, stages: u32, cl:
             ("FDPP_BN".into(), bn.to_string()),
             ("FDPP_STAGES".into(), stages.to_string()),
             ("FDPP_CL".into(), cl.to_string()),
+            // Launched chained (gemm_epi.rs): W prefetched before the wait on the previous kernel.
+            ("FDPP_GEMM_PDL".into(), "1".into()),
         ],
     }
 }
