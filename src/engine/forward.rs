@@ -28,14 +28,15 @@
 //! Fused prefill layers (issue #20), where the same folded weights meet a backend with GEMMs that
 //! take epilogues ([`Backend::prefill_fusion`]: fdpp's wgmma GEMM on sm_90a) and the step has at
 //! least `fused_prefill_min` tokens (default 512; below it the wgmma GEMM's 128-row tiles leave
-//! SMs idle): the same four hooks at prefill sizes. O and FFN2 add into the residual and leave
-//! each row's sum of squares for the next norm (`prefill_residual_out`), QKV and FFN1 scale
-//! their product by that norm's 1/rms (`prefill_rms_in`, `prefill_rms_glu`), and QKV also rotates
-//! q and k and writes k and v to the cache (`prefill_rms_rope_append`, heads of 128 without a
-//! QKV bias); layer 0's norm statistics come from `prefill_row_sumsq`. A layer then runs four
-//! GEMMs and attention, and no add_rmsnorm, silu_mul or qkv_rope. These GEMMs do not take the
-//! profile's ImplC pick (which timed the plain product): the backend picks their tiles.
-//! `fused_prefill=0` runs prefill unfused.
+//! SMs idle): the same hooks at prefill sizes, for either norm of a layer ([`PrefillPairs`]). The
+//! GEMM before the norm adds into the residual and leaves each row's sum of squares
+//! (`prefill_residual_out`: FFN2 for the attention norm, O for the MLP's); the GEMM after it
+//! scales its product by the norm's 1/rms (`prefill_rms_in`; QKV also rotates q and k and writes
+//! k and v to the cache, `prefill_rms_rope_append`, heads of 128 without a QKV bias; FFN1 also
+//! applies the GLU, `prefill_rms_glu`); layer 0's statistics come from `prefill_row_sumsq`. The
+//! default takes the attention norm only (`fused_prefill=attn`): no add_rmsnorm or qkv_rope
+//! there. These GEMMs do not take the profile's ImplC pick (which timed the plain product): the
+//! backend picks their tiles.
 //!
 //! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
 //! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
@@ -108,6 +109,8 @@ pub struct Model<'b, B: Backend> {
     /// Steps of at least this many tokens run the fused prefill layer (see the module comment);
     /// None: never (the backend has no such GEMMs, the weights are not folded, or it is off).
     fused_prefill_min: Option<usize>,
+    /// Which norms of a layer the fused prefill takes into its GEMMs (`fused_prefill`).
+    prefill_pairs: PrefillPairs,
     /// A fused prefill step runs QKV, the rotary and the KV write as one launch
     /// (`prefill_rms_rope_append`): `fused_rope`, heads of 128 and no QKV bias.
     prefill_rope: bool,
@@ -164,6 +167,7 @@ impl<'b, B: Backend> Model<'b, B> {
             fused_glu: crate::run_config::get().on(Key::FusedGlu),
             fused_rope: false,
             fused_prefill_min: None,
+            prefill_pairs: PrefillPairs::NONE,
             prefill_rope: false,
             row_sums: RefCell::new(None),
             comm: None,
@@ -175,7 +179,8 @@ impl<'b, B: Backend> Model<'b, B> {
         model.fused_rope = folded
             && crate::run_config::get().on(Key::FusedRope)
             && model.rope_params(Vec::new()).require_whole_half("gemv_rope").is_ok();
-        if folded && b.prefill_fusion(dtype) && crate::run_config::get().on(Key::FusedPrefill) {
+        model.prefill_pairs = PrefillPairs::from_config()?;
+        if folded && b.prefill_fusion(dtype) && model.prefill_pairs != PrefillPairs::NONE {
             model.fused_prefill_min = Some(fused_prefill_min()?);
         }
         model.prefill_rope = model.fused_rope
@@ -318,8 +323,12 @@ impl<'b, B: Backend> Model<'b, B> {
         let fused = self.folded && tp_fused && self.fusable(&gemms, t);
         // Not in a graph-replayed step (a decode batch of hundreds): the fused prefill's
         // rotary table is rebuilt when the positions change, which a replay would not do.
-        let prefill = !fused && !graphs && self.comm.is_none() && self.prefill_fusable(t);
-        if prefill {
+        let prefill = if !fused && !graphs && self.comm.is_none() && self.prefill_fusable(t) {
+            self.prefill_pairs
+        } else {
+            PrefillPairs::NONE
+        };
+        if prefill != PrefillPairs::NONE {
             self.grow_row_sums(t)?;
         }
         self.op_times.start(self.b, kind.tag())?;
@@ -474,7 +483,7 @@ impl<'b, B: Backend> Model<'b, B> {
             .plan
             .layers
             .last()
-            .filter(|_| !la.fused && !la.prefill)
+            .filter(|_| !la.fused && !la.prefill.attn)
             .map(|s| s.ffn2);
         self.add_norm(
             la.tokens,
@@ -671,7 +680,7 @@ impl<'b, B: Backend> Model<'b, B> {
     ) -> Result<bool> {
         let (w, s, h, t) = (&self.weights.layers[l], acts.plan.layers[l], self.arch.hidden, a.tokens);
         let n = self.arch.qkv_width();
-        if a.prefill {
+        if a.prefill.attn {
             return self.prefill_attn_in(a, l, kv, acts);
         }
         if let (true, true, Attn::Decode(ap, _)) = (a.fused, self.fused_rope, &a.attn) {
@@ -752,7 +761,7 @@ impl<'b, B: Backend> Model<'b, B> {
     fn attn_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, qd) = (self.arch.hidden, self.arch.q_width());
-        if a.prefill {
+        if a.prefill.mlp {
             self.prefill_residual_out(a, t, h, qd, acts, s.attn, &w.o)?;
         } else if a.fused {
             self.residual_out(&a.gemms.o, t, h, qd, acts, s.attn, &w.o, a.residual)?;
@@ -768,7 +777,7 @@ impl<'b, B: Backend> Model<'b, B> {
     fn mlp_in(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, n) = (self.arch.hidden, self.arch.ffn1_width());
-        if a.prefill {
+        if a.prefill.mlp {
             let sums = self.sums_of(a)?;
             let mut cell = self.row_sums.borrow_mut();
             let ss = row_sums_buf(&mut cell)?;
@@ -803,7 +812,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let (b, w, s, t) = (self.b, &self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (inter, dt) = (self.arch.inter, self.dtype);
         match self.arch.mlp {
-            Mlp::Gated(_) if (a.fused || a.prefill) && self.fused_glu => Ok(()),
+            Mlp::Gated(_) if (a.fused || a.prefill.mlp) && self.fused_glu => Ok(()),
             Mlp::Gated(act) => {
                 self.bias_act(t, 2 * inter, Activation::None, acts, s.ffn1, w.ffn1_bias.as_ref())?;
                 let [gate_up, out] = acts.many([s.ffn1, s.act])?;
@@ -828,7 +837,7 @@ impl<'b, B: Backend> Model<'b, B> {
     fn mlp_out(&self, a: &LayerArgs, l: usize, acts: &mut Activations<B::Buffer>) -> Result<()> {
         let (w, s, t) = (&self.weights.layers[l], acts.plan.layers[l], a.tokens);
         let (h, inter) = (self.arch.hidden, self.arch.inter);
-        if a.prefill {
+        if a.prefill.attn {
             self.prefill_residual_out(a, t, h, inter, acts, s.act, &w.ffn2)?;
         } else if a.fused {
             self.residual_out(&a.gemms.ffn2, t, h, inter, acts, s.act, &w.ffn2, a.residual)?;
@@ -1126,8 +1135,8 @@ struct LayerArgs {
     stats_params: Option<(PrefillParams, ScoreStatsParams)>,
     /// Run the fused layer (see the module comment).
     fused: bool,
-    /// Run the fused prefill layer (see the module comment).
-    prefill: bool,
+    /// The norms this step's fused prefill layer takes (see the module comment).
+    prefill: PrefillPairs,
     /// The row sums the last fused prefill op left for the next norm (None before layer 0's).
     sums: Cell<Option<RowSums>>,
 }
@@ -1141,6 +1150,42 @@ const PREFILL_ROPE_HEAD_DIM: usize = 128;
 /// Tokens from which a step runs the fused prefill layer, unless `fused_prefill_min` says.
 /// Session 33's H200 measurements (reports/NOTES.md) put the break-even between 256 and 512.
 const FUSED_PREFILL_MIN: usize = 512;
+
+/// The two norms of a layer the fused prefill can take into GEMMs, each with the GEMM before it
+/// (which adds into the residual and leaves its row sums) and the one after (which scales by
+/// 1/rms): `attn`, the previous layer's FFN2 with this layer's QKV (and its rotary and KV
+/// write); `mlp`, O with FFN1 (and the GLU).
+///
+/// Default `attn` alone: on the H200 (reports/NOTES.md, session 33, Llama2-7B at 1024 tokens)
+/// the fused QKV took 152.5 µs where add_rmsnorm + cuBLAS + qkv_rope took 163.6, and the fused
+/// FFN2 120.8 against cuBLAS's 120.4; but the fused SwiGLU FFN1 took 279.1 µs against 269.1 for
+/// add_rmsnorm + cuBLAS (192x128) + silu_mul, which outweighed O's 6 µs gain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PrefillPairs {
+    attn: bool,
+    mlp: bool,
+}
+
+impl PrefillPairs {
+    const NONE: PrefillPairs = PrefillPairs { attn: false, mlp: false };
+
+    /// `fused_prefill`: attn (default, also 1), mlp, all, or 0 / off / false.
+    fn from_config() -> Result<Self> {
+        let v = crate::run_config::get().get(Key::FusedPrefill).unwrap_or("attn");
+        let (attn, mlp) = match v.trim() {
+            "attn" | "1" | "on" | "true" => (true, false),
+            "mlp" => (false, true),
+            "all" => (true, true),
+            "0" | "off" | "false" => (false, false),
+            other => {
+                return Err(FdppError::InvalidArgument(format!(
+                    "fused_prefill = {other:?}: expected attn, mlp, all or 0 (--set fused_prefill=attn)"
+                )))
+            }
+        };
+        Ok(PrefillPairs { attn, mlp })
+    }
+}
 
 /// The `fused_prefill_min` switch: a token count of at least 1.
 fn fused_prefill_min() -> Result<usize> {
