@@ -357,6 +357,15 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
     static_assert(BN % HD == 0 && HD == 2 * CH, "a tile holds whole heads, a head two chunks");
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4, t = threadIdx.x % 128;
     const int row0 = tm * BM + w * 64;
+    // The pool slots of the 8 rows this thread stores in the read-back (the same rows for every
+    // head of the tile), in one burst: loaded beside each store, they waited on L2 one at a time
+    // (the shared-memory asm between them keeps the compiler from hoisting them).
+    int slot[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int r = row0 + (t + 128 * k) / 16;
+        slot[k] = r < a.M ? a.slots[r] : 0;
+    }
 #pragma unroll
     for (int hh = 0; hh < BN / HD; ++hh) {
         const int head = (tn * BN) / HD + hh;
@@ -366,17 +375,22 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int rr = q * 16 + lane / 4 + 8 * h, r = row0 + rr;
+            // The row's (cos, sin) of its 8 column pairs, in one burst (as the slots above).
+            float4 cs[8];
+            if (rot && r < a.M) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    cs[i] = *reinterpret_cast<const float4*>(a.cs + (size_t)r * (HD / 2) + 8 * i + 2 * (lane % 4));
+            }
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int d = 8 * i + 2 * (lane % 4);
                 const int g1 = 4 * (hh * 16 + i) + 2 * h, g2 = 4 * (hh * 16 + i + 8) + 2 * h;
                 // qkv_rope's input is the product as stored (16 bits); its arithmetic: _rn products
                 // (no FMA contraction), the angles' sincosf values from rope_table.
                 float x1[2] = {rnd16(rs[h] * acc[g1]), rnd16(rs[h] * acc[g1 + 1])};
                 float x2[2] = {rnd16(rs[h] * acc[g2]), rnd16(rs[h] * acc[g2 + 1])};
                 if (rot && r < a.M) {
-                    const float4 cs = *reinterpret_cast<const float4*>(a.cs + (size_t)r * (HD / 2) + d);
-                    const float c[2] = {cs.x, cs.z}, sn[2] = {cs.y, cs.w};
+                    const float c[2] = {cs[i].x, cs[i].z}, sn[2] = {cs[i].y, cs[i].w};
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
                         const float o1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
@@ -396,8 +410,8 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
             if (r >= a.M) continue;
             const uint4 val = smem_ld16(st.buf + (part / 8) * CHUNK_BYTES + row * 128 + (((part % 8) ^ (row & 7)) << 4));
             u16* dst = head < a.H         ? a.q + (size_t)r * a.H * HD + head * HD
-                       : head < a.H + a.G ? a.kpool + (size_t)a.slots[r] * a.G * HD + (head - a.H) * HD
-                                          : a.vpool + (size_t)a.slots[r] * a.G * HD + (head - a.H - a.G) * HD;
+                       : head < a.H + a.G ? a.kpool + (size_t)slot[k] * a.G * HD + (head - a.H) * HD
+                                          : a.vpool + (size_t)slot[k] * a.G * HD + (head - a.H - a.G) * HD;
             *reinterpret_cast<uint4*>(dst + part * 8) = val;
         }
     }

@@ -123,7 +123,7 @@ pub const KEYS: &[KeyInfo] = &[
         name: "fused_prefill_min",
         env: "FDPP_FUSED_PREFILL_MIN",
         values: "a number of tokens, at least 1",
-        default: "512",
+        default: "1024",
         kind: Kind::Behaviour,
         what: "steps of at least this many tokens run the fused prefill layer (fused_prefill)",
     },

@@ -27,7 +27,7 @@
 //!
 //! Fused prefill layers (issue #20), where the same folded weights meet a backend with GEMMs that
 //! take epilogues ([`Backend::prefill_fusion`]: fdpp's wgmma GEMM on sm_90a) and the step has at
-//! least `fused_prefill_min` tokens (default 512; below it the wgmma GEMM's 128-row tiles leave
+//! least `fused_prefill_min` tokens (default 1024; below it the wgmma GEMM's 128-row tiles leave
 //! SMs idle): the same hooks at prefill sizes, for either norm of a layer ([`PrefillPairs`]). The
 //! GEMM before the norm adds into the residual and leaves each row's sum of squares
 //! (`prefill_residual_out`: FFN2 for the attention norm, O for the MLP's); the GEMM after it
@@ -1148,8 +1148,10 @@ const FUSED_MAX_M: usize = 8;
 const PREFILL_ROPE_HEAD_DIM: usize = 128;
 
 /// Tokens from which a step runs the fused prefill layer, unless `fused_prefill_min` says.
-/// Session 33's H200 measurements (reports/NOTES.md) put the break-even between 256 and 512.
-const FUSED_PREFILL_MIN: usize = 512;
+/// Session 33 on the H200 (reports/NOTES.md, Llama2-7B): at 512 tokens the fused layer's TTFT was
+/// 11.4 ms against 10.9 unfused (the wgmma GEMM's 128-row tiles fill few SMs), at 1024 20.1-20.2
+/// against 20.5-20.7.
+const FUSED_PREFILL_MIN: usize = 1024;
 
 /// The two norms of a layer the fused prefill can take into GEMMs, each with the GEMM before it
 /// (which adds into the residual and leaves its row sums) and the one after (which scales by
@@ -1193,7 +1195,7 @@ fn fused_prefill_min() -> Result<usize> {
         None => Ok(FUSED_PREFILL_MIN),
         Some(v) => v.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| {
             FdppError::InvalidArgument(format!(
-                "fused_prefill_min = {v:?}: expected a number of tokens, at least 1 (--set fused_prefill_min=512)"
+                "fused_prefill_min = {v:?}: expected a number of tokens, at least 1 (--set fused_prefill_min=1024)"
             ))
         }),
     }
