@@ -1158,10 +1158,11 @@ const FUSED_PREFILL_MIN: usize = 1024;
 /// 1/rms): `attn`, the previous layer's FFN2 with this layer's QKV (and its rotary and KV
 /// write); `mlp`, O with FFN1 (and the GLU).
 ///
-/// Default `attn` alone: on the H200 (reports/NOTES.md, session 33, Llama2-7B at 1024 tokens)
-/// the fused QKV took 152.5 µs where add_rmsnorm + cuBLAS + qkv_rope took 163.6, and the fused
-/// FFN2 120.8 against cuBLAS's 120.4; but the fused SwiGLU FFN1 took 279.1 µs against 269.1 for
-/// add_rmsnorm + cuBLAS (192x128) + silu_mul, which outweighed O's 6 µs gain.
+/// Default `attn` alone: on the H200 (reports/NOTES.md, session 33, Llama2-7B at 1024 tokens, a
+/// layer's share of the timeline) the attention pair took 120.8 + 152.5 µs (FFN2, QKV) where
+/// cuBLAS + add_rmsnorm + cuBLAS + qkv_rope took 120.4 + 9.5 + 138.0 + 16.1; the MLP pair took
+/// 49.6 + 279.1 (O, the SwiGLU FFN1) against 46.0 + 9.5 + 239.9 + 19.7 (cuBLAS, add_rmsnorm,
+/// cuBLAS's 192x128, silu_mul): the fused FFN1 runs at 0.86× cuBLAS's rate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PrefillPairs {
     attn: bool,
@@ -1169,7 +1170,10 @@ struct PrefillPairs {
 }
 
 impl PrefillPairs {
-    const NONE: PrefillPairs = PrefillPairs { attn: false, mlp: false };
+    const NONE: PrefillPairs = PrefillPairs {
+        attn: false,
+        mlp: false,
+    };
 
     /// `fused_prefill`: attn (default, also 1), mlp, all, or 0 / off / false.
     fn from_config() -> Result<Self> {

@@ -539,27 +539,7 @@ pub fn rms_in(
     w: &CudaBuffer,
     y: &mut CudaBuffer,
 ) -> Result<()> {
-    const OP: &str = "prefill gemm_rms_in";
-    let dt = check_gemm(b, OP, &d, &[("x", x), ("w", w), ("y", y), ("ss", ss)])?;
-    check_lens(OP, &d, x.len(), w.len(), d.n, y.len())?;
-    check_sums(OP, &d, sums, ss)?;
-    let yp = b.ptr(y);
-    let args = Args {
-        y: yp,
-        ..scaled_args(b, eps, sums, ss, OP)?
-    };
-    Gemm {
-        op: OP,
-        epi: Epi::StoreRs,
-        dt,
-        d,
-        x: b.ptr(x),
-        w: b.ptr(w),
-        y: yp,
-        args,
-    }
-    .run(b)
-    .map(|_| ())
+    scaled(b, "prefill gemm_rms_in", Epi::StoreRs, d, sums, eps, ss, x, w, y)
 }
 
 /// y [M, N] = silu(g) · u, [g | u] = rmsnorm(x) · W'ᵀ with W' [2N, K] (gate rows, then up rows,
@@ -575,18 +555,35 @@ pub fn rms_glu(
     w: &CudaBuffer,
     y: &mut CudaBuffer,
 ) -> Result<()> {
-    const OP: &str = "prefill gemm_rms_glu";
-    let dt = check_gemm(b, OP, &d, &[("x", x), ("w", w), ("y", y), ("ss", ss)])?;
-    check_lens(OP, &d, x.len(), w.len(), 2 * d.n, y.len())?;
-    check_sums(OP, &d, sums, ss)?;
+    scaled(b, "prefill gemm_rms_glu", Epi::GluRs, d, sums, eps, ss, x, w, y)
+}
+
+/// A row-scaled product with a stored output (`rms_in`, `rms_glu`; the GLU's W has 2N rows).
+#[allow(clippy::too_many_arguments)]
+fn scaled(
+    b: &CudaBackend,
+    op: &str,
+    epi: Epi,
+    d: GemmDims,
+    sums: RowSums,
+    eps: f32,
+    ss: &CudaBuffer,
+    x: &CudaBuffer,
+    w: &CudaBuffer,
+    y: &mut CudaBuffer,
+) -> Result<()> {
+    let dt = check_gemm(b, op, &d, &[("x", x), ("w", w), ("y", y), ("ss", ss)])?;
+    let w_rows = if epi.glu() { 2 * d.n } else { d.n };
+    check_lens(op, &d, x.len(), w.len(), w_rows, y.len())?;
+    check_sums(op, &d, sums, ss)?;
     let yp = b.ptr(y);
     let args = Args {
         y: yp,
-        ..scaled_args(b, eps, sums, ss, OP)?
+        ..scaled_args(b, eps, sums, ss, op)?
     };
     Gemm {
-        op: OP,
-        epi: Epi::GluRs,
+        op,
+        epi,
         dt,
         d,
         x: b.ptr(x),
