@@ -70,8 +70,8 @@ impl<B: Backend> FusedTimer<B> {
         self.op
     }
 
-    /// Time `specs` as the fused op at `m` rows, interleaved as `GemmInputs::time_interleaved`
-    /// times the plain products (same warm-up, rounds and seeded order per round), so that a
+    /// Time `specs` as the fused op at `m` rows, interleaved as the plain products are (warm-ups,
+    /// then rounds in a seeded order: [`crate::bench::attention::time_interleaved`]), so that a
     /// transient slowdown lands on every layout alike. One result per spec, in order.
     pub fn time_interleaved(
         &mut self,
@@ -82,8 +82,6 @@ impl<B: Backend> FusedTimer<B> {
         opts: TimingOpts,
         rounds: usize,
     ) -> Vec<Result<Stats>> {
-        use rand::seq::SliceRandom;
-        use rand::SeedableRng;
         let dims = match GemmDims::new(m, inputs.n, inputs.k) {
             Ok(d) => d,
             Err(e) => {
@@ -93,43 +91,11 @@ impl<B: Backend> FusedTimer<B> {
                     .collect()
             }
         };
-        let rounds = rounds.clamp(1, opts.reps.max(1));
-        let per_round = opts.reps.max(1).div_ceil(rounds);
-        let mut out: Vec<Result<Vec<f64>>> = specs.iter().map(|_| Ok(Vec::new())).collect();
-        for (spec, slot) in specs.iter().zip(out.iter_mut()) {
-            for _ in 0..opts.warmup {
-                if let Err(e) = crate::interrupt::check("warm-up").and_then(|()| self.run_next(b, inputs, spec, dims)) {
-                    *slot = Err(e);
-                    break;
-                }
-            }
-        }
-        for r in 0..rounds {
-            let mut order: Vec<usize> = (0..specs.len()).collect();
-            order.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(0x5eed ^ r as u64));
-            for idx in order {
-                let (spec, slot) = (&specs[idx], &mut out[idx]);
-                let Ok(samples) = slot else { continue };
-                let mut run = |_| {
-                    crate::interrupt::check("timing")?;
-                    self.run_next(b, inputs, spec, dims)
-                };
-                match b.time_each(per_round, &mut run) {
-                    Ok(ms) => samples.extend(ms),
-                    Err(e) => *slot = Err(e),
-                }
-            }
-        }
-        out.into_iter()
-            .zip(specs)
-            .map(|(r, spec)| {
-                r.and_then(|ms| {
-                    Stats::from_ms(&ms).ok_or_else(|| {
-                        FdppError::device("timer", format!("{spec} as {}: no timed runs came back", self.op))
-                    })
-                })
-            })
-            .collect()
+        let mut run = |i: usize| {
+            crate::interrupt::check("timing")?;
+            self.run_next(b, inputs, &specs[i], dims)
+        };
+        crate::bench::attention::time_interleaved(b, specs.len(), opts, rounds, &mut run)
     }
 
     fn run_next(&mut self, b: &B, inputs: &GemmInputs<B>, spec: &GemmSpec, dims: GemmDims) -> Result<()> {
