@@ -420,17 +420,6 @@ fn resident_clusters(b: &CudaBackend, uri: &str, f: &cudarc::driver::CudaFunctio
     Ok(n)
 }
 
-fn ss_len_check(op: &str, d: &GemmDims, parts: usize, ss: &CudaBuffer) -> Result<()> {
-    if ss.len() < 2 * d.m * parts {
-        return Err(FdppError::Shape {
-            what: format!("{op} row sums at {}", d.label()),
-            expected: format!(">= {} elements (row_sums_len)", 2 * d.m * parts),
-            found: ss.len().to_string(),
-        });
-    }
-    Ok(())
-}
-
 /// ss = Σ_c x[r, c]² of `rows` rows of x [rows, cols] (one part per row).
 pub fn row_sumsq(b: &CudaBackend, rows: usize, cols: usize, x: &CudaBuffer, ss: &mut CudaBuffer) -> Result<RowSums> {
     const OP: &str = "prefill row_sumsq";
@@ -443,7 +432,13 @@ pub fn row_sumsq(b: &CudaBackend, rows: usize, cols: usize, x: &CudaBuffer, ss: 
             found: x.len().to_string(),
         });
     }
-    ss_len_check(OP, &d, 1, ss)?;
+    if ss.len() < 2 * rows {
+        return Err(FdppError::Shape {
+            what: format!("{OP} row sums of {rows} rows"),
+            expected: format!(">= {} elements", 2 * rows),
+            found: ss.len().to_string(),
+        });
+    }
     let t = tiles(Epi::ResSs)[0];
     let f = b.function_of(&uri(dt, Epi::ResSs, t), "row_sumsq", 0, || {
         Ok(source(dt, Epi::ResSs, t))
@@ -476,8 +471,14 @@ pub fn residual_out(
     const OP: &str = "prefill gemm_residual_out";
     let dt = check_gemm(b, OP, &d, &[("x", x), ("w", w), ("residual", residual), ("ss", ss)])?;
     check_lens(OP, &d, x.len(), w.len(), d.n, residual.len())?;
-    let t = pick_tile(Epi::ResSs, d.m, d.n, b.info().compute_units);
-    ss_len_check(OP, &d, d.n.div_ceil(out_n(Epi::ResSs, t) as usize), ss)?;
+    // Whatever tile `run` picks writes at most the parts row_sums_len allows for.
+    if ss.len() < row_sums_len(d.m, d.n) {
+        return Err(FdppError::Shape {
+            what: format!("{OP} row sums at {}", d.label()),
+            expected: format!(">= {} elements (row_sums_len)", row_sums_len(d.m, d.n)),
+            found: ss.len().to_string(),
+        });
+    }
     let rp = b.ptr(residual);
     let args = Args {
         y: rp,
