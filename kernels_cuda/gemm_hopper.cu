@@ -35,7 +35,8 @@
 // Roundings, as the fused GEMV's (gemv.cu) so that each epilogue is its unfused pair bit for bit
 // on the same tile: EPI_RES stores round(res + round(acc)) (the plain product, then add_rmsnorm's
 // add), the GLU silu(round(g))·round(u) (the product, then silu_mul), the rotary rotates the
-// rounded product with qkv_rope's arithmetic.
+// rounded product with qkv_rope's arithmetic. The one exception is the SiLU itself (silu_fast,
+// below): the GLU's outputs match silu_mul's to within an ulp, most of them bit for bit.
 // EPI_QKV_ROPE is QKV's whole tail: the 1/rms scale, the rotary of q and k heads (HF Llama's
 // rotate-half: d pairs with d + D/2, which one thread holds as accumulator groups i and i + 8),
 // q to its buffer and k, v straight to their slot rows of the paged pools, as fdpp's qkv_rope
@@ -122,12 +123,18 @@ struct Stage {
     static_assert(OUT_N % CW == 0, "whole chunks");
 };
 
+// EPI_NONE stages nothing (its 128 x 192 tile would not fit beside 5 stages with the buffers).
+template <int BN, int EPI>
+__host__ __device__ constexpr u32 staging_bytes() {
+    return EPI == EPI_NONE ? 0 : 4 * Stage<BN, EPI>::BYTES;
+}
+
 // The stages, two staging buffers per consumer warpgroup, the stages' barriers and the four
 // residual barriers, and the slack that aligns the base to 1024 (src/backend/cuda/gemm_hopper.rs
 // computes the same).
 template <int BN, int STAGES, int EPI, int CL>
 __host__ __device__ constexpr size_t smem_bytes() {
-    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + 4 * Stage<BN, EPI>::BYTES + 16 * STAGES + 32 + 1024;
+    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + staging_bytes<BN, EPI>() + 16 * STAGES + 32 + 1024;
 }
 
 __device__ __forceinline__ void tma_store_2d(const TmaMap* map, u32 src, int c0, int c1) {
@@ -227,6 +234,16 @@ __device__ __forceinline__ void mma_block(float (&acc)[BN / 2], u64 da, u64 db, 
 // rows 16q + lane/4 and +8; element 4i + {0,1} is (row, 8i + 2·(lane%4) + {0,1}), 4i + {2,3}
 // the same columns 8 rows down.
 
+// SiLU through the fast exponential and division (two MUFU ops and two multiplies) instead of
+// common.cuh's expf and IEEE division: with those, the 48 SiLUs a thread computes in a
+// 128 x (96 + 96) tile's epilogue took ~4 us of it while the tensor cores idled (2 warps per
+// scheduler, so latency-bound); this form cut the SwiGLU epilogue's cost over the bare main loop
+// from 34 to 11 us per Llama2-7B FFN1 at M = 1024 (reports/NOTES.md, session 34). Its error, a
+// few fp32 ulp for |g| < 80, is far below a 16-bit output's rounding; past that 1 + e^-g
+// overflows and both forms give -0. common.cuh keeps the accurate form: it is hashed into the
+// shipped tuning profiles (the GEMV's GLU uses it), and silu_mul must keep agreeing with that GLU.
+__device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.f + __expf(-g)); }
+
 // pack2 of layer.cu, which this file does not include.
 __device__ __forceinline__ u32 pack_pair(float lo, float hi) { return (u32)from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
@@ -301,8 +318,8 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
                 const u32 at = stage_at<CW>(buf, rr, ii, lane);
                 float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
                 if constexpr (is_glu(EPI)) {
-                    v0 = silu(rnd16(rs[h] * v0)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
-                    v1 = silu(rnd16(rs[h] * v1)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
+                    v0 = silu_fast(rnd16(rs[h] * v0)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
+                    v1 = silu_fast(rnd16(rs[h] * v1)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
                 } else if constexpr (is_res(EPI)) {
                     float r0f, r1f;
                     unpack2(smem_ld(at), r0f, r1f);
@@ -429,7 +446,7 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
     const u32 stg = base + STAGES * T::STAGE_BYTES;  // the staging buffers (1024-aligned)
-    const u32 bars = stg + 4 * Stage<BN, EPI>::BYTES;
+    const u32 bars = stg + staging_bytes<BN, EPI>();
     auto sa = [&](int s) { return base + s * T::STAGE_BYTES; };
     auto sb = [&](int s) { return base + s * T::STAGE_BYTES + T::A_BYTES; };
     auto full = [&](int s) { return bars + 8 * s; };

@@ -266,6 +266,22 @@ static void peer(const Problem& p, cudaStream_t) {
     }
 }
 
+// What the epilogue costs: the GLU's product alone, over the gate and up rows (2N columns of
+// y, as cuBLAS computes them before silu_mul), with no epilogue (EPI_NONE) or through cuBLAS.
+template <int BN, int STAGES, int CL>
+static void none_glu(const Problem& p, cudaStream_t st) {
+    // In place, not a copy: a Problem holds its host arrays, and copying them per launch is what
+    // a first run of this variant timed (~120 ms).
+    Problem& q = const_cast<Problem&>(p);
+    const int n = q.N;
+    q.N = 2 * n;
+    q.epi = EPI_STORE;
+    launch<BN, STAGES, EPI_NONE, CL>(q, st);
+    q.N = n;
+    q.epi = EPI_GLU;
+}
+static void blas_glu(const Problem& p, cudaStream_t) { blas(p.x, p.w, p.tmp, p.M, 2 * p.N, p.K, 0.f); }
+
 struct Variant {
     const char* name;
     void (*run)(const Problem&, cudaStream_t);
@@ -529,7 +545,11 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                     {"hgemm glu ·1/rms 128x(96+96) s5", launch<192, 5, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU_RS, 2>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
-                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true}};
+                    {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
+                    {"cublas alone, no silu_mul", blas_glu, true, true},
+                    {"hgemm 128x192 s5 on 2N, no epilogue", none_glu<192, 5, 1>, true, true},
+                    {"hgemm 128x192 s5 cluster2 on 2N, no epilogue", none_glu<192, 5, 2>, true, true},
+                    {"hgemm 128x256 s4 on 2N, no epilogue", none_glu<256, 4, 1>, true, true}};
         default:
             return {{"cublas + add_rmsnorm", peer, false},
                     {"hgemm res + Σy² 128x256 s4", launch<256, 4, EPI_RES_SS, 1>, true},
@@ -544,6 +564,7 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                 {"hgemm 128x128 s6", launch<128, 6, EPI_STORE, 1>, true},
                 {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true},
                 {"hgemm 128x256 s4, no epilogue", launch<256, 4, EPI_NONE, 1>, true, true},
+                {"hgemm 128x128 s6, no epilogue", launch<128, 6, EPI_NONE, 1>, true, true},
                 {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true}};
     case EPI_GLU:
         return {{"cublas + silu_mul", peer, false},
@@ -569,13 +590,15 @@ int main(int argc, char** argv) {
     std::vector<int> ms;
     bool check_only = false;
     int clusters = 0;  // 0 both, 1 none, 2 only
+    const char* only = nullptr;  // --only S: the timed problems whose name holds S
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--check-only")) check_only = true;
         else if (!strcmp(argv[i], "--no-cluster")) clusters = 1;
         else if (!strcmp(argv[i], "--cluster-only")) clusters = 2;
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (atoi(argv[i]) > 0) ms.push_back(atoi(argv[i]));
         else {
-            fprintf(stderr, "usage: %s [--check-only] [--no-cluster | --cluster-only] [M ...]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--check-only] [--no-cluster | --cluster-only] [--only NAME] [M ...]\n", argv[0]);
             return 1;
         }
     }
@@ -626,6 +649,7 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e1));
     bool all_ok = true;
     for (Problem& p : probs) {
+        if (only && p.timed && p.name.find(only) == std::string::npos) continue;
         setup(p);
         std::vector<Variant> vs;
         for (const Variant& v : variants_of(p.epi, p.norm, p.H > 0)) {

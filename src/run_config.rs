@@ -113,10 +113,10 @@ pub const KEYS: &[KeyInfo] = &[
         key: Key::FusedPrefill,
         name: "fused_prefill",
         env: "FDPP_FUSED_PREFILL",
-        values: "attn|mlp|all|0",
-        default: "attn",
+        values: "all|attn|mlp|0",
+        default: "all",
         kind: Kind::Behaviour,
-        what: "on sm_90a, prefill layers run fdpp's wgmma GEMM with a norm, its residual add and what follows as epilogues: attn (FFN2 adds into the residual, QKV normalizes, rotates and writes the cache: no add_rmsnorm or qkv_rope there), mlp (O adds, FFN1 normalizes and applies the GLU), all, or 0",
+        what: "on sm_90a, prefill layers run fdpp's wgmma GEMM with a norm, its residual add and what follows as epilogues: all (default: both norms), attn (FFN2 adds into the residual, QKV normalizes, rotates and writes the cache: no add_rmsnorm or qkv_rope there), mlp (O adds, FFN1 normalizes and applies the GLU: no add_rmsnorm or silu_mul there), or 0",
     },
     KeyInfo {
         key: Key::FusedPrefillMin,

@@ -5,7 +5,8 @@
 //!   bit for bit;
 //! - prefill_rms_in with those row sums vs add_rmsnorm (γ folded: ones) then the Hopper GEMM:
 //!   close (max |Δ| / max |reference| ≤ 2e-3 f16, 1.6e-2 bf16), as the fused GEMV is;
-//! - prefill_rms_glu vs prefill_rms_in into [M, 2N] then silu_mul: close, bit-identical share printed;
+//! - prefill_rms_glu vs prefill_rms_in into [M, 2N] then silu_mul: close (its SiLU is the fast form),
+//!   bit-identical share printed;
 //! - prefill_rms_rope_append vs prefill_rms_in into qkv then qkv_rope_append: q and both whole
 //!   pools bit for bit (a chunk behind a cached prefix and a fresh sequence, scattered pages);
 //! - what the epilogues do not take (head_dim 64, an interleaved rotary, K not a multiple of 8)

@@ -34,9 +34,11 @@
 //! scales its product by the norm's 1/rms (`prefill_rms_in`; QKV also rotates q and k and writes
 //! k and v to the cache, `prefill_rms_rope_append`, heads of 128 without a QKV bias; FFN1 also
 //! applies the GLU, `prefill_rms_glu`); layer 0's statistics come from `prefill_row_sumsq`. The
-//! default takes the attention norm only (`fused_prefill=attn`): no add_rmsnorm or qkv_rope
-//! there. These GEMMs do not take the profile's ImplC pick (which timed the plain product): the
-//! backend picks their tiles.
+//! default takes both norms (`fused_prefill=all`): a layer runs no add_rmsnorm, qkv_rope or
+//! silu_mul. With the GLU epilogue's fast SiLU, `all` leads `attn` by 0.6-0.8 ms at 1024 tokens
+//! and by 1-6 ms at 2048-4096 on the H200; before it, the GLU epilogue's cost left them level
+//! (reports/NOTES.md, sessions 33-34). These GEMMs do not take the profile's ImplC pick (which
+//! timed the plain product): the backend picks their tiles.
 //!
 //! Tensor parallelism ([`crate::tp`], issue #22): a rank's model is its share of the heads and
 //! of the MLP; after O and after FFN2 the ranks' partial outputs are all-reduced (Megatron's two
@@ -1175,17 +1177,17 @@ impl PrefillPairs {
         mlp: false,
     };
 
-    /// `fused_prefill`: attn (default, also 1), mlp, all, or 0 / off / false.
+    /// `fused_prefill`: all (default, also 1), attn, mlp, or 0 / off / false.
     fn from_config() -> Result<Self> {
-        let v = crate::run_config::get().get(Key::FusedPrefill).unwrap_or("attn");
+        let v = crate::run_config::get().get(Key::FusedPrefill).unwrap_or("all");
         let (attn, mlp) = match v.trim() {
-            "attn" | "1" | "on" | "true" => (true, false),
+            "all" | "1" | "on" | "true" => (true, true),
+            "attn" => (true, false),
             "mlp" => (false, true),
-            "all" => (true, true),
             "0" | "off" | "false" => (false, false),
             other => {
                 return Err(FdppError::InvalidArgument(format!(
-                    "fused_prefill = {other:?}: expected attn, mlp, all or 0 (--set fused_prefill=attn)"
+                    "fused_prefill = {other:?}: expected all, attn, mlp or 0 (--set fused_prefill=all)"
                 )))
             }
         };
