@@ -12,6 +12,8 @@
 // Build and run on a Hopper machine (repository root; scripts/hopper_gemm_gpu.sh does it all):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels_cuda \
 //        scripts/hopper_gemm.cu -o /tmp/hopper_gemm -lcublas && /tmp/hopper_gemm [M ...]
+// (time a build with -DHG_WATCHDOG_CYCLES=0: the watchdog's clock reads make nvcc spill the
+// rotary and GLU 128 × 256 tiles, which the engine's NVRTC build does not.)
 // (-DFDPP_BF16=1 builds the bf16 form: the wgmma type, TMA maps, cuBLAS type and rounding follow.)
 // Each variant is checked before it is timed: against f64 dot products at 600 sampled outputs,
 // against the cuBLAS composite over every element (NMSE), the output poisoned with NaN before
@@ -46,12 +48,15 @@
 constexpr int GUARD = 256;  // poisoned elements past each output
 // Partial sums of squares per row EPI_RES_SS may write (one per column tile: N / 128 at most).
 constexpr int SS_PARTS = 64;
+// The partial sums a *_RS epilogue reads per row, as the engine's are: one per 256-column tile of
+// the 4096-wide O or FFN2 before it.
+constexpr int RS_PARTS = 16;
 
-template <int BN, int STAGES, int EPI, int CL>
+template <int BN, int STAGES, int EPI, int CL, bool PP>
 __global__ void __launch_bounds__(THREADS, 1)
     hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap,
           const __grid_constant__ TmaMap ymap, const __grid_constant__ TmaMap rmap, Args a) {
-    hgemm_body<BN, STAGES, EPI, CL>(xmap, wmap, umap, ymap, rmap, a);
+    hgemm_body<BN, STAGES, EPI, CL, PP>(xmap, wmap, umap, ymap, rmap, a);
 }
 
 // ---- the peers and the harness ----
@@ -164,11 +169,13 @@ static Problem rope_problem(const std::string& name, int M, int H, int G, int K,
 static int g_sms = 0;
 static cublasHandle_t g_blas;
 
-template <int BN, int STAGES, int EPI, int CL>
+// PP: the ping-pong schedule (64-row tiles, one per consumer warpgroup in turn).
+template <int BN, int STAGES, int EPI, int CL, bool PP = false>
 static void launch(const Problem& p, cudaStream_t st) {
-    using T = Tile<BN, EPI, CL>;
-    auto kern = hgemm<BN, STAGES, EPI, CL>;
-    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL>();
+    using T = Tile<BN, EPI, CL, PP>;
+    auto kern = hgemm<BN, STAGES, EPI, CL, PP>;
+    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL, PP>();
+    static_assert(smem <= 227 * 1024, "the tile's stages fit in shared memory");
     static int max_units = 0;  // CTAs (CL = 1) or clusters (CL = 2) resident at once
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -186,7 +193,8 @@ static void launch(const Problem& p, cudaStream_t st) {
         if (CL == 2) {
             cfg.gridDim = dim3(g_sms);
             CK(cudaOccupancyMaxActiveClusters(&max_units, kern, &cfg));
-            printf("(hgemm BN %d, %d stages, epilogue %d: %d clusters of 2 resident)\n", BN, STAGES, EPI, max_units);
+            printf("(hgemm BN %d, %d stages, epilogue %d%s: %d clusters of 2 resident)\n", BN, STAGES, EPI, PP ? ", ping-pong" : "",
+                   max_units);
         } else {
             max_units = g_sms;
         }
@@ -197,7 +205,7 @@ static void launch(const Problem& p, cudaStream_t st) {
     }
     // The maps are encoded per launch here (host-only work, as fdpp's prefill does); a
     // production launcher would cache them per buffer.
-    const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
+    const TmaMap xm = tma_map(p.x, p.M, p.K, T::A_ROWS);
     const TmaMap wm = tma_map(p.w, p.N, p.K, T::W_BOX);
     const TmaMap um = is_glu(EPI) ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
     // y and the residual as boxes of 64 rows × CW columns (the staging chunks).
@@ -220,9 +228,9 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.M = p.M;
     a.N = p.N;
     a.K = p.K;
-    a.tiles_m = (p.M + BM - 1) / BM;
+    a.tiles_m = (p.M + T::A_ROWS - 1) / T::A_ROWS;
     a.tiles_n = (p.N + T::OUT_N - 1) / T::OUT_N;
-    a.nparts = 1;  // the *_RS epilogues read ss as setup left it: Σx² of x in part 0
+    a.nparts = RS_PARTS;  // the *_RS epilogues read ss as setup left it: Σx² of x in RS_PARTS parts
     const int units = (a.tiles_m + CL - 1) / CL * a.tiles_n;
     cfg.gridDim = dim3(CL * std::min(units, max_units));
     CK(cudaLaunchKernelEx(&cfg, kern, xm, wm, um, ym, rm, a));
@@ -268,7 +276,7 @@ static void peer(const Problem& p, cudaStream_t) {
 
 // What the epilogue costs: the GLU's product alone, over the gate and up rows (2N columns of
 // y, as cuBLAS computes them before silu_mul), with no epilogue (EPI_NONE) or through cuBLAS.
-template <int BN, int STAGES, int CL>
+template <int BN, int STAGES, int CL, bool PP = false>
 static void none_glu(const Problem& p, cudaStream_t st) {
     // In place, not a copy: a Problem holds its host arrays, and copying them per launch is what
     // a first run of this variant timed (~120 ms).
@@ -277,7 +285,7 @@ static void none_glu(const Problem& p, cudaStream_t st) {
     const Epi e = q.epi;
     q.N = 2 * n;
     q.epi = EPI_STORE;
-    launch<BN, STAGES, EPI_NONE, CL>(q, st);
+    launch<BN, STAGES, EPI_NONE, CL, PP>(q, st);
     q.N = n;
     q.epi = e;
 }
@@ -466,13 +474,21 @@ static void setup(Problem& p) {
     if (p.norm && p.epi != EPI_RES) {
         // ss as the previous GEMM's Σy² epilogue would leave it for this x, the norm of x itself;
         // the peer's input is rmsnorm(x) by fdpp's add_rmsnorm (no delta, γ folded: ones).
+        // Part t sums columns [t·K/RS_PARTS, (t+1)·K/RS_PARTS).
         p.hss.resize(p.M);
+        std::vector<float> parts((size_t)RS_PARTS * p.M);
         for (int r = 0; r < p.M; ++r) {
             double sq = 0;
-            for (int k = 0; k < p.K; ++k) sq += (double)h2f(p.hx[(size_t)r * p.K + k]) * h2f(p.hx[(size_t)r * p.K + k]);
+            for (int t = 0; t < RS_PARTS; ++t) {
+                double part = 0;
+                for (int k = t * p.K / RS_PARTS; k < (t + 1) * p.K / RS_PARTS; ++k)
+                    part += (double)h2f(p.hx[(size_t)r * p.K + k]) * h2f(p.hx[(size_t)r * p.K + k]);
+                parts[(size_t)t * p.M + r] = (float)part;
+                sq += part;
+            }
             p.hss[r] = (float)sq;
         }
-        CK(cudaMemcpy(p.ss, p.hss.data(), p.M * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(p.ss, parts.data(), parts.size() * 4, cudaMemcpyHostToDevice));
         u16* scratch = nullptr;
         CK(cudaMalloc(&scratch, nx * 2));
         CK(cudaMalloc(&p.xn, nx * 2));
@@ -532,14 +548,18 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
         return {{"cublas on rmsnorm(x) + qkv_rope", peer, false},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4", launch<256, 4, EPI_QKV_ROPE, 1>, true},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x128 s6", launch<128, 6, EPI_QKV_ROPE, 1>, true},
-                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true}};
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools pingpong 64x256 s4", launch<256, 4, EPI_QKV_ROPE, 1, true>, true},
+                {"hgemm ·1/rms, rope, q/k/v to the pools pingpong 64x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2, true>, true}};
     if (norm) {
         switch (e) {
         case EPI_STORE:
             return {{"cublas on rmsnorm(x)", peer, false},
                     {"hgemm ·1/rms 128x256 s4", launch<256, 4, EPI_STORE_RS, 1>, true},
                     {"hgemm ·1/rms 128x128 s6", launch<128, 6, EPI_STORE_RS, 1>, true},
-                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true}};
+                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true},
+                    {"hgemm ·1/rms pingpong 64x256 s4", launch<256, 4, EPI_STORE_RS, 1, true>, true},
+                    {"hgemm ·1/rms pingpong 64x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2, true>, true}};
         case EPI_GLU:
             return {{"cublas on rmsnorm(x) + silu_mul", peer, false},
                     {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
@@ -547,15 +567,22 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                     {"hgemm glu ·1/rms 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU_RS, 2>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
+                    {"hgemm glu ·1/rms pingpong 64x(96+96) s6", launch<192, 6, EPI_GLU_RS, 1, true>, true},
+                    {"hgemm glu ·1/rms pingpong 64x(96+96) s6 cluster2", launch<192, 6, EPI_GLU_RS, 2, true>, true},
+                    {"hgemm glu ·1/rms pingpong 64x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2, true>, true},
                     {"cublas alone, no silu_mul", blas_glu, true, true},
                     {"hgemm 128x192 s5 on 2N, no epilogue", none_glu<192, 5, 1>, true, true},
                     {"hgemm 128x192 s5 cluster2 on 2N, no epilogue", none_glu<192, 5, 2>, true, true},
-                    {"hgemm 128x256 s4 on 2N, no epilogue", none_glu<256, 4, 1>, true, true}};
+                    {"hgemm 128x256 s4 on 2N, no epilogue", none_glu<256, 4, 1>, true, true},
+                    {"hgemm pingpong 64x192 s6 on 2N, no epilogue", none_glu<192, 6, 1, true>, true, true},
+                    {"hgemm pingpong 64x192 s6 cluster2 on 2N, no epilogue", none_glu<192, 6, 2, true>, true, true}};
         default:
             return {{"cublas + add_rmsnorm", peer, false},
                     {"hgemm res + Σy² 128x256 s4", launch<256, 4, EPI_RES_SS, 1>, true},
                     {"hgemm res + Σy² 128x128 s6", launch<128, 6, EPI_RES_SS, 1>, true},
-                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true}};
+                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true},
+                    {"hgemm res + Σy² pingpong 64x256 s4", launch<256, 4, EPI_RES_SS, 1, true>, true},
+                    {"hgemm res + Σy² pingpong 64x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2, true>, true}};
         }
     }
     switch (e) {
@@ -566,20 +593,26 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                 {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true},
                 {"hgemm 128x256 s4, no epilogue", launch<256, 4, EPI_NONE, 1>, true, true},
                 {"hgemm 128x128 s6, no epilogue", launch<128, 6, EPI_NONE, 1>, true, true},
-                {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true}};
+                {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true},
+                {"hgemm pingpong 64x256 s4", launch<256, 4, EPI_STORE, 1, true>, true},
+                {"hgemm pingpong 64x256 s4 cluster2", launch<256, 4, EPI_STORE, 2, true>, true},
+                {"hgemm pingpong 64x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2, true>, true, true}};
     case EPI_GLU:
         return {{"cublas + silu_mul", peer, false},
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5", launch<192, 5, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU, 2>, true},
                 {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
-                {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true}};
+                {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true},
+                {"hgemm glu pingpong 64x(96+96) s6 cluster2", launch<192, 6, EPI_GLU, 2, true>, true}};
     case EPI_RES:
     default:
         return {{"cublas beta=1", peer, false},
                 {"hgemm res 128x256 s4", launch<256, 4, EPI_RES, 1>, true},
                 {"hgemm res 128x128 s6", launch<128, 6, EPI_RES, 1>, true},
-                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true}};
+                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true},
+                {"hgemm res pingpong 64x256 s4", launch<256, 4, EPI_RES, 1, true>, true},
+                {"hgemm res pingpong 64x256 s4 cluster2", launch<256, 4, EPI_RES, 2, true>, true}};
     }
 }
 
@@ -591,15 +624,23 @@ int main(int argc, char** argv) {
     std::vector<int> ms;
     bool check_only = false;
     int clusters = 0;  // 0 both, 1 none, 2 only
-    const char* only = nullptr;  // --only S: the timed problems whose name holds S
+    std::vector<std::string> only;  // --only S[,S...]: the timed problems whose name holds one S
+    const char* vonly = nullptr;  // --variant S: of our variants, those whose name holds S
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--check-only")) check_only = true;
         else if (!strcmp(argv[i], "--no-cluster")) clusters = 1;
         else if (!strcmp(argv[i], "--cluster-only")) clusters = 2;
-        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+            std::string list = argv[++i];
+            for (size_t at = 0, comma; at <= list.size(); at = comma + 1) {
+                comma = std::min(list.find(',', at), list.size());
+                if (comma > at) only.push_back(list.substr(at, comma - at));
+            }
+        }
+        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) vonly = argv[++i];
         else if (atoi(argv[i]) > 0) ms.push_back(atoi(argv[i]));
         else {
-            fprintf(stderr, "usage: %s [--check-only] [--no-cluster | --cluster-only] [--only NAME] [M ...]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--check-only] [--no-cluster | --cluster-only] [--only NAME[,NAME...]] [--variant NAME] [M ...]\n", argv[0]);
             return 1;
         }
     }
@@ -650,12 +691,15 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e1));
     bool all_ok = true;
     for (Problem& p : probs) {
-        if (only && p.timed && p.name.find(only) == std::string::npos) continue;
+        if (!only.empty() && p.timed &&
+            std::none_of(only.begin(), only.end(), [&](const std::string& o) { return p.name.find(o) != std::string::npos; }))
+            continue;
         setup(p);
         std::vector<Variant> vs;
         for (const Variant& v : variants_of(p.epi, p.norm, p.H > 0)) {
             const bool cl = strstr(v.name, "cluster2") != nullptr;
-            if (!v.ours || clusters == 0 || (clusters == 1 && !cl) || (clusters == 2 && cl)) vs.push_back(v);
+            const bool named = !vonly || strstr(v.name, vonly) != nullptr;
+            if (!v.ours || (named && (clusters == 0 || (clusters == 1 && !cl) || (clusters == 2 && cl)))) vs.push_back(v);
         }
         std::vector<std::string> status(vs.size());
         std::vector<double> err(vs.size(), 0);
