@@ -81,59 +81,31 @@ struct Args {
 // The 16-bit value a rounded store and reload of f gives (the unfused op's stored output).
 __device__ __forceinline__ float rnd16(float f) { return to_f32(from_f32(f)); }
 
-// The 1/rms of a thread's two rows from their partial sums of squares, Σ_t ss[t][r] in order t =
-// 0, 1, ... (add_rmsnorm_v's formula), gathered over the main loop: part kb's loads are issued
-// in K block kb and added two blocks later, so that no wait for L2 stalls the wgmma issue. Summed
-// at once in the first K block, the engine's 16-32 parts a row (one per column tile of the O or
-// FFN2 GEMM before) kept the warpgroup from issuing for ~1 µs a tile while a single K block ran.
-struct RowScale {
-    // Σ so far, and the part in flight of each parity (two registers each: no move between
-    // blocks, which would wait for the load).
-    float s[2] = {0.f, 0.f}, even[2] = {0.f, 0.f}, odd[2] = {0.f, 0.f};
-    int r[2];
-    __device__ __forceinline__ float load(const Args& a, int t, int h) const {
-        return r[h] < a.M ? a.ss[(size_t)t * a.M + r[h]] : 0.f;
-    }
-    // In K block kb: part kb - 2 added, part kb loaded into the register it left.
-    __device__ __forceinline__ void step(const Args& a, int kb) {
-        const bool add = kb >= 2 && kb - 2 < a.nparts, fetch = kb < a.nparts;
-        // Two branches, not a reference chosen at run time: that put the parts in local memory.
-        if (kb & 1) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (add) s[h] += odd[h];
-                if (fetch) odd[h] = load(a, kb, h);
-            }
-        } else {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (add) s[h] += even[h];
-                if (fetch) even[h] = load(a, kb, h);
-            }
-        }
-    }
-    // After the kblocks K blocks: the two parts in flight, then any past kblocks; 1 for rows past M.
-    __device__ __forceinline__ void finish(const Args& a, int kblocks, float (&rs)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            for (int t = max(kblocks - 2, 0); t < min(kblocks, a.nparts); ++t) s[h] += (t & 1) ? odd[h] : even[h];
-            for (int t = kblocks; t < a.nparts; ++t) s[h] += load(a, t, h);
-            rs[h] = r[h] < a.M ? 1.f / sqrtf(s[h] / (float)a.K + a.eps) : 1.f;
-        }
-    }
-};
+// The row scales of the *_RS epilogues: 1/rms of row r = 1/sqrt(Σ_t ss[t][r]/K + eps), summed in
+// the order t = 0, 1, ... (add_rmsnorm_v's formula), are computed by warp 1 of the producer
+// warpgroup, otherwise idle, a tile ahead of the consumers: BM floats per tile in one of two
+// shared buffers, handed over by mbarriers (full: the warp's 32 arrivals; empty: the 256 consumer
+// threads'). Why: the consumers summed their rows' parts in their first K block, and with the
+// engine's 16-32 parts a row (one per column tile of the O or FFN2 GEMM before) their L2 and DRAM
+// round trips kept the warpgroup from issuing wgmmas while one K block ran (the SwiGLU·1/rms tile
+// took 15 µs more per Llama2-7B FFN1 than the same tile without the scale; reports/NOTES.md,
+// session 36).
+constexpr u32 RS_BUF_BYTES = BM * 4;  // one tile's row scales
+template <int EPI>
+__host__ __device__ constexpr u32 row_scale_bytes() {
+    return row_scaled(EPI) ? 32 + 2 * RS_BUF_BYTES : 0;  // four barriers, two buffers
+}
 
 // CL CTAs of a cluster take CL tiles stacked along M that share their W block: each loads 1/CL
 // of it and multicasts it to all (TMA .multicast::cluster), so a CTA pulls A + B/CL bytes of a
 // K block through L2 instead of A + B (B is twice A at BN = 256).
-template <int BN, int EPI, int CL, bool PP = false>
+template <int BN, int EPI, int CL>
 struct Tile {
-    static constexpr int A_ROWS = PP ? 64 : BM;  // rows of x a stage holds: one warpgroup's, or both
     static constexpr int OUT_N = is_glu(EPI) ? BN / 2 : BN;  // columns of y a tile writes
     // W rows of one TMA box: GLU loads gate and up as two boxes (rank 0 and 1 of a pair);
     // otherwise one box, or a half per rank.
     static constexpr int W_BOX = is_glu(EPI) || CL == 2 ? BN / 2 : BN;
-    static constexpr u32 A_BYTES = A_ROWS * BK * 2;
+    static constexpr u32 A_BYTES = BM * BK * 2;
     static constexpr u32 B_BYTES = BN * BK * 2;
     static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
 };
@@ -168,9 +140,9 @@ __host__ __device__ constexpr u32 staging_bytes() {
 // The stages, two staging buffers per consumer warpgroup, the stages' barriers and the four
 // residual barriers, and the slack that aligns the base to 1024 (src/backend/cuda/gemm_hopper.rs
 // computes the same).
-template <int BN, int STAGES, int EPI, int CL, bool PP = false>
+template <int BN, int STAGES, int EPI, int CL>
 __host__ __device__ constexpr size_t smem_bytes() {
-    return (size_t)STAGES * Tile<BN, EPI, CL, PP>::STAGE_BYTES + staging_bytes<BN, EPI>() + 16 * STAGES + 32 + 1024;
+    return (size_t)STAGES * Tile<BN, EPI, CL>::STAGE_BYTES + staging_bytes<BN, EPI>() + 16 * STAGES + 32 + row_scale_bytes<EPI>() + 1024;
 }
 
 __device__ __forceinline__ void tma_store_2d(const TmaMap* map, u32 src, int c0, int c1) {
@@ -203,8 +175,8 @@ struct Staging {
 // one that gives up: a trap (the launch fails with an illegal-instruction error) ends the process
 // where a deadlock would hang it. No printf: a call there would serialise the wgmmas and void
 // setmaxnreg (ptxas C7510 / C7507). The watchdog's clock reads cost registers: with it, nvcc
-// spills the rotary 128 × 256 tile (~1 KB), which the engine's build does not, so the harness
-// times a build with HG_WATCHDOG_CYCLES=0.
+// spills the rotary and SwiGLU 128 × 256 tiles (~1 KB), which the engine's build does not, so
+// the harness times a build with HG_WATCHDOG_CYCLES=0.
 __device__ __forceinline__ void wait_or_trap(u32 bar, u32 parity) {
 #if defined(HG_WATCHDOG_CYCLES) && HG_WATCHDOG_CYCLES > 0
     if (mbar_try_wait(bar, parity)) return;
@@ -312,9 +284,9 @@ __device__ __forceinline__ u32 stage_at(u32 buf, int rr, int ii, int lane) {
 // loads the last row's box instead: whether TMA completes the bytes of a box wholly outside the
 // tensor is not something to rely on.
 template <int BN, int EPI>
-__device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMap* rmap, int row0, int tn, int M) {
+__device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMap* rmap, int tm, int tn, int w, int M) {
     using S = Stage<BN, EPI>;
-    row0 = min(row0, M - 1);
+    const int row0 = min(tm * BM + w * 64, M - 1);
     bulk_wait_read<0>();
 #pragma unroll
     for (int c = 0; c < (S::NCH < 2 ? S::NCH : 2); ++c) {
@@ -326,15 +298,15 @@ __device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMa
 
 // STORE, GLU, RES and their norm forms (see Epi) through the staging buffers and TMA stores,
 // which clip rows past M and columns past N.
-// row0: the warpgroup's first row; w: the warpgroup (its named barrier); rs: 1/rms of the
-// thread's two rows (row_scaled epilogues; 1 otherwise).
+// rs: 1/rms of the thread's two rows (row_scaled epilogues; 1 otherwise), from row_scales.
 template <int BN, int EPI>
-__device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int row0, int tn, int w, Staging& st,
+__device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
                                                 const TmaMap* ymap, const TmaMap* rmap, const float (&rs)[2]) {
     using S = Stage<BN, EPI>;
     constexpr int OUT_N = S::OUT_N, NCH = S::NCH, CW = S::CW, PAIRS = OUT_N / 8;
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
+    const int row0 = tm * BM + w * 64;
     float sq[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < NCH; ++j, ++st.n) {
@@ -407,10 +379,11 @@ __device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc
 // buffers, then read back as 16-byte rows pieces and stored whole (a warp writes two 256-byte
 // head rows) to q or to the row's slot of a pool; no TMA, since the pool rows are scattered.
 template <int BN>
-__device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN / 2], int row0, int tn, int w, const Staging& st,
+__device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, const Staging& st,
                                             const float (&rs)[2]) {
     static_assert(BN % HD == 0 && HD == 2 * CH, "a tile holds whole heads, a head two chunks");
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4, t = threadIdx.x % 128;
+    const int row0 = tm * BM + w * 64;
     // The pool slots of the 8 rows this thread stores in the read-back (the same rows for every
     // head of the tile), in one burst: loaded beside each store, they waited on L2 one at a time
     // (the shared-memory asm between them keeps the compiler from hoisting them).
@@ -472,22 +445,13 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
 }
 
 // The kernel, for a __global__ entry of 384 threads (__launch_bounds__(THREADS, 1)) to call with
-// its __grid_constant__ maps: x [M, K] in boxes of 64 × A_ROWS; W [N, K] (GLU: its gate rows, and
+// its __grid_constant__ maps: x [M, K] in boxes of 64 × BM; W [N, K] (GLU: its gate rows, and
 // umap its up rows) in boxes of 64 × W_BOX; y and the residual [M, N] in boxes of CW × 64.
 // The grid is persistent: at most one CTA (CL = 2: cluster) per SM, each walking tiles.
-//
-// Two consumer schedules. Cooperative (PP false): both warpgroups work on one 128 × BN tile, 64
-// rows each, and the tensor cores idle while they run its epilogue. Ping-pong (PP true,
-// FlashAttention-3 §3.1 and CUTLASS's Pingpong kernel): a tile is 64 × BN and each warpgroup owns
-// every other tile of the CTA's walk; the two take turns at the tensor cores (named barriers
-// 3 + w), so that one's epilogue runs under the other's main loop. The producer's ring is the
-// same: the tiles' K blocks in walk order, each stage consumed by one warpgroup. Why: the
-// SwiGLU·1/rms and rotary epilogues cost 21 and ~12 µs a layer over their bare main loops at a
-// 1024-token prompt (reports/NOTES.md, session 34), time the tensor cores sat idle.
-template <int BN, int STAGES, int EPI, int CL, bool PP = false>
+template <int BN, int STAGES, int EPI, int CL>
 __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wmap, const TmaMap& umap, const TmaMap& ymap,
                                            const TmaMap& rmap, const Args& a) {
-    using T = Tile<BN, EPI, CL, PP>;
+    using T = Tile<BN, EPI, CL>;
     static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-aligned
@@ -497,25 +461,32 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
     auto sb = [&](int s) { return base + s * T::STAGE_BYTES + T::A_BYTES; };
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+    // The row scales (row_scaled epilogues): buffer b's barriers and floats.
+    const u32 rsb = bars + 16 * STAGES + 32;
+    auto rs_full = [&](int b) { return rsb + 8 * b; };
+    auto rs_empty = [&](int b) { return rsb + 16 + 8 * b; };
+    auto rs_buf = [&](int b) { return rsb + 32 + b * RS_BUF_BYTES; };
     const int kblocks = (a.K + BK - 1) / BK;  // TMA fills K past the edge with zeros
     // Warpgroup-uniform through a shuffle, so that ptxas keeps what derives from it (descriptors,
     // ring indices) in uniform registers (reports/NOTES.md, session 7).
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const u32 rank = CL == 2 ? cluster_rank() : 0;
     // A cluster walks pairs of tiles (tm = 2·pair_m + rank) of one W block; a lone CTA, tiles.
-    // tiles_m counts tiles of A_ROWS rows.
     const int pairs_m = (a.tiles_m + CL - 1) / CL, units = pairs_m * a.tiles_n;
     const int unit0 = blockIdx.x / CL, unit_step = gridDim.x / CL;
-    // The warps that release a stage: every consumer warp of the cluster, or (ping-pong) those of
-    // the one warpgroup that read it.
-    constexpr int CONSUMER_WARPS = PP ? 4 : 8;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 1);                     // the producer's arrival, with the stage's bytes
-            mbar_init(empty(s), CONSUMER_WARPS * CL);  // one arrival per consumer warp
+            mbar_init(full(s), 1);            // the producer's arrival, with the stage's bytes
+            mbar_init(empty(s), 2 * 4 * CL);  // one arrival per consumer warp of the cluster
         }
         for (int i = 0; i < 4; ++i) mbar_init(bars + 16 * STAGES + 8 * i, 1);  // residual loads
+        if constexpr (row_scaled(EPI)) {
+            for (int b = 0; b < 2; ++b) {
+                mbar_init(rs_full(b), 32);
+                mbar_init(rs_empty(b), 256);
+            }
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     if (CL == 2) cluster_sync();  // the peer's barriers exist before anything lands on them
@@ -554,12 +525,39 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
                     const int s = it % STAGES;
                     if (it >= STAGES) wait_or_trap(empty(s), ((it / STAGES) - 1) & 1);
                     if (it >= pre) mbar_arrive_expect_tx(full(s), T::STAGE_BYTES);
-                    tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * T::A_ROWS);
+                    tma_load_2d(sa(s), &xmap, full(s), kb * BK, tm * BM);
                     if (it >= pre) load_w(s, kb, tn);
                 }
             }
-        } else if constexpr (FDPP_GEMM_PDL) {
-            pdl_wait();
+        } else {
+            if constexpr (FDPP_GEMM_PDL) pdl_wait();  // before the row sums are read
+            if constexpr (row_scaled(EPI)) {
+                if (threadIdx.x / 32 == 1) {
+                    // Tile j's rows' scales into buffer j % 2, the tiles in the consumers' order;
+                    // lane l takes rows l, l + 32, l + 64, l + 96 (coalesced per part).
+                    const int lane = threadIdx.x % 32;
+                    int j = 0;
+                    for (int u = unit0; u < units; u += unit_step, ++j) {
+                        const int tm = (u % pairs_m) * CL + rank, b = j & 1;
+                        if (j >= 2) wait_or_trap(rs_empty(b), ((j >> 1) - 1) & 1);
+                        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+                        for (int t = 0; t < a.nparts; ++t)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int r = tm * BM + lane + 32 * i;
+                                if (r < a.M) sum[i] += a.ss[(size_t)t * a.M + r];
+                            }
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int r = tm * BM + lane + 32 * i;
+                            const float v = r < a.M ? 1.f / sqrtf(sum[i] / (float)a.K + a.eps) : 1.f;
+                            smem_st(rs_buf(b) + 4 * (lane + 32 * i), __float_as_uint(v));
+                        }
+                        mbar_arrive(rs_full(b));  // release: the stores above, to the consumers' wait
+                    }
+                }
+            }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
@@ -574,55 +572,41 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
         };
         Staging st = {stg + (u32)w * 2 * Stage<BN, EPI>::BYTES, bars + 16 * STAGES + 16 * (u32)w, 0, 0};
         const bool leader = threadIdx.x % 128 == 0;
-        // Ping-pong: the CTA's j-th tile is warpgroup (j % 2)'s; warpgroup w waits on barrier 3 + w
-        // (both warpgroups' 256 threads: its own sync, the other's arrival) before its main loop
-        // and lets the other go once its last K block is issued. Warpgroup 1 opens the first turn;
-        // an arrival is made only where the other has a tile left, so no count outlives the CTA.
-        const int my_tiles = (units - unit0 + unit_step - 1) / unit_step;  // the CTA's tiles (if unit0 < units)
-        if constexpr (PP)
-            if (w == 1 && unit0 < units) named_arrive(3, 256);
-        int it = PP ? w * kblocks : 0;  // ring position of this warpgroup's next K block
-        for (int j = PP ? w : 0, u = unit0 + j * unit_step; u < units; j += PP ? 2 : 1, u += (PP ? 2 : 1) * unit_step) {
+        int it = 0, jt = 0;
+        for (int u = unit0; u < units; u += unit_step, ++jt) {
             const int tm = (u % pairs_m) * CL + rank, tn = u / pairs_m;
-            const int row0 = PP ? tm * 64 : tm * BM + w * 64;  // the warpgroup's first row
-            if constexpr (PP) named_sync(3 + w, 256);
             float rs[2] = {1.f, 1.f};
-            RowScale scale;
-            {
-                const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
-                scale.r[0] = row0 + q * 16 + lane / 4;
-                scale.r[1] = scale.r[0] + 8;
-            }
             float acc[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
             for (int kb = 0; kb < kblocks; ++kb, ++it) {
                 const int s = it % STAGES;
                 wait_or_trap(full(s), (it / STAGES) & 1);
-                const u64 da = desc_sw128(sa(s) + (PP ? 0u : (u32)w * 64u * 128u), 16, 1024);
+                const u64 da = desc_sw128(sa(s) + (u32)w * 64u * 128u, 16, 1024);
                 const u64 db = desc_sw128(sb(s), 16, 1024);
                 wg_fence();
                 mma_block<BN>(acc, da, db, kb == 0);
                 wg_commit();
-                if constexpr (row_scaled(EPI)) scale.step(a, kb);
                 if constexpr (is_res(EPI))
-                    if (leader && kb == kblocks / 2) prefetch_residual<BN, EPI>(st, &rmap, row0, tn, a.M);
+                    if (leader && kb == kblocks / 2) prefetch_residual<BN, EPI>(st, &rmap, tm, tn, w, a.M);
                 wg_wait<1>();  // the previous block's wgmmas have read their stage
                 if (kb > 0) release((it - 1) % STAGES);
             }
-            // The other warpgroup's turn: its stages are the next in the ring, and every stage
-            // before them has been waited on here, so its full-barrier parities cannot alias.
-            if constexpr (PP)
-                if (j + 1 < my_tiles) named_arrive(4 - w, 256);
             wg_wait<0>();
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
             release((it - 1) % STAGES);
-            if constexpr (row_scaled(EPI)) scale.finish(a, kblocks, rs);
+            if constexpr (row_scaled(EPI)) {
+                // This tile's row scales, from producer warp 1 (above).
+                const int b = jt & 1, lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+                wait_or_trap(rs_full(b), (jt >> 1) & 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) rs[h] = __uint_as_float(smem_ld(rs_buf(b) + 4 * (w * 64 + q * 16 + lane / 4 + 8 * h)));
+                mbar_arrive(rs_empty(b));
+            }
             if constexpr (EPI == EPI_NONE) none_epilogue<BN>(a, acc);
-            else if constexpr (EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, row0, tn, w, st, rs);
-            else staged_epilogue<BN, EPI>(a, acc, row0, tn, w, st, &ymap, &rmap, rs);
-            if constexpr (PP) it += kblocks;  // the other warpgroup's tile
+            else if constexpr (EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, tm, tn, w, st, rs);
+            else staged_epilogue<BN, EPI>(a, acc, tm, tn, w, st, &ymap, &rmap, rs);
         }
         if (leader) bulk_wait_all();  // the last stores are out before the CTA's memory goes
     }
@@ -633,6 +617,7 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
         cluster_sync();
     }
 }
+
 
 #if defined(FDPP_BN) && !defined(FDPP_EPI)
 // ImplC's fdpp form (GemmSpec with block_n and stages, src/backend/cuda/gemm_hopper.rs): the
@@ -652,17 +637,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
 #ifdef FDPP_EPI
 // The prefill's fused layer (src/backend/cuda/gemm_epi.rs): epilogue FDPP_EPI on 128 × FDPP_BN
-// tiles (FDPP_PP 1: 64 × FDPP_BN, the ping-pong schedule), FDPP_STAGES stages, clusters of
-// FDPP_CL CTAs along M; the host fills `a` (tiles_m, tiles_n, nparts included) and the grid is
-// min(units, resident clusters) · FDPP_CL.
-#ifndef FDPP_PP
-#define FDPP_PP 0
-#endif
+// tiles, FDPP_STAGES stages, clusters of FDPP_CL CTAs along M; the host fills `a` (tiles_m,
+// tiles_n, nparts included) and the grid is min(units, resident clusters) · FDPP_CL.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     gemm_hopper_epi(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,
                     const __grid_constant__ TmaMap umap, const __grid_constant__ TmaMap ymap,
                     const __grid_constant__ TmaMap rmap, const Args a) {
-    hgemm_body<FDPP_BN, FDPP_STAGES, FDPP_EPI, FDPP_CL, FDPP_PP != 0>(xmap, wmap, umap, ymap, rmap, a);
+    hgemm_body<FDPP_BN, FDPP_STAGES, FDPP_EPI, FDPP_CL>(xmap, wmap, umap, ymap, rmap, a);
 }
 
 // ss[r] = Σ_c x[r, c]² of a row-major [rows, C] matrix (C % 8 == 0), one block of 256 per row:

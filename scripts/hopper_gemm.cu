@@ -52,11 +52,11 @@ constexpr int SS_PARTS = 64;
 // the 4096-wide O or FFN2 before it.
 constexpr int RS_PARTS = 16;
 
-template <int BN, int STAGES, int EPI, int CL, bool PP>
+template <int BN, int STAGES, int EPI, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
     hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap,
           const __grid_constant__ TmaMap ymap, const __grid_constant__ TmaMap rmap, Args a) {
-    hgemm_body<BN, STAGES, EPI, CL, PP>(xmap, wmap, umap, ymap, rmap, a);
+    hgemm_body<BN, STAGES, EPI, CL>(xmap, wmap, umap, ymap, rmap, a);
 }
 
 // ---- the peers and the harness ----
@@ -169,12 +169,11 @@ static Problem rope_problem(const std::string& name, int M, int H, int G, int K,
 static int g_sms = 0;
 static cublasHandle_t g_blas;
 
-// PP: the ping-pong schedule (64-row tiles, one per consumer warpgroup in turn).
-template <int BN, int STAGES, int EPI, int CL, bool PP = false>
+template <int BN, int STAGES, int EPI, int CL>
 static void launch(const Problem& p, cudaStream_t st) {
-    using T = Tile<BN, EPI, CL, PP>;
-    auto kern = hgemm<BN, STAGES, EPI, CL, PP>;
-    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL, PP>();
+    using T = Tile<BN, EPI, CL>;
+    auto kern = hgemm<BN, STAGES, EPI, CL>;
+    constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL>();
     static_assert(smem <= 227 * 1024, "the tile's stages fit in shared memory");
     static int max_units = 0;  // CTAs (CL = 1) or clusters (CL = 2) resident at once
     cudaLaunchConfig_t cfg = {};
@@ -193,8 +192,7 @@ static void launch(const Problem& p, cudaStream_t st) {
         if (CL == 2) {
             cfg.gridDim = dim3(g_sms);
             CK(cudaOccupancyMaxActiveClusters(&max_units, kern, &cfg));
-            printf("(hgemm BN %d, %d stages, epilogue %d%s: %d clusters of 2 resident)\n", BN, STAGES, EPI, PP ? ", ping-pong" : "",
-                   max_units);
+            printf("(hgemm BN %d, %d stages, epilogue %d: %d clusters of 2 resident)\n", BN, STAGES, EPI, max_units);
         } else {
             max_units = g_sms;
         }
@@ -205,7 +203,7 @@ static void launch(const Problem& p, cudaStream_t st) {
     }
     // The maps are encoded per launch here (host-only work, as fdpp's prefill does); a
     // production launcher would cache them per buffer.
-    const TmaMap xm = tma_map(p.x, p.M, p.K, T::A_ROWS);
+    const TmaMap xm = tma_map(p.x, p.M, p.K, BM);
     const TmaMap wm = tma_map(p.w, p.N, p.K, T::W_BOX);
     const TmaMap um = is_glu(EPI) ? tma_map(p.w + (size_t)p.N * p.K, p.N, p.K, T::W_BOX) : wm;
     // y and the residual as boxes of 64 rows × CW columns (the staging chunks).
@@ -228,7 +226,7 @@ static void launch(const Problem& p, cudaStream_t st) {
     a.M = p.M;
     a.N = p.N;
     a.K = p.K;
-    a.tiles_m = (p.M + T::A_ROWS - 1) / T::A_ROWS;
+    a.tiles_m = (p.M + BM - 1) / BM;
     a.tiles_n = (p.N + T::OUT_N - 1) / T::OUT_N;
     a.nparts = RS_PARTS;  // the *_RS epilogues read ss as setup left it: Σx² of x in RS_PARTS parts
     const int units = (a.tiles_m + CL - 1) / CL * a.tiles_n;
@@ -276,7 +274,7 @@ static void peer(const Problem& p, cudaStream_t) {
 
 // What the epilogue costs: the GLU's product alone, over the gate and up rows (2N columns of
 // y, as cuBLAS computes them before silu_mul), with no epilogue (EPI_NONE) or through cuBLAS.
-template <int BN, int STAGES, int CL, bool PP = false>
+template <int BN, int STAGES, int CL>
 static void none_glu(const Problem& p, cudaStream_t st) {
     // In place, not a copy: a Problem holds its host arrays, and copying them per launch is what
     // a first run of this variant timed (~120 ms).
@@ -285,7 +283,7 @@ static void none_glu(const Problem& p, cudaStream_t st) {
     const Epi e = q.epi;
     q.N = 2 * n;
     q.epi = EPI_STORE;
-    launch<BN, STAGES, EPI_NONE, CL, PP>(q, st);
+    launch<BN, STAGES, EPI_NONE, CL>(q, st);
     q.N = n;
     q.epi = e;
 }
@@ -548,18 +546,14 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
         return {{"cublas on rmsnorm(x) + qkv_rope", peer, false},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4", launch<256, 4, EPI_QKV_ROPE, 1>, true},
                 {"hgemm ·1/rms, rope, q/k/v to the pools 128x128 s6", launch<128, 6, EPI_QKV_ROPE, 1>, true},
-                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true},
-                {"hgemm ·1/rms, rope, q/k/v to the pools pingpong 64x256 s4", launch<256, 4, EPI_QKV_ROPE, 1, true>, true},
-                {"hgemm ·1/rms, rope, q/k/v to the pools pingpong 64x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2, true>, true}};
+                {"hgemm ·1/rms, rope, q/k/v to the pools 128x256 s4 cluster2", launch<256, 4, EPI_QKV_ROPE, 2>, true}};
     if (norm) {
         switch (e) {
         case EPI_STORE:
             return {{"cublas on rmsnorm(x)", peer, false},
                     {"hgemm ·1/rms 128x256 s4", launch<256, 4, EPI_STORE_RS, 1>, true},
                     {"hgemm ·1/rms 128x128 s6", launch<128, 6, EPI_STORE_RS, 1>, true},
-                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true},
-                    {"hgemm ·1/rms pingpong 64x256 s4", launch<256, 4, EPI_STORE_RS, 1, true>, true},
-                    {"hgemm ·1/rms pingpong 64x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2, true>, true}};
+                    {"hgemm ·1/rms 128x256 s4 cluster2", launch<256, 4, EPI_STORE_RS, 2>, true}};
         case EPI_GLU:
             return {{"cublas on rmsnorm(x) + silu_mul", peer, false},
                     {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
@@ -567,22 +561,15 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                     {"hgemm glu ·1/rms 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU_RS, 2>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
-                    {"hgemm glu ·1/rms pingpong 64x(96+96) s6", launch<192, 6, EPI_GLU_RS, 1, true>, true},
-                    {"hgemm glu ·1/rms pingpong 64x(96+96) s6 cluster2", launch<192, 6, EPI_GLU_RS, 2, true>, true},
-                    {"hgemm glu ·1/rms pingpong 64x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2, true>, true},
                     {"cublas alone, no silu_mul", blas_glu, true, true},
                     {"hgemm 128x192 s5 on 2N, no epilogue", none_glu<192, 5, 1>, true, true},
                     {"hgemm 128x192 s5 cluster2 on 2N, no epilogue", none_glu<192, 5, 2>, true, true},
-                    {"hgemm 128x256 s4 on 2N, no epilogue", none_glu<256, 4, 1>, true, true},
-                    {"hgemm pingpong 64x192 s6 on 2N, no epilogue", none_glu<192, 6, 1, true>, true, true},
-                    {"hgemm pingpong 64x192 s6 cluster2 on 2N, no epilogue", none_glu<192, 6, 2, true>, true, true}};
+                    {"hgemm 128x256 s4 on 2N, no epilogue", none_glu<256, 4, 1>, true, true}};
         default:
             return {{"cublas + add_rmsnorm", peer, false},
                     {"hgemm res + Σy² 128x256 s4", launch<256, 4, EPI_RES_SS, 1>, true},
                     {"hgemm res + Σy² 128x128 s6", launch<128, 6, EPI_RES_SS, 1>, true},
-                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true},
-                    {"hgemm res + Σy² pingpong 64x256 s4", launch<256, 4, EPI_RES_SS, 1, true>, true},
-                    {"hgemm res + Σy² pingpong 64x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2, true>, true}};
+                    {"hgemm res + Σy² 128x256 s4 cluster2", launch<256, 4, EPI_RES_SS, 2>, true}};
         }
     }
     switch (e) {
@@ -593,26 +580,20 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                 {"hgemm 128x256 s4 cluster2", launch<256, 4, EPI_STORE, 2>, true},
                 {"hgemm 128x256 s4, no epilogue", launch<256, 4, EPI_NONE, 1>, true, true},
                 {"hgemm 128x128 s6, no epilogue", launch<128, 6, EPI_NONE, 1>, true, true},
-                {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true},
-                {"hgemm pingpong 64x256 s4", launch<256, 4, EPI_STORE, 1, true>, true},
-                {"hgemm pingpong 64x256 s4 cluster2", launch<256, 4, EPI_STORE, 2, true>, true},
-                {"hgemm pingpong 64x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2, true>, true, true}};
+                {"hgemm 128x256 s4 cluster2, no epilogue", launch<256, 4, EPI_NONE, 2>, true, true}};
     case EPI_GLU:
         return {{"cublas + silu_mul", peer, false},
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5", launch<192, 5, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU, 2>, true},
                 {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
-                {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true},
-                {"hgemm glu pingpong 64x(96+96) s6 cluster2", launch<192, 6, EPI_GLU, 2, true>, true}};
+                {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true}};
     case EPI_RES:
     default:
         return {{"cublas beta=1", peer, false},
                 {"hgemm res 128x256 s4", launch<256, 4, EPI_RES, 1>, true},
                 {"hgemm res 128x128 s6", launch<128, 6, EPI_RES, 1>, true},
-                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true},
-                {"hgemm res pingpong 64x256 s4", launch<256, 4, EPI_RES, 1, true>, true},
-                {"hgemm res pingpong 64x256 s4 cluster2", launch<256, 4, EPI_RES, 2, true>, true}};
+                {"hgemm res 128x256 s4 cluster2", launch<256, 4, EPI_RES, 2>, true}};
     }
 }
 

@@ -20,7 +20,6 @@ pub enum Key {
     FusedRope,
     FusedPrefill,
     FusedPrefillMin,
-    PrefillGemmPingpong,
     Graphs,
     Pdl,
     Pipeline,
@@ -127,15 +126,6 @@ pub const KEYS: &[KeyInfo] = &[
         default: "1024",
         kind: Kind::Behaviour,
         what: "steps of at least this many tokens run the fused prefill layer (fused_prefill)",
-    },
-    KeyInfo {
-        key: Key::PrefillGemmPingpong,
-        name: "prefill_gemm_pingpong",
-        env: "FDPP_PREFILL_GEMM_PINGPONG",
-        values: "1|0",
-        default: "0",
-        kind: Kind::Behaviour,
-        what: "the fused prefill's wgmma GEMMs run 64-row tiles, one per consumer warpgroup in turn, so that one's epilogue runs under the other's main loop (0: both warpgroups on one 128-row tile)",
     },
     KeyInfo {
         key: Key::TpGraphs,

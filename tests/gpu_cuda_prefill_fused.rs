@@ -15,7 +15,7 @@
 //! Run on an sm_90a GPU: `cargo test --release --test gpu_cuda_prefill_fused -- --ignored --test-threads 1`.
 
 use fdpp::backend::cpu::CpuBackend;
-use fdpp::backend::cuda::gemm_epi::{pick_tile, pingpong, Epi};
+use fdpp::backend::cuda::gemm_epi::{pick_tile, Epi};
 use fdpp::backend::cuda::{CudaBackend, CudaBuffer};
 use fdpp::backend::Backend;
 use fdpp::dtype::{random_bits, DType};
@@ -72,11 +72,9 @@ fn residual_rows(dt: DType, m: usize, k: usize, seed: u64) -> Vec<u16> {
         .collect()
 }
 
-/// The plain Hopper GEMM spec with the tile width the fused op picks (the same accumulation
-/// order: each output's K blocks in the same wgmma shape, whichever rows its tile holds; the
-/// ping-pong schedule, `FDPP_PREFILL_GEMM_PINGPONG=1`, runs the same widths on 64 rows).
+/// The plain Hopper GEMM spec with the tile the fused op picks (the same accumulation order).
 fn plain(gpu: &CudaBackend, dt: DType, epi: Epi, m: usize, n: usize) -> GemmSpec {
-    let t = pick_tile(epi, m, n, gpu.info().compute_units, pingpong());
+    let t = pick_tile(epi, m, n, gpu.info().compute_units);
     GemmSpec::new(GemmImpl::Gemm, dt)
         .with_block_n(t.bn)
         .with_stages(t.stages)

@@ -58,61 +58,51 @@ impl Epi {
     fn glu(self) -> bool {
         self == Epi::GluRs
     }
+    /// Scales its rows by 1/rms (the kernel's `row_scaled`): producer warp 1 computes the scales
+    /// into shared memory a tile ahead.
+    fn row_scaled(self) -> bool {
+        matches!(self, Epi::StoreRs | Epi::GluRs | Epi::QkvRope)
+    }
 }
 
-/// A tile of the fused GEMM: 128 rows (`pp`: 64) × `bn` W rows (for the GLU, bn/2 gate and bn/2
-/// up rows), `stages` K blocks in the ring, clusters of `cl` CTAs stacked along M sharing the W
-/// block. `pp`: the ping-pong schedule (gemm_hopper.cu's `hgemm_body`), each consumer warpgroup
-/// on a 64-row tile of its own, the two taking turns at the tensor cores so that one's epilogue
-/// runs under the other's main loop.
+/// A tile of the fused GEMM: 128 rows × `bn` W rows (for the GLU, bn/2 gate and bn/2 up rows),
+/// `stages` K blocks in the ring, clusters of `cl` CTAs stacked along M sharing the W block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tile {
     pub bn: u32,
     pub stages: u32,
     pub cl: u32,
-    pub pp: bool,
-}
-
-impl Tile {
-    /// Rows of x a tile (and a stage) holds.
-    fn rows(self) -> u32 {
-        if self.pp {
-            64
-        } else {
-            BM
-        }
-    }
-}
-
-/// Whether the fused GEMMs run the ping-pong schedule (`prefill_gemm_pingpong`).
-pub fn pingpong() -> bool {
-    crate::run_config::get().set_on(crate::run_config::Key::PrefillGemmPingpong)
 }
 
 /// The tiles offered per epilogue, best first where the waves fill alike (session 31's H200
 /// table: 128 × 256 with 4 stages for the plain, residual and rotary forms; the SwiGLU at
 /// 128 × (128 + 128) in clusters of 2 at M = 4096 (1.01-1.03× cuBLAS + silu_mul, where 96 + 96
 /// was 0.93-0.95×), and 128 × (96 + 96), 5 stages, where its waves fill better (Llama2-7B at
-/// M = 1024: 0.99× against 0.88×; unclustered it was 0.90×)). The ping-pong tiles (`pp`) are the
-/// same widths on 64 rows, in clusters of 2 (each CTA pulls half of the W block that two 64-row
-/// tiles share), with the stages the smaller x box leaves room for.
-pub fn tiles(epi: Epi, pp: bool) -> &'static [Tile] {
-    const fn t(bn: u32, stages: u32, cl: u32, pp: bool) -> Tile {
-        Tile { bn, stages, cl, pp }
-    }
-    const WIDE: Tile = t(256, 4, 1, false);
-    const NARROW: Tile = t(128, 6, 1, false);
-    const GLU_128: Tile = t(256, 4, 2, false);
-    const GLU_96: Tile = t(192, 5, 2, false);
-    const PP_WIDE: Tile = t(256, 4, 2, true);
-    const PP_NARROW: Tile = t(128, 6, 2, true);
-    const PP_GLU_128: Tile = t(256, 4, 2, true);
-    const PP_GLU_96: Tile = t(192, 6, 2, true);
-    match (epi, pp) {
-        (Epi::GluRs, false) => &[GLU_128, GLU_96],
-        (_, false) => &[WIDE, NARROW],
-        (Epi::GluRs, true) => &[PP_GLU_128, PP_GLU_96],
-        (_, true) => &[PP_WIDE, PP_NARROW],
+/// M = 1024: 0.99× against 0.88×; unclustered it was 0.90×)).
+pub fn tiles(epi: Epi) -> &'static [Tile] {
+    const WIDE: Tile = Tile {
+        bn: 256,
+        stages: 4,
+        cl: 1,
+    };
+    const NARROW: Tile = Tile {
+        bn: 128,
+        stages: 6,
+        cl: 1,
+    };
+    const GLU_128: Tile = Tile {
+        bn: 256,
+        stages: 4,
+        cl: 2,
+    };
+    const GLU_96: Tile = Tile {
+        bn: 192,
+        stages: 5,
+        cl: 2,
+    };
+    match epi {
+        Epi::GluRs => &[GLU_128, GLU_96],
+        _ => &[WIDE, NARROW],
     }
 }
 
@@ -120,11 +110,7 @@ pub fn tiles(epi: Epi, pp: bool) -> &'static [Tile] {
 pub fn variants() -> Vec<(Epi, Tile)> {
     [Epi::StoreRs, Epi::GluRs, Epi::ResSs, Epi::QkvRope]
         .iter()
-        .flat_map(|&e| {
-            [false, true]
-                .into_iter()
-                .flat_map(move |pp| tiles(e, pp).iter().map(move |&t| (e, t)))
-        })
+        .flat_map(|&e| tiles(e).iter().map(move |&t| (e, t)))
         .collect()
 }
 
@@ -153,30 +139,31 @@ fn chunk_cols(epi: Epi, t: Tile) -> u32 {
     }
 }
 
-/// gemm_hopper.cu's `smem_bytes`: the stages, four staging buffers, the barriers, the slack.
+/// gemm_hopper.cu's `smem_bytes`: the stages, four staging buffers, the barriers, the row
+/// scales' barriers and two buffers (`row_scale_bytes`), the slack.
 pub fn smem_bytes(epi: Epi, t: Tile) -> u32 {
-    t.stages * (t.rows() * BK * 2 + t.bn * BK * 2) + 4 * 64 * chunk_cols(epi, t) * 2 + 16 * t.stages + 32 + 1024
+    let row_scales = if epi.row_scaled() { 32 + 2 * BM * 4 } else { 0 };
+    t.stages * (BM * BK * 2 + t.bn * BK * 2) + 4 * 64 * chunk_cols(epi, t) * 2 + 16 * t.stages + 32 + row_scales + 1024
 }
 
 /// The module of one (epilogue, tile) in `dt`.
 pub fn source(dt: DType, epi: Epi, t: Tile) -> KernelSource {
-    sources::gemm_epi_source(dt, &uri(dt, epi, t), epi as u32, t.bn, t.stages, t.cl, t.pp)
+    sources::gemm_epi_source(dt, &uri(dt, epi, t), epi as u32, t.bn, t.stages, t.cl)
 }
 
 fn uri(dt: DType, epi: Epi, t: Tile) -> String {
-    let pp = if t.pp { "_pp" } else { "" };
-    format!("gemm_epi_{dt}_{}_bn{}_s{}_cl{}{pp}", epi.tag(), t.bn, t.stages, t.cl)
+    format!("gemm_epi_{dt}_{}_bn{}_s{}_cl{}", epi.tag(), t.bn, t.stages, t.cl)
 }
 
 /// The tile for `epi` at [M, N]: the first of [`tiles`] unless another fills its last wave
 /// better by more than 10 % (tiles / (waves · SMs), clusters counted as one unit of `cl` SMs).
-pub fn pick_tile(epi: Epi, m: usize, n: usize, sms: u32, pp: bool) -> Tile {
+pub fn pick_tile(epi: Epi, m: usize, n: usize, sms: u32) -> Tile {
     let fill = |t: &Tile| {
-        let units = m.div_ceil((t.rows() * t.cl) as usize) * n.div_ceil(out_n(epi, *t) as usize);
+        let units = m.div_ceil((BM * t.cl) as usize) * n.div_ceil(out_n(epi, *t) as usize);
         let slots = (sms / t.cl).max(1) as usize;
         units as f64 / (units.div_ceil(slots) * slots) as f64
     };
-    let all = tiles(epi, pp);
+    let all = tiles(epi);
     let first = all[0];
     all.iter()
         .copied()
@@ -308,9 +295,8 @@ fn check_sums(op: &str, d: &GemmDims, sums: RowSums, ss: &CudaBuffer) -> Result<
 /// 16-bit elements the row-sum scratch needs for `rows` rows of a `cols`-wide residual: two per
 /// f32 partial, one partial per column tile of the narrowest residual tile.
 pub fn row_sums_len(rows: usize, cols: usize) -> usize {
-    let narrowest = [false, true]
+    let narrowest = tiles(Epi::ResSs)
         .iter()
-        .flat_map(|&pp| tiles(Epi::ResSs, pp))
         .map(|&t| out_n(Epi::ResSs, t))
         .min()
         .unwrap_or(128) as usize;
@@ -333,7 +319,7 @@ struct Gemm<'a> {
 impl Gemm<'_> {
     fn run(mut self, b: &CudaBackend) -> Result<RowSums> {
         let (epi, d) = (self.epi, self.d);
-        let t = pick_tile(epi, d.m, d.n, b.info().compute_units, pingpong());
+        let t = pick_tile(epi, d.m, d.n, b.info().compute_units);
         let smem = smem_bytes(epi, t);
         if smem > b.max_smem_per_block() {
             return Err(unsupported(
@@ -347,7 +333,7 @@ impl Gemm<'_> {
         }
         let on = out_n(epi, t);
         let w_box = if epi.glu() || t.cl == 2 { t.bn / 2 } else { t.bn };
-        let xm = tma::matrix_map(self.x, d.m, d.k, t.rows(), BK, "x")?;
+        let xm = tma::matrix_map(self.x, d.m, d.k, BM, BK, "x")?;
         let wm = tma::matrix_map(self.w, d.n, d.k, w_box, BK, "W")?;
         // The GLU's up rows follow its N gate rows.
         let um = if epi.glu() {
@@ -361,7 +347,7 @@ impl Gemm<'_> {
         } else {
             tma::matrix_map(self.y, d.m, d.n, 64, cw, "y")?
         };
-        let tiles_m = d.m.div_ceil(t.rows() as usize);
+        let tiles_m = d.m.div_ceil(BM as usize);
         let tiles_n = d.n.div_ceil(on as usize);
         let a = &mut self.args;
         a.m = i32_of(d.m, "M", self.op)?;
@@ -460,7 +446,7 @@ pub fn row_sumsq(b: &CudaBackend, rows: usize, cols: usize, x: &CudaBuffer, ss: 
             found: ss.len().to_string(),
         });
     }
-    let t = tiles(Epi::ResSs, false)[0];
+    let t = tiles(Epi::ResSs)[0];
     let f = b.function_of(&uri(dt, Epi::ResSs, t), "row_sumsq", 0, || {
         Ok(source(dt, Epi::ResSs, t))
     })?;
@@ -735,7 +721,7 @@ fn rope_table(b: &CudaBackend, dt: DType, rope: &RopeParams) -> Result<u64> {
         }
     }
     let (pos, freq) = super::layer::rope_args(b, rope)?;
-    let t = tiles(Epi::QkvRope, false)[0];
+    let t = tiles(Epi::QkvRope)[0];
     let f = b.function_of(&uri(dt, Epi::QkvRope, t), "rope_table", 0, || {
         Ok(source(dt, Epi::QkvRope, t))
     })?;
@@ -788,18 +774,17 @@ mod tests {
             assert!(smem_bytes(e, t) <= 227 * 1024, "{e:?} {t:?}: {}", smem_bytes(e, t));
         }
         // The GLU's 96-column tile stages 32-column chunks.
-        let glu96 = tiles(Epi::GluRs, false)[1];
+        let glu96 = tiles(Epi::GluRs)[1];
         assert_eq!(chunk_cols(Epi::GluRs, glu96), 32);
         assert_eq!(
             smem_bytes(Epi::GluRs, glu96),
-            5 * (16384 + 24576) + 4 * 4096 + 80 + 32 + 1024
+            5 * (16384 + 24576) + 4 * 4096 + 80 + 32 + (32 + 1024) + 1024
         );
-        // Its ping-pong form: a stage holds 64 rows of x.
-        let pp96 = tiles(Epi::GluRs, true)[1];
-        assert_eq!((pp96.bn, pp96.rows()), (192, 64));
+        // The residual form keeps no row scales.
+        let res = tiles(Epi::ResSs)[0];
         assert_eq!(
-            smem_bytes(Epi::GluRs, pp96),
-            6 * (8192 + 24576) + 4 * 4096 + 96 + 32 + 1024
+            smem_bytes(Epi::ResSs, res),
+            4 * (16384 + 32768) + 4 * 8192 + 64 + 32 + 1024
         );
     }
 
@@ -807,21 +792,16 @@ mod tests {
     fn tiles_follow_the_last_waves_fill() {
         // Llama2-7B at M = 1024 on 132 SMs: QKV 384 tiles of 256 (2.91 of 3 waves) stays wide;
         // Llama-3.1-8B's QKV (6144) 192 of 256 (1.45 of 2) goes to 128 (384: 2.91 of 3).
-        assert_eq!(pick_tile(Epi::QkvRope, 1024, 12288, 132, false).bn, 256);
-        assert_eq!(pick_tile(Epi::QkvRope, 1024, 6144, 132, false).bn, 128);
+        assert_eq!(pick_tile(Epi::QkvRope, 1024, 12288, 132).bn, 256);
+        assert_eq!(pick_tile(Epi::QkvRope, 1024, 6144, 132).bn, 128);
         // O and FFN2 (4096): 128 tiles of 256, 0.97 of a wave.
-        assert_eq!(pick_tile(Epi::ResSs, 1024, 4096, 132, false).bn, 256);
+        assert_eq!(pick_tile(Epi::ResSs, 1024, 4096, 132).bn, 256);
         // FFN1 (11008) in clusters of 2 on 66 cluster slots: at M = 1024 128 + 128 makes 344
         // units (5.21 of 6 waves), 96 + 96 460 (6.97 of 7); at 4096 the first fills 20.85 of 21
         // and is kept. Llama-3.1-8B's 14336 at 1024: 448 units, 6.79 of 7 waves.
-        assert_eq!(pick_tile(Epi::GluRs, 1024, 11008, 132, false).bn, 192);
-        assert_eq!(pick_tile(Epi::GluRs, 4096, 11008, 132, false).bn, 256);
-        assert_eq!(pick_tile(Epi::GluRs, 1024, 14336, 132, false).bn, 256);
-        // Ping-pong, 64-row tiles in clusters of 2: Llama2-7B's FFN1 at 1024 fills 5.21 of 6
-        // waves with 128 + 128 and 6.97 of 7 with 96 + 96; QKV (12288) 384 units, 5.82 of 6.
-        assert_eq!(pick_tile(Epi::GluRs, 1024, 11008, 132, true).bn, 192);
-        assert_eq!(pick_tile(Epi::QkvRope, 1024, 12288, 132, true).bn, 256);
-        assert!(pick_tile(Epi::ResSs, 1024, 4096, 132, true).pp);
+        assert_eq!(pick_tile(Epi::GluRs, 1024, 11008, 132).bn, 192);
+        assert_eq!(pick_tile(Epi::GluRs, 4096, 11008, 132).bn, 256);
+        assert_eq!(pick_tile(Epi::GluRs, 1024, 14336, 132).bn, 256);
     }
 
     #[test]

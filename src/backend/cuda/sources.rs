@@ -141,7 +141,7 @@ pub fn gemv_rope_source(dt: DType) -> KernelSource {
 /// fdpp's Hopper GEMM built with epilogue `epi` (gemm_hopper.cu's `Epi`) on 128 × `bn` tiles,
 /// `stages` stages, clusters of `cl`: the prefill's fused layer (gemm_epi.rs), sm_90a only (its
 /// uri starts with the Hopper GEMM's prefix). The module also holds row_sumsq and rope_table.
-pub fn gemm_epi_source(dt: DType, uri: &str, epi: u32, bn: u32, stages: u32, cl: u32, pp: bool) -> KernelSource {
+pub fn gemm_epi_source(dt: DType, uri: &str, epi: u32, bn: u32, stages: u32, cl: u32) -> KernelSource {
     KernelSource {
         uri: uri.to_string(),
         text: expand(GEMM_HOPPER),
@@ -151,7 +151,6 @@ pub fn gemm_epi_source(dt: DType, uri: &str, epi: u32, bn: u32, stages: u32, cl:
             ("FDPP_BN".into(), bn.to_string()),
             ("FDPP_STAGES".into(), stages.to_string()),
             ("FDPP_CL".into(), cl.to_string()),
-            ("FDPP_PP".into(), u32::from(pp).to_string()),
             // Launched chained (gemm_epi.rs): W prefetched before the wait on the previous kernel.
             ("FDPP_GEMM_PDL".into(), "1".into()),
         ],
