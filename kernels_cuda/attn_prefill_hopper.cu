@@ -853,6 +853,12 @@ __device__ void prefill(const u16* __restrict__ q, const u16* __restrict__ kp, c
                         unsigned* __restrict__ recomputed, u16* __restrict__ out, const TmaMap* kmap, const TmaMap* vmap,
                         int tma_rows, const TmaMap* kmap_run, const TmaMap* vmap_run, const TmaMap* qmap) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    // Launched chained (src/backend/cuda/attention.rs): the blocks may be resident while the QKV
+    // GEMM before them finishes, and wait here, in every thread, before reading anything; the O
+    // GEMM after them may launch at once, to load its first W stages while the last blocks run.
+    // Without it, each layer's two boundaries around attention paid the full launch and ramp.
+    pdl_wait();
+    pdl_trigger();
     TRACE(const long long tc0 = clock64(); unsigned long long tg0; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tg0));)
     // The block's entry, two int4 of the host's list (attn_plan.rs `prefill_blocks`, in the order
     // of attn_common.cuh's tile_head): sequence, first row, first position, rows; head, the slot

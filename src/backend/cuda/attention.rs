@@ -6,7 +6,7 @@
 //! the counting entry points read that count back (one synchronisation), the enqueue entry
 //! points add it to a running total read later.
 
-use cudarc::driver::{sys, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaSlice, LaunchConfig};
 
 use super::decode_tc::{BwPipe, ClusterMode, TcMode};
 use super::launch::Launch;
@@ -653,6 +653,17 @@ pub(super) struct HopperArgs<'a> {
     pub persistent_grid: Option<u32>,
 }
 
+/// The Hopper prefill is launched chained: its entries call pdl_wait() before anything else
+/// (attn_prefill_hopper.cu), so that the boundaries with the QKV GEMM before and the O GEMM after
+/// overlap; attn_prefill.cu has no wait and serialises as usual.
+fn prefill_launch<'a>(b: &'a CudaBackend, f: &'a cudarc::driver::CudaFunction, k: &PrefillKernel) -> Launch<'a> {
+    if k.hopper.is_some() {
+        Launch::chained(b, f)
+    } else {
+        Launch::plain(b, f)
+    }
+}
+
 /// Attend causally over the cache with `k` (the new K and V are already in it); returns the rows
 /// the async scheme recomputed when `counting`, else 0.
 pub(super) fn launch_prefill(
@@ -731,7 +742,7 @@ pub(super) fn launch_prefill(
     let recomputed = match p.scheme {
         SoftmaxScheme::Sync => {
             let f = b.function_of(&k.uri, k.entries[0], k.smem, k.source)?;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = prefill_launch(b, &f, k);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&list_ptr);
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
             match k.hopper {
@@ -752,7 +763,7 @@ pub(super) fn launch_prefill(
             let (phi2, a2, b2) = window(p.scheme);
             let counter = counter_ptr(b, &mut sc, counting)?;
             let f = b.function_of(&k.uri, k.entries[1], k.smem, k.source)?;
-            let mut l = b.stream().launch_builder(&f);
+            let mut l = prefill_launch(b, &f, k);
             l.arg(&qp).arg(&kp).arg(&vp).arg(&table).arg(&list_ptr);
             l.arg(&max_pages).arg(&page_size).arg(&h32).arg(&g32);
             match k.hopper {
