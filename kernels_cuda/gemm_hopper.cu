@@ -296,82 +296,72 @@ __device__ __forceinline__ void prefetch_residual(const Staging& st, const TmaMa
     }
 }
 
-// Chunk j of a tile's staged epilogue (STORE, GLU, RES and their norm forms; see Epi): its
-// columns through a staging buffer and a TMA store, which clips rows past M and columns past N.
-// j must be a constant where this is inlined (it indexes the accumulators).
-// rs: 1/rms of the thread's two rows (row_scaled epilogues; 1 otherwise); sq: the rows' Σ y²
-// so far (EPI_RES_SS).
+// STORE, GLU, RES and their norm forms (see Epi) through the staging buffers and TMA stores,
+// which clip rows past M and columns past N.
+// rs: 1/rms of the thread's two rows (row_scaled epilogues; 1 otherwise), from row_scales.
 template <int BN, int EPI>
-__device__ __forceinline__ void stage_chunk(const Args& a, const float (&acc)[BN / 2], int j, int tm, int tn, int w, Staging& st,
-                                            const TmaMap* ymap, const TmaMap* rmap, const float (&rs)[2], float (&sq)[2]) {
+__device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
+                                                const TmaMap* ymap, const TmaMap* rmap, const float (&rs)[2]) {
     using S = Stage<BN, EPI>;
     constexpr int OUT_N = S::OUT_N, NCH = S::NCH, CW = S::CW, PAIRS = OUT_N / 8;
     const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
     const int row0 = tm * BM + w * 64;
-    const u32 b = st.n & 1, buf = st.buf + b * S::BYTES;
-    if constexpr (is_res(EPI)) {
-        // Its load was issued only after the store that last read the buffer was done.
-        wait_or_trap(st.rbar + 8 * b, (st.rph >> b) & 1);
-        st.rph ^= 1u << b;
-    } else {
-        if (leader) bulk_wait_read<1>();  // the store of two chunks ago has read this buffer
-        named_sync(1 + w, 128);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int rr = q * 16 + lane / 4 + 8 * h;
-#pragma unroll
-        for (int ii = 0; ii < CW / 8; ++ii) {
-            const int i = j * (CW / 8) + ii;
-            const u32 at = stage_at<CW>(buf, rr, ii, lane);
-            float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
-            if constexpr (is_glu(EPI)) {
-                v0 = silu_fast(rnd16(rs[h] * v0)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
-                v1 = silu_fast(rnd16(rs[h] * v1)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
-            } else if constexpr (is_res(EPI)) {
-                float r0f, r1f;
-                unpack2(smem_ld(at), r0f, r1f);
-                v0 = r0f + rnd16(v0);
-                v1 = r1f + rnd16(v1);
-            } else {
-                v0 *= rs[h];
-                v1 *= rs[h];
-            }
-            const u32 out = pack_pair(v0, v1);
-            smem_st(at, out);
-            if constexpr (EPI == EPI_RES_SS) {
-                float q0, q1;
-                unpack2(out, q0, q1);
-                sq[h] += q0 * q0 + q1 * q1;
-            }
-        }
-    }
-    fence_async_smem();  // the generic writes, before the TMA (async proxy) reads them
-    named_sync(1 + w, 128);
-    if (leader) {
-        tma_store_2d(ymap, buf, tn * OUT_N + j * CW, row0);
-        bulk_commit();
-        if constexpr (is_res(EPI)) {
-            if (j + 2 < NCH) {
-                bulk_wait_read<0>();
-                mbar_arrive_expect_tx(st.rbar + 8 * b, S::BYTES);
-                tma_load_2d(buf, rmap, st.rbar + 8 * b, tn * OUT_N + (j + 2) * CW, min(row0, a.M - 1));
-            }
-        }
-    }
-    ++st.n;
-}
-
-// A tile's whole staged epilogue: its chunks in order, then (EPI_RES_SS) the rows' sums.
-template <int BN, int EPI>
-__device__ __forceinline__ void staged_epilogue(const Args& a, const float (&acc)[BN / 2], int tm, int tn, int w, Staging& st,
-                                                const TmaMap* ymap, const TmaMap* rmap, const float (&rs)[2]) {
-    const int lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
-    const int row0 = tm * BM + w * 64;
     float sq[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < Stage<BN, EPI>::NCH; ++j) stage_chunk<BN, EPI>(a, acc, j, tm, tn, w, st, ymap, rmap, rs, sq);
+    for (int j = 0; j < NCH; ++j, ++st.n) {
+        const u32 b = st.n & 1, buf = st.buf + b * S::BYTES;
+        if constexpr (is_res(EPI)) {
+            // Its load was issued only after the store that last read the buffer was done.
+            wait_or_trap(st.rbar + 8 * b, (st.rph >> b) & 1);
+            st.rph ^= 1u << b;
+        } else {
+            if (leader) bulk_wait_read<1>();  // the store of two chunks ago has read this buffer
+            named_sync(1 + w, 128);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rr = q * 16 + lane / 4 + 8 * h;
+#pragma unroll
+            for (int ii = 0; ii < CW / 8; ++ii) {
+                const int i = j * (CW / 8) + ii;
+                const u32 at = stage_at<CW>(buf, rr, ii, lane);
+                float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+                if constexpr (is_glu(EPI)) {
+                    v0 = silu_fast(rnd16(rs[h] * v0)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h]);
+                    v1 = silu_fast(rnd16(rs[h] * v1)) * rnd16(rs[h] * acc[4 * (i + PAIRS) + 2 * h + 1]);
+                } else if constexpr (is_res(EPI)) {
+                    float r0f, r1f;
+                    unpack2(smem_ld(at), r0f, r1f);
+                    v0 = r0f + rnd16(v0);
+                    v1 = r1f + rnd16(v1);
+                } else {
+                    v0 *= rs[h];
+                    v1 *= rs[h];
+                }
+                const u32 out = pack_pair(v0, v1);
+                smem_st(at, out);
+                if constexpr (EPI == EPI_RES_SS) {
+                    float q0, q1;
+                    unpack2(out, q0, q1);
+                    sq[h] += q0 * q0 + q1 * q1;
+                }
+            }
+        }
+        fence_async_smem();  // the generic writes, before the TMA (async proxy) reads them
+        named_sync(1 + w, 128);
+        if (leader) {
+            tma_store_2d(ymap, buf, tn * OUT_N + j * CW, row0);
+            bulk_commit();
+            if constexpr (is_res(EPI)) {
+                if (j + 2 < NCH) {
+                    bulk_wait_read<0>();
+                    mbar_arrive_expect_tx(st.rbar + 8 * b, S::BYTES);
+                    tma_load_2d(buf, rmap, st.rbar + 8 * b, tn * OUT_N + (j + 2) * CW, min(row0, a.M - 1));
+                }
+            }
+        }
+    }
     if constexpr (EPI == EPI_RES_SS) {
         const unsigned quad = 0xfu << (lane & ~3);
 #pragma unroll
@@ -458,11 +448,7 @@ __device__ __forceinline__ void staged_rope(const Args& a, const float (&acc)[BN
 // its __grid_constant__ maps: x [M, K] in boxes of 64 × BM; W [N, K] (GLU: its gate rows, and
 // umap its up rows) in boxes of 64 × W_BOX; y and the residual [M, N] in boxes of CW × 64.
 // The grid is persistent: at most one CTA (CL = 2: cluster) per SM, each walking tiles.
-// OV (the SwiGLU's 128 × (96 + 96) tile only): two sets of accumulators, 96 registers each, so
-// that a tile's epilogue (~1 µs: 48 SiLUs a thread, bound by the MUFU and the issue) runs under
-// the next tile's first K blocks instead of with the tensor cores idle (reports/NOTES.md,
-// session 36).
-template <int BN, int STAGES, int EPI, int CL, bool OV = false>
+template <int BN, int STAGES, int EPI, int CL>
 __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wmap, const TmaMap& umap, const TmaMap& ymap,
                                            const TmaMap& rmap, const Args& a) {
     using T = Tile<BN, EPI, CL>;
@@ -586,88 +572,6 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
         };
         Staging st = {stg + (u32)w * 2 * Stage<BN, EPI>::BYTES, bars + 16 * STAGES + 16 * (u32)w, 0, 0};
         const bool leader = threadIdx.x % 128 == 0;
-        // Tile jt's row scales, from producer warp 1 (above).
-        auto row_scales = [&](float (&rs)[2], int jt) {
-            if constexpr (row_scaled(EPI)) {
-                const int b = jt & 1, lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
-                wait_or_trap(rs_full(b), (jt >> 1) & 1);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) rs[h] = __uint_as_float(smem_ld(rs_buf(b) + 4 * (w * 64 + q * 16 + lane / 4 + 8 * h)));
-                mbar_arrive(rs_empty(b));
-            }
-        };
-        if constexpr (OV) {
-            // The overlapped SwiGLU (see OV): tile jt accumulates into accs[jt % 2] while the
-            // chunks of tile jt - 1's epilogue, from the other set, are written between its first
-            // K blocks' wgmmas; the last tile's epilogue runs after its main loop.
-            using S = Stage<BN, EPI>;
-            static_assert(S::NCH == 3, "the overlapped epilogue takes its three chunks in K blocks 0-2");
-            static_assert(is_glu(EPI) && BN == 192, "the overlap is for the SwiGLU's 96 + 96 tile");
-            float acc0[BN / 2], acc1[BN / 2], rs0[2] = {1.f, 1.f}, rs1[2] = {1.f, 1.f}, sq[2] = {0.f, 0.f};
-            int it = 0, ptm = 0, ptn = 0;
-            // Tile (tm, tn) into cur; with `pend` (a literal at every call, folded once inlined),
-            // the pending tile's chunks from prev.
-            auto tile = [&](float (&cur)[BN / 2], const float (&prev)[BN / 2], const float (&prs)[2], int tm, bool pend) {
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) cur[i] = 0.f;
-                for (int kb = 0; kb < kblocks; ++kb, ++it) {
-                    const int s = it % STAGES;
-                    wait_or_trap(full(s), (it / STAGES) & 1);
-                    const u64 da = desc_sw128(sa(s) + (u32)w * 64u * 128u, 16, 1024);
-                    const u64 db = desc_sw128(sb(s), 16, 1024);
-                    wg_fence();
-                    mma_block<BN>(cur, da, db, kb == 0);
-                    wg_commit();
-                    if (pend) {
-                        if (kb == 0) stage_chunk<BN, EPI>(a, prev, 0, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                        else if (kb == 1) stage_chunk<BN, EPI>(a, prev, 1, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                        else if (kb == 2) stage_chunk<BN, EPI>(a, prev, 2, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                    }
-                    wg_wait<1>();  // the previous block's wgmmas have read their stage
-                    if (kb > 0) release((it - 1) % STAGES);
-                }
-                wg_wait<0>();
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) keep(cur[i]);
-                release((it - 1) % STAGES);
-                // K shorter than three blocks: the pending chunks the loop did not reach.
-                if (pend) {
-                    if (kblocks < 1) stage_chunk<BN, EPI>(a, prev, 0, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                    if (kblocks < 2) stage_chunk<BN, EPI>(a, prev, 1, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                    if (kblocks < 3) stage_chunk<BN, EPI>(a, prev, 2, ptm, ptn, w, st, &ymap, &rmap, prs, sq);
-                }
-                ptm = tm;
-            };
-            // The first tile peeled, then two tiles a trip, so that each set's role is fixed in
-            // the code: with a branch on jt's parity, or the first tile's `pend` decided at run
-            // time, ptxas waited for the wgmmas in flight before every chunk (C7517).
-            int jt = 0, u = unit0;
-            bool last0 = false;  // which set holds the last tile
-            if (u < units) {
-                tile(acc0, acc1, rs1, (u % pairs_m) * CL + rank, false);
-                ptn = u / pairs_m;
-                row_scales(rs0, jt++);
-                u += unit_step;
-                last0 = true;
-            }
-            while (u < units) {
-                tile(acc1, acc0, rs0, (u % pairs_m) * CL + rank, true);
-                ptn = u / pairs_m;
-                row_scales(rs1, jt++);
-                u += unit_step;
-                last0 = false;
-                if (u >= units) break;
-                tile(acc0, acc1, rs1, (u % pairs_m) * CL + rank, true);
-                ptn = u / pairs_m;
-                row_scales(rs0, jt++);
-                u += unit_step;
-                last0 = true;
-            }
-            if (jt > 0) {
-                if (last0) staged_epilogue<BN, EPI>(a, acc0, ptm, ptn, w, st, &ymap, &rmap, rs0);
-                else staged_epilogue<BN, EPI>(a, acc1, ptm, ptn, w, st, &ymap, &rmap, rs1);
-            }
-        } else {
         int it = 0, jt = 0;
         for (int u = unit0; u < units; u += unit_step, ++jt) {
             const int tm = (u % pairs_m) * CL + rank, tn = u / pairs_m;
@@ -692,11 +596,17 @@ __device__ __forceinline__ void hgemm_body(const TmaMap& xmap, const TmaMap& wma
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) keep(acc[i]);
             release((it - 1) % STAGES);
-            row_scales(rs, jt);
+            if constexpr (row_scaled(EPI)) {
+                // This tile's row scales, from producer warp 1 (above).
+                const int b = jt & 1, lane = threadIdx.x % 32, q = (threadIdx.x / 32) % 4;
+                wait_or_trap(rs_full(b), (jt >> 1) & 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) rs[h] = __uint_as_float(smem_ld(rs_buf(b) + 4 * (w * 64 + q * 16 + lane / 4 + 8 * h)));
+                mbar_arrive(rs_empty(b));
+            }
             if constexpr (EPI == EPI_NONE) none_epilogue<BN>(a, acc);
             else if constexpr (EPI == EPI_QKV_ROPE) staged_rope<BN>(a, acc, tm, tn, w, st, rs);
             else staged_epilogue<BN, EPI>(a, acc, tm, tn, w, st, &ymap, &rmap, rs);
-        }
         }
         if (leader) bulk_wait_all();  // the last stores are out before the CTA's memory goes
     }
@@ -733,8 +643,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     gemm_hopper_epi(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,
                     const __grid_constant__ TmaMap umap, const __grid_constant__ TmaMap ymap,
                     const __grid_constant__ TmaMap rmap, const Args a) {
-    // The SwiGLU's 96 + 96 tile overlaps each epilogue with the next tile's main loop (OV).
-    hgemm_body<FDPP_BN, FDPP_STAGES, FDPP_EPI, FDPP_CL, is_glu(FDPP_EPI) && FDPP_BN == 192>(xmap, wmap, umap, ymap, rmap, a);
+    hgemm_body<FDPP_BN, FDPP_STAGES, FDPP_EPI, FDPP_CL>(xmap, wmap, umap, ymap, rmap, a);
 }
 
 // ss[r] = Σ_c x[r, c]² of a row-major [rows, C] matrix (C % 8 == 0), one block of 256 per row:

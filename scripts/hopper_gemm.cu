@@ -52,11 +52,11 @@ constexpr int SS_PARTS = 64;
 // the 4096-wide O or FFN2 before it.
 constexpr int RS_PARTS = 16;
 
-template <int BN, int STAGES, int EPI, int CL, bool OV>
+template <int BN, int STAGES, int EPI, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
     hgemm(const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap, const __grid_constant__ TmaMap umap,
           const __grid_constant__ TmaMap ymap, const __grid_constant__ TmaMap rmap, Args a) {
-    hgemm_body<BN, STAGES, EPI, CL, OV>(xmap, wmap, umap, ymap, rmap, a);
+    hgemm_body<BN, STAGES, EPI, CL>(xmap, wmap, umap, ymap, rmap, a);
 }
 
 // ---- the peers and the harness ----
@@ -169,11 +169,10 @@ static Problem rope_problem(const std::string& name, int M, int H, int G, int K,
 static int g_sms = 0;
 static cublasHandle_t g_blas;
 
-// OV: the SwiGLU tile's epilogue overlapped with the next tile's main loop (hgemm_body).
-template <int BN, int STAGES, int EPI, int CL, bool OV = false>
+template <int BN, int STAGES, int EPI, int CL>
 static void launch(const Problem& p, cudaStream_t st) {
     using T = Tile<BN, EPI, CL>;
-    auto kern = hgemm<BN, STAGES, EPI, CL, OV>;
+    auto kern = hgemm<BN, STAGES, EPI, CL>;
     constexpr size_t smem = smem_bytes<BN, STAGES, EPI, CL>();
     static_assert(smem <= 227 * 1024, "the tile's stages fit in shared memory");
     static int max_units = 0;  // CTAs (CL = 1) or clusters (CL = 2) resident at once
@@ -560,8 +559,6 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                     {"hgemm glu ·1/rms 128x(128+128) s4", launch<256, 4, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(96+96) s5", launch<192, 5, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU_RS, 2>, true},
-                    {"hgemm glu ·1/rms 128x(96+96) s5 overlapped", launch<192, 5, EPI_GLU_RS, 1, true>, true},
-                    {"hgemm glu ·1/rms 128x(96+96) s5 cluster2 overlapped", launch<192, 5, EPI_GLU_RS, 2, true>, true},
                     {"hgemm glu ·1/rms 128x(64+64) s6", launch<128, 6, EPI_GLU_RS, 1>, true},
                     {"hgemm glu ·1/rms 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU_RS, 2>, true},
                     {"cublas alone, no silu_mul", blas_glu, true, true},
@@ -589,7 +586,6 @@ static std::vector<Variant> variants_of(Epi e, bool norm, bool rope) {
                 {"hgemm glu 128x(128+128) s4", launch<256, 4, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5", launch<192, 5, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(96+96) s5 cluster2", launch<192, 5, EPI_GLU, 2>, true},
-                {"hgemm glu 128x(96+96) s5 cluster2 overlapped", launch<192, 5, EPI_GLU, 2, true>, true},
                 {"hgemm glu 128x(64+64) s6", launch<128, 6, EPI_GLU, 1>, true},
                 {"hgemm glu 128x(128+128) s4 cluster2", launch<256, 4, EPI_GLU, 2>, true}};
     case EPI_RES:
