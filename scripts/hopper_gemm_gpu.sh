@@ -24,7 +24,11 @@ build() {
 }
 # The sanitizer's build waits ~9 minutes before its watchdog traps (instrumented kernels are slow).
 san_on="${SAN:-1}"
-[ "$san_on" = 0 ] || build -DHG_WATCHDOG_CYCLES='(1ll<<40)' -o "$bin-san" >/tmp/build-san.log 2>&1 &
+san_build=
+if [ "$san_on" != 0 ]; then
+  build -DHG_WATCHDOG_CYCLES='(1ll<<40)' -o "$bin-san" >/tmp/build-san.log 2>&1 &
+  san_build=$!
+fi
 # The timed build has no watchdog: its clock reads made nvcc spill the rotary and GLU 128 × 256
 # tiles (kernels_cuda/gemm_hopper.cu, wait_or_trap), which the engine's build does not.
 build -DHG_WATCHDOG_CYCLES=0 -o "$bin-fast" >/tmp/build-fast.log 2>&1 &
@@ -34,7 +38,8 @@ if ! build -o "$bin" >>"$out/build.log" 2>&1; then
   exit 1
 fi
 wait $fast || { echo "timed build FAILED"; tail -20 /tmp/build-fast.log; exit 1; }
-[ "$san_on" = 0 ] || wait $! || { echo "sanitizer build FAILED"; tail -20 /tmp/build-san.log; }
+# By pid: `$!` is now the timed build's.
+[ -z "$san_build" ] || wait "$san_build" || { echo "sanitizer build FAILED"; tail -20 /tmp/build-san.log; }
 grep -E 'spill|registers' "$out/build.log" | sort | uniq -c | head
 # Unclustered variants first: a fault in the cluster variants must not hide their results.
 timeout 60 "$bin" --check-only --no-cluster 2>&1 | tail -3
