@@ -8,17 +8,18 @@
 //   gcc -O2 -shared -fPIC -I$CUDA/include -I$CUDA/extras/CUPTI/include scripts/kernel_trace.c \
 //       -L$CUDA/extras/CUPTI/lib64 -lcupti -o /tmp/libkt.so
 //   CUDA_INJECTION64_PATH=/tmp/libkt.so LD_LIBRARY_PATH=$CUDA/extras/CUPTI/lib64 fdpp ...
-// KREC and MREC are the newest CUpti_ActivityKernelN and CUpti_ActivityMemcpyN of the installed
-// header (the library writes records in those layouts); kernel_trace.sh finds them. Copies are
-// recorded too (named memcpy_<kind>_<bytes>: 1 host to device, 2 device to host, 8 device to
-// device), as a copy between two kernels breaks their overlap. Each record names its device, so
+// KREC, MREC and SREC are the newest CUpti_ActivityKernelN, CUpti_ActivityMemcpyN and
+// CUpti_ActivityMemsetN of the installed header (the library writes records in those layouts);
+// kernel_trace.sh finds them. Copies and memsets are recorded too (named memcpy_<kind>_<bytes>:
+// 1 host to device, 2 device to host, 8 device to device; memset_<bytes>), as either between two
+// kernels breaks their overlap. Each record names its device, so
 // a multi-GPU run (tensor parallelism) can be cut per GPU.
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#if !defined(KREC) || !defined(MREC)
-#error "define KREC and MREC as the newest CUpti_ActivityKernelN and CUpti_ActivityMemcpyN in cupti_activity.h"
+#if !defined(KREC) || !defined(MREC) || !defined(SREC)
+#error "define KREC, MREC and SREC as the newest CUpti_ActivityKernelN, CUpti_ActivityMemcpyN and CUpti_ActivityMemsetN in cupti_activity.h"
 #endif
 
 static FILE* out;
@@ -42,6 +43,14 @@ static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t* buffer
                 fprintf(out, "%llu,%llu,%u,%llu,0,0,0,%u,memcpy_%u_%llu\n", (unsigned long long)m->start,
                         (unsigned long long)m->end, m->graphId, (unsigned long long)m->graphNodeId,
                         m->deviceId, (unsigned)m->copyKind, (unsigned long long)m->bytes);
+            continue;
+        }
+        if (r->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
+            const SREC* m = (const SREC*)r;
+            if (out)
+                fprintf(out, "%llu,%llu,%u,%llu,0,0,0,%u,memset_%llu\n", (unsigned long long)m->start,
+                        (unsigned long long)m->end, m->graphId, (unsigned long long)m->graphNodeId,
+                        m->deviceId, (unsigned long long)m->bytes);
             continue;
         }
         if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
@@ -73,6 +82,7 @@ int InitializeInjection(void) {
     if (cuptiActivityRegisterCallbacks(give_buffer, take_buffer) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS) return 0;
+    if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET) != CUPTI_SUCCESS) return 0;
     // Deliver buffers as they fill, not only at exit (the context may be gone by then).
     cuptiActivityFlushPeriod(200);
     atexit(finish);

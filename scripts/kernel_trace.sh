@@ -11,7 +11,8 @@ CUPTI=$CUDA/extras/CUPTI
 newest() { grep -o "CUpti_Activity$1[0-9]\\+" "$CUPTI/include/cupti_activity.h" | sort -V | tail -1; }
 krec=$(newest Kernel)
 mrec=$(newest Memcpy)
+srec=$(newest Memset)
 lib=${TMPDIR:-/tmp}/libfdpp_kernel_trace.so
-gcc -O2 -shared -fPIC -DKREC="$krec" -DMREC="$mrec" -I"$CUDA/include" -I"$CUPTI/include" "$(dirname "$0")/kernel_trace.c" \
+gcc -O2 -shared -fPIC -DKREC="$krec" -DMREC="$mrec" -DSREC="$srec" -I"$CUDA/include" -I"$CUPTI/include" "$(dirname "$0")/kernel_trace.c" \
     -L"$CUPTI/lib64" -lcupti -o "$lib"
 CUDA_INJECTION64_PATH=$lib LD_LIBRARY_PATH="$CUPTI/lib64:${LD_LIBRARY_PATH:-}" FDPP_TRACE_OUT=$out "$@"

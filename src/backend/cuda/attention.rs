@@ -34,9 +34,13 @@ const PREFILL_THREADS: u32 = (PREFILL_BM / 16 * 32) as u32;
 /// paths reset and read.
 const RUNNING: usize = 0;
 const PER_CALL: usize = 1;
-/// The persistent Hopper prefill's next-block counter, zeroed before each launch.
+/// The persistent Hopper prefill's next-block counters: a ring of slots, each used by one launch
+/// and all zeroed together when the ring wraps. A memset between the QKV GEMM and the attention
+/// would stand between the two chained launches and break their overlap (programmatic dependent
+/// launch chains only adjacent kernels), so one memset serves SCHED_RING launches.
 const SCHED: usize = 2;
-const COUNTERS: usize = 3;
+const SCHED_RING: usize = 64;
+const COUNTERS: usize = SCHED + SCHED_RING;
 
 /// Device scratch of the attention launches, grown on demand and kept.
 #[derive(Default)]
@@ -47,6 +51,8 @@ pub struct Scratch {
     /// Async decode accumulators; zero between launches (the kernel restores what it used).
     accum: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
+    /// The next unused slot of the prefill's counter ring (0: the ring must be zeroed first).
+    sched_next: usize,
     /// What is known of each decode entry, keyed by (dtype, head_dim, heads per block, entry) —
     /// the module's parameters, so a lookup on every launch allocates nothing.
     entries: std::collections::HashMap<(DType, usize, usize, &'static str), EntryState>,
@@ -214,10 +220,26 @@ fn zeroed_counter(b: &CudaBackend, sc: &mut Scratch, slot: usize, what: &str) ->
     Ok(ptr_of(b, &sc.counters)? + 4 * slot as u64)
 }
 
-/// The persistent prefill's block counter, zeroed (its blocks take list entries from it past the
-/// first wave).
+/// A zeroed block counter for one persistent prefill launch (its blocks take list entries from
+/// it past the first wave): the ring's next slot, the whole ring zeroed when it wraps. Inside a
+/// capture the slot is zeroed on its own, as a replay must zero it again.
 fn sched_counter_ptr(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
-    zeroed_counter(b, sc, SCHED, "prefill block counter")
+    if b.graphs.borrow().capturing() {
+        return zeroed_counter(b, sc, SCHED, "prefill block counter");
+    }
+    grow(b, &mut sc.counters, COUNTERS, "counters")?;
+    if sc.sched_next == 0 {
+        let c = sc
+            .counters
+            .as_mut()
+            .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
+        b.stream()
+            .memset_zeros(&mut c.slice_mut(SCHED..SCHED + SCHED_RING))
+            .map_err(drv("resetting the prefill block counters"))?;
+    }
+    let slot = SCHED + sc.sched_next;
+    sc.sched_next = (sc.sched_next + 1) % SCHED_RING;
+    Ok(ptr_of(b, &sc.counters)? + 4 * slot as u64)
 }
 
 pub(super) fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {
