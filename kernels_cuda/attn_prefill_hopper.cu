@@ -244,10 +244,11 @@ __device__ __forceinline__ void tma_tile(const Ctx& c, const TmaMap* map, u32 ds
 // K or V of one tile by TMA, the bytes expected on `full` first; every producer thread then
 // arrives on it. A tile of consecutive slots (`run`: its pages follow one another in the pool)
 // is one box of BN rows per 64 columns from lane 0 (`run_map`); any other, one box per page from
-// each of the first BN / tma_rows lanes of warp 0. Measured (reports/NOTES.md, session 19): under
-// the overlapped schedule pages of 16 scattered through the pool held the consumers on "K full";
-// tiles of one region (pages of 32 and up, or consecutive pages) ran 13-20 % faster at 16k. Not
-// the box count: halving it (V by cp.async) gained nothing.
+// each of the first BN / tma_rows lanes of warp 0. Measured (reports/NOTES.md, sessions 19, 37):
+// with pages of 16 the consumers wait on "K full", and it is the 32 boxes a tile, not where the
+// pages lie: the same pages in pool order, boxed per page, run as slowly as scattered ones, and
+// 14-20 % faster as run boxes. (V by cp.async, session 19, and every tile by cp.async, session
+// 37, cost the producer more than the boxes they replace.)
 __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, const TmaMap* run_map, u32 dst, u32 full, int box,
                                          bool run, int pw, int lane, bool tma_lane) {
 #if FDPP_DIAG != 1

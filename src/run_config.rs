@@ -37,6 +37,7 @@ pub enum Key {
     HopperOverlap,
     HopperPingpong,
     HopperDiag,
+    HopperRuns,
     PrefillL2Share,
     PrefillSectionWaves,
     PrefillEntryAhead,
@@ -315,6 +316,15 @@ pub const KEYS: &[KeyInfo] = &[
         default: "0",
         kind: Kind::Diagnostic,
         what: "diagnostic variants of the Hopper prefill",
+    },
+    KeyInfo {
+        key: Key::HopperRuns,
+        name: "hopper_runs",
+        env: "FDPP_HOPPER_RUNS",
+        values: "auto|0|1",
+        default: "auto",
+        kind: Kind::Behaviour,
+        what: "the Hopper prefill's run-box schedule, a tile of consecutive pages as one TMA box per 64 columns (auto: where at least half the tiles are such runs)",
     },
     KeyInfo {
         key: Key::PrefillL2Share,
@@ -624,7 +634,7 @@ mod tests {
                 assert!(a.key != b.key && a.name != b.name && a.env != b.env, "{}", a.name);
             }
         }
-        assert_eq!(KEYS.len(), 42);
+        assert_eq!(KEYS.len(), 43);
         assert!(help().contains("FDPP_HOPPER_TMA") && help().contains("FDPP_CPU_THREADS"));
     }
 }

@@ -132,7 +132,8 @@ pub struct AttnBenchCase {
     pub geom: AttnGeometry,
     pub page_size: usize,
     /// Pages shuffled within aligned groups of this many pool pages, and the groups shuffled
-    /// (1: every page anywhere in the pool).
+    /// (1: every page anywhere in the pool; 0: no shuffle, each sequence's pages one after
+    /// another, as a fresh engine allocates a prompt's).
     pub page_group: usize,
     pub batch: usize,
     pub kv_len: usize,
@@ -145,7 +146,7 @@ fn gib(bytes: u128) -> String {
 
 impl AttnBenchCase {
     /// e.g. `decode b=1 kv_len=1024 h32/kv32 d128 f16 page=16` (`/N` after the page size when
-    /// pages are shuffled within groups of N).
+    /// pages are shuffled within groups of N, `/seq` when they are in order).
     pub fn label(&self) -> String {
         format!(
             "{} b={} kv_len={} {} {} page={}{}",
@@ -157,6 +158,8 @@ impl AttnBenchCase {
             self.page_size,
             if self.page_group > 1 {
                 format!("/{}", self.page_group)
+            } else if self.page_group == 0 {
+                "/seq".to_string()
             } else {
                 String::new()
             }
@@ -169,7 +172,6 @@ impl AttnBenchCase {
             ("batch", self.batch),
             ("kv_len", self.kv_len),
             ("page_size", self.page_size),
-            ("page_group", self.page_group),
         ] {
             if v == 0 {
                 return Err(FdppError::InvalidArgument(format!(
@@ -368,19 +370,24 @@ impl<B: Backend> AttnInputs<B> {
     /// Random q, k, v (never zeros) and pools; the pages of every sequence drawn from a
     /// [`PageAllocator`] and shuffled, so that no sequence reads consecutive pages (with a
     /// `page_group` of N: shuffled within aligned groups of N pool pages, the groups shuffled,
-    /// so that a sequence's pages stay scattered but come from few regions of the pool).
+    /// so that a sequence's pages stay scattered but come from few regions of the pool; with 0,
+    /// not shuffled: each sequence reads its pages in pool order).
     pub fn new(b: &B, case: &AttnBenchCase, copies: usize, seed: u64) -> Result<Self> {
         case.validate()?;
         let layout = case.layout()?;
         let (g, dt) = (case.geom, case.dtype);
         let ids = PageAllocator::new(&layout).alloc(layout.num_pages)?;
         let rng = &mut rand::rngs::SmallRng::seed_from_u64(seed);
-        let mut groups: Vec<Vec<u32>> = ids.chunks(case.page_group.max(1)).map(<[u32]>::to_vec).collect();
-        groups.shuffle(rng);
-        for g in &mut groups {
-            g.shuffle(rng);
-        }
-        let ids: Vec<u32> = groups.concat();
+        let ids: Vec<u32> = if case.page_group == 0 {
+            ids
+        } else {
+            let mut groups: Vec<Vec<u32>> = ids.chunks(case.page_group).map(<[u32]>::to_vec).collect();
+            groups.shuffle(rng);
+            for g in &mut groups {
+                g.shuffle(rng);
+            }
+            groups.concat()
+        };
         let per_seq = layout.pages_for(case.kv_len);
         let tables: Vec<BlockTable> = ids
             .chunks(per_seq)
@@ -947,12 +954,12 @@ mod tests {
             used.windows(2).any(|w| w[0] / 4 == w[1] / 4 && w[1] != w[0] + 1),
             "{used:?}"
         );
-        let zero = AttnBenchCase { page_group: 0, ..c };
-        assert!(zero
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("page_group must be at least 1"));
+        // 0: in order, every sequence's pages consecutive.
+        let seq = AttnBenchCase { page_group: 0, ..c };
+        assert!(seq.label().ends_with("page=16/seq"), "{}", seq.label());
+        let inp = AttnInputs::new(&b, &seq, 1, 7).unwrap();
+        let used = inp.tables.block_table.clone();
+        assert!(used.windows(2).all(|w| w[1] == w[0] + 1), "{used:?}");
     }
 
     #[test]

@@ -84,7 +84,8 @@ pub struct AttnBenchArgs {
     pub page_size: usize,
     /// Pages shuffled within aligned groups of N pool pages, the groups shuffled (1: every page
     /// anywhere in the pool, as a long-running server's cache ends up; with pages of 16 tokens
-    /// and 32 KV heads d128, N = 16 keeps a tile's pages within one or two 2 MiB regions).
+    /// and 32 KV heads d128, N = 16 keeps a tile's pages within one or two 2 MiB regions; 0: no
+    /// shuffle, each sequence's pages one after another, as a fresh engine allocates a prompt's).
     #[arg(long = "page-group", default_value_t = 1)]
     pub page_group: usize,
     /// Timed runs per variant and configuration (the median is reported).

@@ -71,9 +71,10 @@ impl Schedule {
     /// or more, or smaller pages that follow one another in the pool, [`run_share`]): three
     /// stages, the softmax overlapped with P·V (FA3 §3.2) and the ping-pong (§3.1). Measured on
     /// an H100 (reports/NOTES.md, session 19), pages of 128, sync: 608 TFLOP/s at 1 · 16384
-    /// against 531 for [`Schedule::DEFAULT`]; with pages of 16 scattered through the pool it is
-    /// the slower one (489 against 517), its consumers then waiting on "K full" (not for the
-    /// number of boxes: see NOTES).
+    /// against 531 for [`Schedule::DEFAULT`]; with pages of 16 boxed one by one it is the slower
+    /// one (489 against 517), its consumers then waiting on "K full" for the 32 boxes of a tile
+    /// (session 37: pages in pool order but boxed per page are as slow as scattered ones).
+    /// `hopper_runs=0|1` overrides the choice.
     pub const RUNS: Schedule = Schedule {
         runs: true,
         ..Schedule::new(3, true, true)
@@ -380,7 +381,17 @@ pub fn attend(
 ) -> Result<usize> {
     let d = p.geom.head_dim;
     let fits = smem_bytes(d, Schedule::RUNS.stages) <= b.max_smem_per_block();
-    let base = if fits && run_share(&p.tables, kv.layout.page_size) >= 0.5 {
+    let runs = match crate::run_config::get().get(Key::HopperRuns).map(str::trim) {
+        None | Some("") | Some("auto") => run_share(&p.tables, kv.layout.page_size) >= 0.5,
+        Some("1") => true,
+        Some("0") => false,
+        Some(o) => {
+            return Err(FdppError::InvalidArgument(format!(
+                "hopper_runs={o}: expected auto, 0 or 1"
+            )))
+        }
+    };
+    let base = if fits && runs {
         Schedule::RUNS
     } else {
         Schedule::DEFAULT
