@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run a command under the CUPTI kernel timeline (scripts/kernel_trace.c), on a GPU machine:
 #   scripts/kernel_trace.sh OUT.csv command args...
-# Then, anywhere: python3 scripts/kernel_trace_summary.py OUT.csv
+# Then, anywhere: python3 scripts/kernel_trace_summary.py OUT.csv (decode steps), or with
+# --prefill LAYERS (the last prefill, layer by layer).
 set -euo pipefail
 out=$1
 shift

@@ -9,6 +9,13 @@ and do not add up; these shares do (plus the idle gaps, where nothing runs).
 Steps are cut at the kernel named by --step-end (default: the greedy argmax), and the summary
 covers the last --steps of them (the decode steps; the prefill comes first). A multi-GPU trace
 (tensor parallelism) is summarised for one device (--device, default the lowest id).
+
+--prefill N summarises the last prefill instead, layer by layer: its last N kernels named
+*--attn* (default attn_prefill, one per layer) cut it into layers, each from the kernel after
+one attention to the next attention (so the kernels of a layer print in launch order: O, FFN1,
+FFN2, the next QKV, the attention), with each position's mean share and duration over the N - 1
+whole layers, and the copies and memsets in the burst (each one between two chained kernels
+ends their overlap).
 """
 import argparse
 import csv
@@ -22,6 +29,8 @@ def main():
     ap.add_argument("--step-end", default="argmax", help="substring of the kernel that ends a step")
     ap.add_argument("--steps", type=int, default=16, help="summarise the last N steps")
     ap.add_argument("--device", type=int, help="the GPU to summarise (default: the lowest id in the trace)")
+    ap.add_argument("--prefill", type=int, metavar="N", help="summarise the last prefill of N layers instead")
+    ap.add_argument("--attn", default="attn_prefill", help="substring of the prefill's attention kernel (--prefill)")
     a = ap.parse_args()
     with open(a.csv) as f:
         rows = list(csv.DictReader(f))
@@ -34,6 +43,9 @@ def main():
     ks.sort()
     if not ks:
         sys.exit(f"{a.csv}: no kernels recorded")
+    if a.prefill:
+        prefill_layers(a, ks)
+        return
     ends = [i for i, k in enumerate(ks) if a.step_end in k[2]]
     if len(ends) < 2:
         sys.exit(f"{a.csv}: fewer than two kernels named *{a.step_end}*: no whole step to summarise")
@@ -61,6 +73,43 @@ def main():
     for name in sorted(share, key=lambda k: -share[k]):
         c = count[name]
         print(f"| {name} | {c / n:.0f} | {share[name] / n / 1e3:.1f} | {dur[name] / c / 1e3:.2f} |")
+
+
+def prefill_layers(a, rows):
+    """Per-layer shares of the last prefill (see --prefill)."""
+    mem = [r for r in rows if r[2].startswith(("memcpy_", "memset_"))]
+    ks = [r for r in rows if not r[2].startswith(("memcpy_", "memset_"))]
+    att = [i for i, k in enumerate(ks) if a.attn in k[2]]
+    if len(att) < max(a.prefill, 2):
+        sys.exit(f"{a.csv}: {len(att)} kernels named *{a.attn}*, fewer than --prefill {a.prefill}")
+    att = att[-a.prefill:]
+    span = att[1] - att[0]
+    if any(j - i != span for i, j in zip(att, att[1:])):
+        sys.exit(f"{a.csv}: the last {a.prefill} attention launches are not spaced evenly: is --prefill more "
+                 "than the model's layers (the window then reaches into an earlier prefill)?")
+    share = [0.0] * span
+    idle = [0.0] * span
+    dur = [0.0] * span
+    names = [ks[att[0] + 1 + p][2] for p in range(span)]
+    for i in att[:-1]:
+        front = ks[i][1]
+        for p in range(span):
+            st, en, _ = ks[i + 1 + p]
+            # How far it moves the completion front, the idle gap before it included.
+            share[p] += max(0, en - front)
+            idle[p] += max(0, st - front)
+            front = max(front, en)
+            dur[p] += en - st
+    n = len(att) - 1
+    total = (ks[att[-1]][1] - ks[att[0]][1]) / n
+    b0, b1 = ks[att[0]][0], ks[att[-1]][1]
+    inside = [m for m in mem if b0 <= m[0] <= b1]
+    print(f"{n} whole layers, {total / 1e3:.1f} us per layer; {len(inside)} copies or memsets in the burst"
+          + (f" ({', '.join(sorted({m[2] for m in inside}))})" if inside else ""))
+    print("| position | kernel | share of the layer (us) | of it idle before the kernel | mean duration (us) |")
+    print("|---|---|---|---|---|")
+    for p in range(span):
+        print(f"| {p + 1} | {names[p]} | {share[p] / n / 1e3:.1f} | {idle[p] / n / 1e3:.1f} | {dur[p] / n / 1e3:.1f} |")
 
 
 if __name__ == "__main__":
