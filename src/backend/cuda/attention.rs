@@ -207,17 +207,24 @@ fn check_dtypes(what: &str, want: crate::dtype::DType, bufs: &[&CudaBuffer]) -> 
     Ok(())
 }
 
-/// Zero counter `slot` on the stream and return its device address.
-fn zeroed_counter(b: &CudaBackend, sc: &mut Scratch, slot: usize, what: &str) -> Result<u64> {
+/// Zero counters `slots` on the stream (allocating them first) and return the first one's
+/// device address.
+fn zero_counters(b: &CudaBackend, sc: &mut Scratch, slots: std::ops::Range<usize>, what: &str) -> Result<u64> {
     grow(b, &mut sc.counters, COUNTERS, "counters")?;
     let c = sc
         .counters
         .as_mut()
         .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
+    let first = slots.start;
     b.stream()
-        .memset_zeros(&mut c.slice_mut(slot..slot + 1))
+        .memset_zeros(&mut c.slice_mut(slots))
         .map_err(drv(&format!("resetting the {what}")))?;
-    Ok(ptr_of(b, &sc.counters)? + 4 * slot as u64)
+    Ok(ptr_of(b, &sc.counters)? + 4 * first as u64)
+}
+
+/// Zero counter `slot` on the stream and return its device address.
+fn zeroed_counter(b: &CudaBackend, sc: &mut Scratch, slot: usize, what: &str) -> Result<u64> {
+    zero_counters(b, sc, slot..slot + 1, what)
 }
 
 /// A zeroed block counter for one persistent prefill launch (its blocks take list entries from
@@ -227,19 +234,14 @@ fn sched_counter_ptr(b: &CudaBackend, sc: &mut Scratch) -> Result<u64> {
     if b.graphs.borrow().capturing() {
         return zeroed_counter(b, sc, SCHED, "prefill block counter");
     }
-    grow(b, &mut sc.counters, COUNTERS, "counters")?;
-    if sc.sched_next == 0 {
-        let c = sc
-            .counters
-            .as_mut()
-            .ok_or_else(|| FdppError::device("cuda", "attention counters missing"))?;
-        b.stream()
-            .memset_zeros(&mut c.slice_mut(SCHED..SCHED + SCHED_RING))
-            .map_err(drv("resetting the prefill block counters"))?;
-    }
-    let slot = SCHED + sc.sched_next;
-    sc.sched_next = (sc.sched_next + 1) % SCHED_RING;
-    Ok(ptr_of(b, &sc.counters)? + 4 * slot as u64)
+    let ring = if sc.sched_next == 0 {
+        zero_counters(b, sc, SCHED..SCHED + SCHED_RING, "prefill block counters")?
+    } else {
+        ptr_of(b, &sc.counters)? + 4 * SCHED as u64
+    };
+    let slot = sc.sched_next;
+    sc.sched_next = (slot + 1) % SCHED_RING;
+    Ok(ring + 4 * slot as u64)
 }
 
 pub(super) fn counter_ptr(b: &CudaBackend, sc: &mut Scratch, counting: bool) -> Result<u64> {

@@ -230,8 +230,9 @@ fn smem_for(head_dim: usize, stages: usize, q_buffers: usize) -> u32 {
     ((q_buffers * BM * head_dim + 2 * stages * BN * head_dim) * 2 + 256 + 1024) as u32
 }
 
-/// `--set prefill_persist=auto|0|1` (FDPP_PREFILL_PERSIST): whether a sync prefill runs the
-/// persistent kernel ([`persistent`]).
+/// An `auto|0|1` switch of the Hopper prefill: `prefill_persist` (FDPP_PREFILL_PERSIST: whether
+/// the persistent kernel runs, [`persistent`]) and `hopper_runs` (FDPP_HOPPER_RUNS: whether the
+/// run-box schedule does, [`attend`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Persist {
     Auto,
@@ -240,14 +241,13 @@ pub enum Persist {
 }
 
 impl Persist {
-    pub fn parse(v: Option<&str>) -> Result<Self> {
+    /// The value `v` of switch `name` (unset or empty: auto).
+    pub fn parse(name: &str, v: Option<&str>) -> Result<Self> {
         match v.map(str::trim) {
             None | Some("") | Some("auto") => Ok(Persist::Auto),
             Some("0") => Ok(Persist::Off),
             Some("1") => Ok(Persist::On),
-            Some(o) => Err(FdppError::InvalidArgument(format!(
-                "prefill_persist={o}: expected auto, 0 or 1"
-            ))),
+            Some(o) => Err(FdppError::InvalidArgument(format!("{name}={o}: expected auto, 0 or 1"))),
         }
     }
 }
@@ -381,15 +381,10 @@ pub fn attend(
 ) -> Result<usize> {
     let d = p.geom.head_dim;
     let fits = smem_bytes(d, Schedule::RUNS.stages) <= b.max_smem_per_block();
-    let runs = match crate::run_config::get().get(Key::HopperRuns).map(str::trim) {
-        None | Some("") | Some("auto") => run_share(&p.tables, kv.layout.page_size) >= 0.5,
-        Some("1") => true,
-        Some("0") => false,
-        Some(o) => {
-            return Err(FdppError::InvalidArgument(format!(
-                "hopper_runs={o}: expected auto, 0 or 1"
-            )))
-        }
+    let runs = match Persist::parse("hopper_runs", crate::run_config::get().get(Key::HopperRuns))? {
+        Persist::Auto => run_share(&p.tables, kv.layout.page_size) >= 0.5,
+        Persist::On => true,
+        Persist::Off => false,
     };
     let base = if fits && runs {
         Schedule::RUNS
@@ -400,7 +395,7 @@ pub fn attend(
     let q_tma = q_tma_wanted()?;
     let max_keys = p.spans().iter().map(|&(_, prefix, n)| prefix + n).max().unwrap_or(0);
     sched.persist = persistent(
-        Persist::parse(crate::run_config::get().get(Key::PrefillPersist))?,
+        Persist::parse("prefill_persist", crate::run_config::get().get(Key::PrefillPersist))?,
         matches!(p.scheme, crate::ops::attention::SoftmaxScheme::Sync),
         q_tma,
         &sched,
@@ -607,11 +602,11 @@ mod tests {
 
     #[test]
     fn the_persistent_kernel_takes_q_by_tma_and_auto_follows_the_measurements() {
-        assert_eq!(Persist::parse(None).unwrap(), Persist::Auto);
-        assert_eq!(Persist::parse(Some(" auto")).unwrap(), Persist::Auto);
-        assert_eq!(Persist::parse(Some("0")).unwrap(), Persist::Off);
-        assert_eq!(Persist::parse(Some("1")).unwrap(), Persist::On);
-        assert!(Persist::parse(Some("yes")).is_err());
+        assert_eq!(Persist::parse("prefill_persist", None).unwrap(), Persist::Auto);
+        assert_eq!(Persist::parse("prefill_persist", Some(" auto")).unwrap(), Persist::Auto);
+        assert_eq!(Persist::parse("prefill_persist", Some("0")).unwrap(), Persist::Off);
+        assert_eq!(Persist::parse("prefill_persist", Some("1")).unwrap(), Persist::On);
+        assert!(Persist::parse("prefill_persist", Some("yes")).is_err());
         let (d, r) = (Schedule::DEFAULT, Schedule::RUNS);
         let long = PERSIST_AUTO_KEYS + 1;
         let on = |c, q_tma, s: &Schedule, keys| persistent(c, true, q_tma, s, keys).unwrap();
