@@ -9,7 +9,7 @@
 // - warpgroup 0, the producer, gives most of its registers back (setmaxnreg) and fills a ring of
 //   STAGES stages, each a tile of BN = 128 keys of K and of V. A tile whose keys all lie before
 //   kv_end comes by TMA: one tensor map over the whole pool ([slots][kv heads][D], the host's
-//   tma.rs), one box per page and 64-column block, landing in the swizzled layout below (the
+//   tma.rs), one box per page (every 64-column block of it), landing in the layout below (the
 //   map's 128-byte swizzle is the descriptors'), the bytes counted on the stage's "K full" /
 //   "V full" mbarrier. The last tile of a sequence (keys past kv_end must read as zeros: a stale
 //   V row times P = 0 can be NaN) and page sizes TMA cannot box come by 16-byte cp.async gathered
@@ -27,9 +27,13 @@
 //   before V, and the producer refills it then. The two consumers run out of step, so one's
 //   softmax overlaps the other's tensor-core work (the effect FA3's ping-pong schedule enforces).
 //
-// Shared tiles use the 128-byte swizzle of the wgmma descriptors: a tile [rows, D] is stored as
-// D/64 column blocks [rows][64] (128 bytes a row), and the 16-byte chunk c of row r sits at chunk
-// c ^ (r % 8), atoms of 8 rows × 128 bytes 1024-byte aligned. See swz() and the descriptors.
+// Shared tiles use the 128-byte swizzle of the wgmma descriptors: atoms of 8 rows × 128 bytes
+// (64 columns), 1024-byte aligned, the 16-byte chunk c of row r at chunk c ^ (r % 8). Q [BM, D]
+// is stored as D/64 column blocks [BM][64] (swz()). K and V [BN, D] interleave the atoms: row r,
+// column block cb at (r / 8)·KV_ATOMS + cb·1024 (kv_at()), so that the 16 rows of one page and
+// both column blocks are one contiguous 4 KiB, one TMA box of the pool's 5-D map (tma.rs): with
+// pages of 16 a tile took 16 boxes of K and 16 of V as [cb][BN][64], and those boxes, not where
+// the pages lie, cost pages of 16 14-20 % against pages of 128 (reports/NOTES.md, session 37).
 //
 // Softmax (FlashDecoding++ §3), as attn_prefill.cu: `sync` keeps a running row max and rescales
 // O and l when it grows; `async` takes every term against the unified φ, no row max, no rescale.
@@ -54,7 +58,7 @@
 #ifndef FDPP_PINGPONG
 #define FDPP_PINGPONG 0
 #endif
-// 1: a whole key tile of consecutive pages comes as one TMA box per 64 columns (load_tma). Only in
+// 1: a whole key tile of consecutive pages comes as one TMA box (load_tma). Only in
 // the schedule the host picks where such tiles dominate: elsewhere the per-tile test cost 5 %.
 #ifndef FDPP_RUN_BOXES
 #define FDPP_RUN_BOXES 0
@@ -110,6 +114,11 @@ constexpr int KS = D / 16;                // k16 steps of Q·Kᵀ
 constexpr int PS = BN / 16;               // k16 steps of P·V
 constexpr u32 Q_BYTES = BM * D * 2;
 constexpr u32 KV_BYTES = BN * D * 2;      // K (or V) of one stage
+constexpr u32 KV_ATOMS = D / 64 * 1024;   // bytes from one 8-row group of K or V to the next
+// The byte of (row r, 16-byte chunk ch) in a K or V stage buffer (the layout above).
+__device__ __forceinline__ u32 kv_at(int r, int ch) {
+    return (u32)(r >> 3) * KV_ATOMS + (u32)(ch >> 3) * 1024u + (u32)(r & 7) * 128u + ((u32)((ch & 7) ^ (r & 7)) << 4);
+}
 // Q tiles in shared memory: two under FDPP_PERSIST where they fit the 227 KiB opt-in (the host's
 // prefill_hopper.rs `q_buffers` makes the same choice), so that the next block's Q lands while
 // this one is walked; else one, refilled once both consumers' last Q·Kᵀ is done.
@@ -201,7 +210,7 @@ __device__ __forceinline__ u32 row_slot(const Ctx& c, int key) {
 }
 
 // Copy the warp's 32 rows of one tile of K or V: iteration i copies rows RPI·i .. RPI·i + RPI − 1,
-// lane l chunk l % CH of row RPI·i + l / CH.
+// lane l chunk l % CH of row RPI·i + l / CH, to kv_at()'s place.
 // The copy loop is the producer's whole instruction stream, and its warps share each SM
 // sub-partition's issue slot with the consumer warps, whose softmax is issue-bound (FA3 §3.1
 // gives the producer one thread issuing TMA for this reason). Measured (reports/NOTES-prefill-s4.md):
@@ -217,38 +226,49 @@ __device__ __forceinline__ void copy_rows(const u16* src, u32 dst, u32 slot, con
     constexpr int RPI = 32 / CH;  // rows per iteration: 2 (D = 128) or 4 (D = 64)
     constexpr int NX = 8 / RPI;   // distinct values of (row % 8) − (row % RPI) over iterations
     const int ch = lane % CH, sub = lane / CH;
-    // Row 32·pw + RPI·i + sub, chunk ch: swz() = (ch / 8)·BN·128 + row·128 + ((ch % 8) ^ (row % 8))·16,
-    // and row % 8 = (RPI·i) % 8 | sub with (RPI·i) % 8 = RPI·(i % NX).
+    // Row 32·pw + RPI·i + sub, chunk ch: kv_at() = (row / 8)·KV_ATOMS + (ch / 8)·1024 +
+    // (row % 8)·128 + ((ch % 8) ^ (row % 8))·16, with row % 8 = RPI·(i % NX) + sub and
+    // row / 8 = 4·pw + i / NX (RPI·NX = 8).
     u32 at[NX];
 #pragma unroll
     for (int x = 0; x < NX; ++x)
-        at[x] = dst + (u32)(ch >> 3) * BN * 128 + (u32)(32 * pw + sub) * 128 + ((u32)((ch & 7) ^ sub ^ (RPI * x)) << 4);
+        at[x] = dst + (u32)(4 * pw) * KV_ATOMS + (u32)(ch >> 3) * 1024 + (u32)(sub + RPI * x) * 128 +
+                ((u32)((ch & 7) ^ sub ^ (RPI * x)) << 4);
     const char* base = reinterpret_cast<const char*>(src + (size_t)c.kvh * D + ch * 8);
     const u32 stride = (u32)(c.G * D * 2);  // bytes from one token slot to the next
 #pragma unroll
     for (int i = 0; i < 32 / RPI; ++i) {
         const u32 sl = __shfl_sync(0xffffffffu, slot, RPI * i + sub);
         const bool ok = sl != NO_SLOT;
-        cp_async16(at[i % NX] + (u32)(RPI * i) * 128u, base + (size_t)(ok ? sl : 0u) * stride, ok ? 16 : 0);
+        cp_async16(at[i % NX] + (u32)(i / NX) * KV_ATOMS, base + (size_t)(ok ? sl : 0u) * stride, ok ? 16 : 0);
     }
 }
 
+// The box at (0, 0, 0, c3, c4) of a 5-D tensor map lands at dst, its bytes completing on bar.
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, u32 bar, int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %3, %3, %4, %5}], [%2];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(0), "r"(c3), "r"(c4)
+        : "memory");
+}
+
 // Rows j·tma_rows .. + tma_rows − 1 of K or V of a tile into stage buffer dst by TMA, from
-// `slot` on: one box per 64-column block.
+// `slot` on (a multiple of 8: a page's first slot, or a tile's within a page of 128 or more):
+// one box of every column block (the pool's 5-D map: 64 columns, 8 rows, D/64 column blocks,
+// the kv head, groups of 8 slots), landing in kv_at()'s layout.
 __device__ __forceinline__ void tma_tile(const Ctx& c, const TmaMap* map, u32 dst, u32 bar, int slot, int j) {
-#pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb)
-        tma_load_3d(dst + (u32)cb * BN * 128 + (u32)(j * c.tma_rows) * 128, map, bar, 64 * cb, c.kvh, slot);
+    tma_load_5d(dst + (u32)(j * c.tma_rows / 8) * KV_ATOMS, map, bar, c.kvh, slot / 8);
 }
 
 // K or V of one tile by TMA, the bytes expected on `full` first; every producer thread then
 // arrives on it. A tile of consecutive slots (`run`: its pages follow one another in the pool)
-// is one box of BN rows per 64 columns from lane 0 (`run_map`); any other, one box per page from
-// each of the first BN / tma_rows lanes of warp 0. Measured (reports/NOTES.md, sessions 19, 37):
-// with pages of 16 the consumers wait on "K full", and it is the 32 boxes a tile, not where the
-// pages lie: the same pages in pool order, boxed per page, run as slowly as scattered ones, and
-// 14-20 % faster as run boxes. (V by cp.async, session 19, and every tile by cp.async, session
-// 37, cost the producer more than the boxes they replace.)
+// is one box of BN rows from lane 0 (`run_map`); any other, one box per page from each of the
+// first BN / tma_rows lanes of warp 0. Measured (reports/NOTES.md, sessions 19, 37): with pages
+// of 16 the consumers waited on "K full", and it was the box count (then one per page and
+// column block, 32 a tile at d128), not where the pages lie: the same pages in pool order, boxed
+// per page, ran as slowly as scattered ones, and 14-20 % faster as run boxes. (V by cp.async,
+// session 19, and every tile by cp.async, session 37, cost the producer more than the boxes they
+// replace.) A box now holds both column blocks (kv_at's layout): 16 a tile.
 __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, const TmaMap* run_map, u32 dst, u32 full, int box,
                                          bool run, int pw, int lane, bool tma_lane) {
 #if FDPP_DIAG != 1
@@ -290,7 +310,7 @@ __device__ __forceinline__ Lookup first_lookup(const Ctx& c) {
 
 // K of tile 0 of the block's first walk into stage 0, requested by thread 0 right after it set
 // up the barrier and before the block's __syncthreads, from the slot the host looked up (`box0`,
-// attn_plan.rs `prefill_blocks`: the tile is one box per 64 columns, from the pool map when pages
+// attn_plan.rs `prefill_blocks`: the tile is one box, from the pool map when pages
 // hold a whole tile, else from the run map). The producer's walk then arrives for it and requests
 // V of the tile, from the same slot. Before, the block's first K request waited for the tile
 // entry, then the tile's page id, then the barrier setup: ~3,300 SM cycles of an 8 · 1024
@@ -433,7 +453,8 @@ struct Walker {
 };
 
 // S = Q · Kᵀ of stage s issued (not waited): 64 rows × BN keys, K-major A and B, k16 steps
-// along D (4 per 128-byte column block, +32 bytes each).
+// along D (4 per 128-byte column block, +32 bytes each); K's 8-key groups KV_ATOMS apart, its
+// column blocks 1024 (kv_at()).
 __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&sc)[NT * 4], int s) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -447,10 +468,10 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
         // its form, which this one made 8 instructions longer at s2o0p0 (SASS, NVRTC 13.0,
         // reports/NOTES.md, session 25).
         const u64 da = k.qd[ks];
-        const u64 db = desc_add(desc_sw128(c.sk(s), 16, 1024), (kb * BN + ko) >> 4);
+        const u64 db = desc_add(desc_sw128(c.sk(s), 16, KV_ATOMS), ((kb << 3) + ko) >> 4);
 #else
         const u64 da = k.q_desc + ((kb * BM + ko) >> 4);
-        const u64 db = desc_sw128(c.sk(s), 16, 1024) + ((kb * BN + ko) >> 4);
+        const u64 db = desc_sw128(c.sk(s), 16, KV_ATOMS) + (((kb << 3) + ko) >> 4);
 #endif
         wgmma_ss_n128(sc, da, db, ks);
     }
@@ -458,12 +479,12 @@ __device__ __forceinline__ void issue_qk(const Ctx& c, const Walker& k, float (&
 }
 
 // O += P · V of stage s issued: V [keys, D] is N-major for B (transpose bit); a k16 step is 16
-// keys, 2048 bytes; the D/64 column blocks are BN·128 bytes apart (leading byte offset), the
-// 8-key groups 1024 (stride byte offset).
+// keys, two 8-key groups, 2·KV_ATOMS bytes; the D/64 column blocks are 1024 bytes apart (leading
+// byte offset), the 8-key groups KV_ATOMS (stride byte offset): kv_at().
 __device__ __forceinline__ void issue_pv(const Ctx& c, Rows& st, const u32 (&pa)[PS][4], int s) {
-    const u64 vd = desc_sw128(c.sv(s), BN * 128, 1024);
+    const u64 vd = desc_sw128(c.sv(s), 1024, KV_ATOMS);
 #pragma unroll
-    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], vd + kk * (2048u >> 4));
+    for (int kk = 0; kk < PS; ++kk) wgmma_rs_tb(st.o, pa[kk], vd + kk * ((2 * KV_ATOMS) >> 4));
     wg_commit();
 }
 

@@ -395,8 +395,8 @@ pub struct TileBoxes {
 
 /// The Hopper prefill's block list (attn_prefill_hopper.cu reads its entry as two int4s): per
 /// block in [`prefill_block_order`], the tile's (sequence, first row, first position, rows), the
-/// head, the pool slot of the block's first key tile when that tile comes as one box per 64
-/// columns (-1 otherwise: the kernel looks its pages up), the KV head, and an int of padding.
+/// head, the pool slot of the block's first key tile when that tile comes as one box (-1
+/// otherwise: the kernel looks its pages up), the KV head, and an int of padding.
 /// With the slot in the entry the kernel requests K of that tile as soon as the entry is in,
 /// where the page id was another dependent load (reports/NOTES.md, session 22). `bn` is the
 /// kernel's keys per tile.

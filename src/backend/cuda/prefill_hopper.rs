@@ -34,7 +34,7 @@ pub struct Schedule {
     pub overlap: bool,
     /// FA3 §3.1's ping-pong of the two consumer warpgroups (FDPP_PINGPONG; needs `overlap`).
     pub pingpong: bool,
-    /// A whole key tile of consecutive pages comes as one TMA box per 64 columns (FDPP_RUN_BOXES;
+    /// A whole key tile of consecutive pages comes as one TMA box (FDPP_RUN_BOXES;
     /// tma.rs's `k_run`/`v_run`). Compiled only into the schedule the host picks where such tiles
     /// dominate ([`Schedule::RUNS`]): in [`Schedule::DEFAULT`] the per-tile test cost 5 % with
     /// scattered pages (sync, 1 · 4096 and 1 · 16384, H100, session 19).
@@ -67,13 +67,14 @@ impl Schedule {
         persist: false,
     };
 
-    /// The default where most key tiles come as one TMA box per 64 columns (pages of 128 slots
+    /// The default where most key tiles come as one TMA box (pages of 128 slots
     /// or more, or smaller pages that follow one another in the pool, [`run_share`]): three
     /// stages, the softmax overlapped with P·V (FA3 §3.2) and the ping-pong (§3.1). Measured on
     /// an H100 (reports/NOTES.md, session 19), pages of 128, sync: 608 TFLOP/s at 1 · 16384
     /// against 531 for [`Schedule::DEFAULT`]; with pages of 16 boxed one by one it is the slower
-    /// one (489 against 517), its consumers then waiting on "K full" for the 32 boxes of a tile
-    /// (session 37: pages in pool order but boxed per page are as slow as scattered ones).
+    /// one (489 against 517), its consumers then waiting on "K full" for the boxes of a tile
+    /// (session 37: pages in pool order but boxed per page are as slow as scattered ones; a
+    /// box then held one column block, 32 a tile at d128, now both: 16).
     /// `hopper_runs=0|1` overrides the choice.
     pub const RUNS: Schedule = Schedule {
         runs: true,
@@ -660,38 +661,56 @@ mod tests {
         assert_eq!(run_share(&t, 16), 0.0);
     }
 
-    /// The swizzled layout of attn_prefill_hopper.cu (swz) against the hardware's 128-byte
-    /// swizzle (XOR of byte-address bits 4–6 with bits 7–9) applied to the unswizzled offsets the
-    /// descriptors describe: every element lands where the wgmma reads it, once.
+    /// The swizzled layouts of attn_prefill_hopper.cu (swz for Q, kv_at for K and V) against the
+    /// hardware's 128-byte swizzle (XOR of byte-address bits 4–6 with bits 7–9) applied to the
+    /// unswizzled offsets the descriptors describe: every element lands where the wgmma reads
+    /// it, once; and K/V's layout is where the pool map's 5-D box (tma.rs `encode`: 64 columns,
+    /// 8 rows, the column blocks, 1 kv head, groups of 8 rows) puts each element.
     #[test]
     fn swizzle_matches_the_wgmma_descriptors() {
-        // swz of the kernel, transcribed.
+        // swz and kv_at of the kernel, transcribed.
         let swz = |r: usize, c: usize, rows: usize| (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
         let hw = |logical: usize| logical ^ (((logical >> 7) & 7) << 4);
         for &d in &HEAD_DIMS {
+            let atoms = d / 64 * 1024; // KV_ATOMS
+            let kv_at =
+                |r: usize, c: usize| (r >> 3) * atoms + (c >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4);
             let rows = BN;
-            let mut seen = vec![false; rows * d * 2 / 16];
+            let (mut seen_q, mut seen_kv) = (vec![false; rows * d * 2 / 16], vec![false; rows * d * 2 / 16]);
             for r in 0..rows {
                 for c in 0..d / 8 {
-                    let at = swz(r, c, rows);
-                    assert!(!seen[at / 16]);
-                    seen[at / 16] = true;
-                    // K-major operand (Q, K): row r, k-step ks = c / 2 within column block c / 8:
+                    // Q [BM, D] (K-major A): row r, k-step ks = c / 2 within column block c / 8:
                     // descriptor start = block + (ks % 4)·32, rows 128 bytes apart, 8-row groups
                     // 1024 apart (SBO); the chunk sits (c % 2)·16 past the k-step start.
+                    let at = swz(r, c, rows);
+                    assert!(!seen_q[at / 16]);
+                    seen_q[at / 16] = true;
                     let ks = c / 2;
                     let start = (ks >> 2) * rows * 128 + (ks & 3) * 32;
                     let logical = start + (r / 8) * 1024 + (r % 8) * 128 + (c % 2) * 16;
-                    assert_eq!(hw(logical), at, "K-major d{d} r{r} c{c}");
-                    // N-major B (V): k-step kk = r / 16 starts at kk·2048; key groups of 8 are SBO
-                    // = 1024 apart, 64-column blocks LBO = rows·128 apart, chunk c % 8 in its row.
+                    assert_eq!(hw(logical), at, "Q d{d} r{r} c{c}");
+                    // K (K-major B): the k-step's start is its column block's 1024 bytes within
+                    // the first 8-row group, + (ks % 4)·32; 8-row groups SBO = KV_ATOMS apart.
+                    let at = kv_at(r, c);
+                    assert!(!seen_kv[at / 16]);
+                    seen_kv[at / 16] = true;
+                    let start = (ks >> 2) * 1024 + (ks & 3) * 32;
+                    let logical = start + (r / 8) * atoms + (r % 8) * 128 + (c % 2) * 16;
+                    assert_eq!(hw(logical), at, "K d{d} r{r} c{c}");
+                    // V (N-major B): k-step kk = r / 16 starts at kk·2·KV_ATOMS; key groups of 8
+                    // SBO = KV_ATOMS apart, 64-column blocks LBO = 1024 apart, chunk c % 8 in its
+                    // row.
                     let kk = r / 16;
                     let logical =
-                        kk * 2048 + ((r % 16) / 8) * 1024 + (c / 8) * rows * 128 + (r % 8) * 128 + (c % 8) * 16;
-                    assert_eq!(hw(logical), at, "N-major d{d} r{r} c{c}");
+                        kk * 2 * atoms + ((r % 16) / 8) * atoms + (c / 8) * 1024 + (r % 8) * 128 + (c % 8) * 16;
+                    assert_eq!(hw(logical), at, "V d{d} r{r} c{c}");
+                    // The 5-D box (innermost first: column, row in its group of 8, column block,
+                    // kv head, group) lays elements out densely, then swizzles by address.
+                    let dense = ((((r / 8) * (d / 64) + c / 8) * 8 + r % 8) * 64 + (c % 8) * 8) * 2;
+                    assert_eq!(hw(dense), at, "TMA box d{d} r{r} c{c}");
                 }
             }
-            assert!(seen.iter().all(|&s| s));
+            assert!(seen_q.iter().all(|&s| s) && seen_kv.iter().all(|&s| s));
         }
     }
 }

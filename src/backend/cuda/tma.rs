@@ -3,12 +3,13 @@
 //! block's Q tile, `load_q_tma`).
 //!
 //! The pool holds K (or V) as [slots][kv heads][head_dim] 16-bit values, slot = page ·
-//! page_size + offset. One 3-D map covers all of it; a box is 64 columns × 1 kv head × `rows`
-//! slots (one page, or the 128-key tile when pages are larger), landing as `rows` lines of 128
-//! bytes with the 128-byte swizzle that the wgmma descriptors read. Where pages are smaller than
+//! page_size + offset. One 5-D map covers all of it; a box is every 64-column block of `rows`
+//! slots of one kv head (one page, or the 128-key tile when pages are larger), landing as the
+//! kernel's 8-row atoms of 128-byte lines with the 128-byte swizzle that the wgmma descriptors
+//! read (`encode`). Where pages are smaller than
 //! the tile, a second pair of maps boxes a whole tile (128 slots): the kernel takes it for a tile
 //! whose pages lie one after another in the pool (a prompt's pages from a fresh allocator do),
-//! one box per 64 columns instead of one per page. The kernel reads the maps from its
+//! one box instead of one per page. The kernel reads the maps from its
 //! parameters (by value, `__grid_constant__`).
 
 use cudarc::driver::{sys, DeviceRepr};
@@ -133,14 +134,34 @@ pub fn query_map(q: u64, tokens: usize, heads: usize, head_dim: usize) -> Result
     encode_rows(q, head_dim, heads, tokens, QUERY_ROWS, "the query rows")
 }
 
+/// The pool's 5-D map: dims (innermost first) 64 columns, 8 slots (the slot stride), head_dim/64
+/// column blocks (128 bytes), kv heads (head_dim · 2 bytes), groups of 8 slots; a box is every
+/// column block of `rows` slots of one kv head, landing as the kernel's K/V layout (`kv_at`:
+/// 8-row atoms of 1024 bytes, a group's column blocks side by side), so that a page of 16 slots
+/// is one box where it was one per column block (reports/NOTES.md, session 37). The kernel's
+/// coordinates are (0, 0, 0, kv head, slot / 8).
 fn encode(l: &PagedKvLayout, base: u64, rows: usize, what: &str) -> Result<TmaMap> {
-    encode_rows(
+    let spec = || format!("tma map of the {what} pool");
+    let (d, heads, slots) = (
+        l.head_dim as u64,
+        l.num_kv_heads as u64,
+        (l.num_pages * l.page_size) as u64,
+    );
+    if !d.is_multiple_of(BOX_COLS as u64) || !slots.is_multiple_of(8) || !rows.is_multiple_of(8) {
+        return Err(FdppError::Unsupported {
+            spec: spec(),
+            what: format!(
+                "head_dim {d} and {slots} slots in boxes of {rows} (multiples of {BOX_COLS}, 8 and 8 are needed)"
+            ),
+        });
+    }
+    let slot_stride = heads * d * 2;
+    encode_tiled(
         base,
-        l.head_dim,
-        l.num_kv_heads,
-        l.num_pages * l.page_size,
-        rows,
-        &format!("the {what} pool"),
+        [BOX_COLS as u64, 8, d / BOX_COLS as u64, heads, slots / 8],
+        &[slot_stride, 128, d * 2, 8 * slot_stride],
+        [BOX_COLS, 8, (d / BOX_COLS as u64) as u32, 1, (rows / 8) as u32],
+        &spec(),
     )
 }
 
