@@ -31,9 +31,10 @@
 // (64 columns), 1024-byte aligned, the 16-byte chunk c of row r at chunk c ^ (r % 8). Q [BM, D]
 // is stored as D/64 column blocks [BM][64] (swz()). K and V [BN, D] interleave the atoms: row r,
 // column block cb at (r / 8)·KV_ATOMS + cb·1024 (kv_at()), so that the 16 rows of one page and
-// both column blocks are one contiguous 4 KiB, one TMA box of the pool's 5-D map (tma.rs): with
-// pages of 16 a tile took 16 boxes of K and 16 of V as [cb][BN][64], and those boxes, not where
-// the pages lie, cost pages of 16 14-20 % against pages of 128 (reports/NOTES.md, session 37).
+// both column blocks are one contiguous 4 KiB, one TMA box of the pool's 5-D map (tma.rs). With
+// D/64 column blocks [BN][64] a page of 16 took one box per block, 32 a tile of K at d128, and
+// the box count, not where the pages lie, cost pages of 16 14-20 % against pages of 128
+// (reports/NOTES.md, session 37); 16 boxes gained 6-13 % with scattered pages (session 38).
 //
 // Softmax (FlashDecoding++ §3), as attn_prefill.cu: `sync` keeps a running row max and rescales
 // O and l when it grows; `async` takes every term against the unified φ, no row max, no rescale.
@@ -268,7 +269,9 @@ __device__ __forceinline__ void tma_tile(const Ctx& c, const TmaMap* map, u32 ds
 // column block, 32 a tile at d128), not where the pages lie: the same pages in pool order, boxed
 // per page, ran as slowly as scattered ones, and 14-20 % faster as run boxes. (V by cp.async,
 // session 19, and every tile by cp.async, session 37, cost the producer more than the boxes they
-// replace.) A box now holds both column blocks (kv_at's layout): 16 a tile.
+// replace.) A box now holds every column block (kv_at's layout): 16 a tile, 6-13 % faster
+// (session 38); what remains is the per-box cost, so a RUNS schedule for per-page tiles still
+// loses (hopper_runs=1 with scattered pages: level to 11 % slower than the default, session 38).
 __device__ __forceinline__ void load_tma(const Ctx& c, const TmaMap* map, const TmaMap* run_map, u32 dst, u32 full, int box,
                                          bool run, int pw, int lane, bool tma_lane) {
 #if FDPP_DIAG != 1
