@@ -14,6 +14,10 @@
 // 1 host to device, 2 device to host, 8 device to device; memset_<bytes>), as either between two
 // kernels breaks their overlap. Each record names its device, so
 // a multi-GPU run (tensor parallelism) can be cut per GPU.
+// With FDPP_TRACE_API=1 every CUDA driver API call is recorded too, as a row named
+// api_<function> with device 65535 (the summaries, which take the lowest device id, skip them)
+// and its correlation id in the node column (a kernel's record carries the id of the launch
+// that queued it): where the host spends the time between two launches.
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,6 +57,15 @@ static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t* buffer
                         m->deviceId, (unsigned long long)m->bytes);
             continue;
         }
+        if (r->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
+            const CUpti_ActivityAPI* a = (const CUpti_ActivityAPI*)r;
+            const char* name = NULL;
+            if (cuptiGetCallbackName(CUPTI_CB_DOMAIN_DRIVER_API, a->cbid, &name) != CUPTI_SUCCESS || !name) name = "unknown";
+            if (out)
+                fprintf(out, "%llu,%llu,0,%u,0,0,0,65535,api_%s\n", (unsigned long long)a->start,
+                        (unsigned long long)a->end, a->correlationId, name);
+            continue;
+        }
         if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
         const KREC* k = (const KREC*)r;
         if (out)
@@ -83,6 +96,8 @@ int InitializeInjection(void) {
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET) != CUPTI_SUCCESS) return 0;
+    const char* api = getenv("FDPP_TRACE_API");
+    if (api && api[0] == '1' && cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS) return 0;
     // Deliver buffers as they fill, not only at exit (the context may be gone by then).
     cuptiActivityFlushPeriod(200);
     atexit(finish);

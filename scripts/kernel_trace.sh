@@ -2,7 +2,8 @@
 # Run a command under the CUPTI kernel timeline (scripts/kernel_trace.c), on a GPU machine:
 #   scripts/kernel_trace.sh OUT.csv command args...
 # Then, anywhere: python3 scripts/kernel_trace_summary.py OUT.csv (decode steps), or with
-# --prefill LAYERS (the last prefill, layer by layer).
+# --prefill LAYERS (the last prefill, layer by layer). FDPP_TRACE_API=1 adds every CUDA driver API
+# call (rows api_<function>, device 65535): the host's side of the same timeline.
 set -euo pipefail
 out=$1
 shift
