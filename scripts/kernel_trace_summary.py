@@ -15,7 +15,10 @@ covers the last --steps of them (the decode steps; the prefill comes first). A m
 one attention to the next attention (so the kernels of a layer print in launch order: O, FFN1,
 FFN2, the next QKV, the attention), with each position's mean share and duration over the N - 1
 whole layers, and the copies and memsets in the burst (each one between two chained kernels
-ends their overlap).
+ends their overlap). With --start US it also lists what ran in the US microseconds before the
+prefill's first layer's first kernel: the device's copies, memsets and kernels, and, in a trace
+taken with FDPP_TRACE_API=1, the host's driver API calls (device 65535): where the start of a
+time to first token goes.
 """
 import argparse
 import csv
@@ -31,9 +34,13 @@ def main():
     ap.add_argument("--device", type=int, help="the GPU to summarise (default: the lowest id in the trace)")
     ap.add_argument("--prefill", type=int, metavar="N", help="summarise the last prefill of N layers instead")
     ap.add_argument("--attn", default="attn_prefill", help="substring of the prefill's attention kernel (--prefill)")
+    ap.add_argument("--start", type=float, metavar="US",
+                    help="with --prefill: list the US microseconds before its first kernel, host API calls included")
     a = ap.parse_args()
     with open(a.csv) as f:
         rows = list(csv.DictReader(f))
+    api = [(int(r["start_ns"]), int(r["end_ns"]), r["name"][:48]) for r in rows if int(r.get("device") or 0) == API_DEVICE]
+    rows = [r for r in rows if int(r.get("device") or 0) != API_DEVICE]
     # Traces written before the device column have none: one GPU.
     devs = sorted({int(r.get("device") or 0) for r in rows})
     dev = a.device if a.device is not None else (devs[0] if devs else 0)
@@ -44,7 +51,7 @@ def main():
     if not ks:
         sys.exit(f"{a.csv}: no kernels recorded")
     if a.prefill:
-        prefill_layers(a, ks)
+        prefill_layers(a, ks, api)
         return
     ends = [i for i, k in enumerate(ks) if a.step_end in k[2]]
     if len(ends) < 2:
@@ -75,8 +82,8 @@ def main():
         print(f"| {name} | {c / n:.0f} | {share[name] / n / 1e3:.1f} | {dur[name] / c / 1e3:.2f} |")
 
 
-def prefill_layers(a, rows):
-    """Per-layer shares of the last prefill (see --prefill)."""
+def prefill_layers(a, rows, api):
+    """Per-layer shares of the last prefill (see --prefill), and with --start what preceded it."""
     mem = [r for r in rows if r[2].startswith(("memcpy_", "memset_"))]
     ks = [r for r in rows if not r[2].startswith(("memcpy_", "memset_"))]
     att = [i for i, k in enumerate(ks) if a.attn in k[2]]
@@ -110,6 +117,25 @@ def prefill_layers(a, rows):
     print("|---|---|---|---|---|")
     for p in range(span):
         print(f"| {p + 1} | {names[p]} | {share[p] / n / 1e3:.1f} | {idle[p] / n / 1e3:.1f} | {dur[p] / n / 1e3:.1f} |")
+    if a.start:
+        # The window's first attention belongs to layer 0 when --prefill is the model's layer
+        # count; the layer's first kernel is the one launched right before it (its QKV GEMM).
+        first = ks[att[0] - 1] if att[0] > 0 else ks[att[0]]
+        t1 = first[0]
+        t0 = t1 - int(a.start * 1e3)
+        seen = sorted([(st, en, nm, "device") for st, en, nm in rows if t0 <= st <= t1]
+                      + [(st, en, nm, "host") for st, en, nm in api if t0 <= st <= t1])
+        print(f"\nthe {a.start:g} us before the prefill's first kernel ({first[2]}), us before it:")
+        print("| side | starts | takes (us) | what |")
+        print("|---|---|---|---|")
+        for st, en, nm, side in seen:
+            print(f"| {side} | -{(t1 - st) / 1e3:.1f} | {(en - st) / 1e3:.1f} | {nm} |")
+        if not api:
+            print("(no host API calls in the trace: take it with FDPP_TRACE_API=1)")
+
+
+# scripts/kernel_trace.c writes driver API calls (FDPP_TRACE_API=1) as rows of this device.
+API_DEVICE = 65535
 
 
 if __name__ == "__main__":
