@@ -13,6 +13,8 @@
 //! `pages[t / page_size]`, slot `t % page_size`). Kernels receive the tables flattened
 //! ([`FlatBlockTables`]): `block_table[batch][max_pages]` (i32, unused tail = -1) and `seq_lens`.
 
+use std::collections::BTreeSet;
+
 use crate::dtype::DType;
 use crate::error::{FdppError, Result};
 
@@ -275,20 +277,23 @@ impl FlatBlockTables {
     }
 }
 
-/// A free list of page ids. Pages are handed out lowest first so that a fresh pool fills from
-/// the bottom (FlashDecoding++Next's KV-from-the-bottom layout).
+/// The free page ids. Pages are handed out lowest first so that a fresh pool fills from the
+/// bottom (FlashDecoding++Next's KV-from-the-bottom layout), and a prompt's pages then follow one
+/// another in the pool, which the Hopper prefill takes a tile at a time (one TMA box). An ordered
+/// set rather than a list: releasing a sequence checks each of its pages against the free ones
+/// (a double free would hand one page to two sequences), which a list made a search per page —
+/// 21 ms for a 131072-token sequence's 8192 pages against 40000 free ones.
 #[derive(Clone, Debug)]
 pub struct PageAllocator {
     num_pages: usize,
-    /// Free page ids, highest first, so that `pop` hands out the lowest.
-    free: Vec<u32>,
+    free: BTreeSet<u32>,
 }
 
 impl PageAllocator {
     pub fn new(layout: &PagedKvLayout) -> Self {
         PageAllocator {
             num_pages: layout.num_pages,
-            free: (0..layout.num_pages as u32).rev().collect(),
+            free: (0..layout.num_pages as u32).collect(),
         }
     }
 
@@ -296,7 +301,8 @@ impl PageAllocator {
         self.free.len()
     }
 
-    /// `n` pages, or `OutOfKvPages` (and nothing taken) when fewer are free.
+    /// The `n` lowest free pages in ascending order, or `OutOfKvPages` (and nothing taken) when
+    /// fewer are free.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<u32>> {
         if n > self.free.len() {
             return Err(FdppError::OutOfKvPages {
@@ -305,10 +311,7 @@ impl PageAllocator {
                 total: self.num_pages,
             });
         }
-        let at = self.free.len() - n;
-        let mut got = self.free.split_off(at);
-        got.reverse();
-        Ok(got)
+        Ok((0..n).filter_map(|_| self.free.pop_first()).collect())
     }
 
     /// Grows `table` to hold `new_len` tokens, taking pages as needed; on `OutOfKvPages` the
@@ -321,19 +324,26 @@ impl PageAllocator {
         Ok(())
     }
 
-    /// Returns a sequence's pages to the pool. Ids outside the pool or already free are refused
-    /// (a double free would hand one page to two sequences).
+    /// Returns a sequence's pages to the pool. Ids outside the pool, already free or twice in the
+    /// table are refused, and then nothing is returned (a double free would hand one page to two
+    /// sequences).
     pub fn release(&mut self, table: &mut BlockTable) -> Result<()> {
-        for (i, &p) in table.pages.iter().enumerate() {
-            if p as usize >= self.num_pages || self.free.contains(&p) || table.pages[..i].contains(&p) {
-                return Err(FdppError::InvalidArgument(format!(
-                    "releasing page {p}: not an allocated page of this pool of {}",
-                    self.num_pages
-                )));
-            }
+        let mut ids = table.pages.clone();
+        ids.sort_unstable();
+        let twice = ids.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]);
+        let bad = twice.or_else(|| {
+            ids.iter()
+                .copied()
+                .find(|&p| p as usize >= self.num_pages || self.free.contains(&p))
+        });
+        if let Some(p) = bad {
+            return Err(FdppError::InvalidArgument(format!(
+                "releasing page {p}: not an allocated page of this pool of {}",
+                self.num_pages
+            )));
         }
-        self.free.append(&mut table.pages);
-        self.free.sort_unstable_by(|a, b| b.cmp(a));
+        self.free.extend(ids);
+        table.pages.clear();
         table.seq_len = 0;
         Ok(())
     }
@@ -431,6 +441,32 @@ mod tests {
         a.release(&mut t).expect("release");
         assert_eq!(a.free_pages(), 4);
         assert_eq!(a.alloc(1).expect("1"), vec![2]);
+    }
+
+    #[test]
+    fn a_bad_release_is_refused_and_changes_nothing() {
+        let l = layout();
+        let mut a = PageAllocator::new(&l);
+        let mut t = BlockTable::default();
+        a.extend(&l, &mut t, 12).expect("pages 0, 1, 2 of 6 (4 tokens each)");
+        // Page 3 is free, 9 outside the pool, 1 in the table twice.
+        for (pages, bad) in [(vec![2, 3], 3), (vec![9], 9), (vec![1, 0, 1], 1)] {
+            let mut b = BlockTable {
+                pages: pages.clone(),
+                seq_len: 1,
+            };
+            let e = a.release(&mut b).expect_err("refused");
+            assert!(
+                e.to_string().contains(&format!("releasing page {bad}")),
+                "{pages:?}: {e}"
+            );
+            assert_eq!((a.free_pages(), &b.pages), (3, &pages), "{pages:?}: nothing moved");
+        }
+        // Given back in any order, handed out lowest first again.
+        t.pages.reverse();
+        a.release(&mut t).expect("release");
+        assert!(t.pages.is_empty() && t.seq_len == 0);
+        assert_eq!(a.alloc(6).expect("all 6"), vec![0, 1, 2, 3, 4, 5]);
     }
 
     #[test]
