@@ -16,8 +16,8 @@
 // a multi-GPU run (tensor parallelism) can be cut per GPU.
 // With FDPP_TRACE_API=1 every CUDA driver API call is recorded too, as a row named
 // api_<function> with device 65535 (the summaries, which take the lowest device id, skip them)
-// and its correlation id in the node column (a kernel's record carries the id of the launch
-// that queued it): where the host spends the time between two launches.
+// and CUPTI's correlation id in the node column, on the kernels' clock: where the host spends
+// the time between two launches.
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
