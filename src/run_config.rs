@@ -324,7 +324,7 @@ pub const KEYS: &[KeyInfo] = &[
         values: "auto|0|1",
         default: "auto",
         kind: Kind::Behaviour,
-        what: "the Hopper prefill's run-box schedule, a tile of consecutive pages as one TMA box per 64 columns (auto: where at least half the tiles are such runs)",
+        what: "the Hopper prefill's run-box schedule, a tile of consecutive pages as one TMA box (auto: where at least half the tiles are such runs)",
     },
     KeyInfo {
         key: Key::PrefillL2Share,

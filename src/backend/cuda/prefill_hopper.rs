@@ -235,19 +235,19 @@ fn smem_for(head_dim: usize, stages: usize, q_buffers: usize) -> u32 {
 /// the persistent kernel runs, [`persistent`]) and `hopper_runs` (FDPP_HOPPER_RUNS: whether the
 /// run-box schedule does, [`attend`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Persist {
+pub enum AutoSwitch {
     Auto,
     Off,
     On,
 }
 
-impl Persist {
+impl AutoSwitch {
     /// The value `v` of switch `name` (unset or empty: auto).
     pub fn parse(name: &str, v: Option<&str>) -> Result<Self> {
         match v.map(str::trim) {
-            None | Some("") | Some("auto") => Ok(Persist::Auto),
-            Some("0") => Ok(Persist::Off),
-            Some("1") => Ok(Persist::On),
+            None | Some("") | Some("auto") => Ok(AutoSwitch::Auto),
+            Some("0") => Ok(AutoSwitch::Off),
+            Some("1") => Ok(AutoSwitch::On),
             Some(o) => Err(FdppError::InvalidArgument(format!("{name}={o}: expected auto, 0 or 1"))),
         }
     }
@@ -271,8 +271,8 @@ pub const PERSIST_AUTO_KEYS_ASYNC: usize = 4096;
 /// reports/NOTES.md, sessions 25-26).
 /// Forced on with Q by cp.async it is an error naming both switches; a trace under `1` quietly
 /// runs one block per tile.
-pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> Result<bool> {
-    if choice == Persist::On && !q_tma {
+pub fn persistent(choice: AutoSwitch, sync: bool, q_tma: bool, sched: &Schedule, max_keys: usize) -> Result<bool> {
+    if choice == AutoSwitch::On && !q_tma {
         return Err(FdppError::InvalidArgument(
             "prefill_persist=1 needs hopper_q_tma=1: the persistent kernel's producer loads every block's Q by TMA"
                 .into(),
@@ -286,9 +286,9 @@ pub fn persistent(choice: Persist, sync: bool, q_tma: bool, sched: &Schedule, ma
     };
     Ok(able
         && match choice {
-            Persist::Off => false,
-            Persist::On => true,
-            Persist::Auto => max_keys <= bound,
+            AutoSwitch::Off => false,
+            AutoSwitch::On => true,
+            AutoSwitch::Auto => max_keys <= bound,
         })
 }
 
@@ -382,10 +382,10 @@ pub fn attend(
 ) -> Result<usize> {
     let d = p.geom.head_dim;
     let fits = smem_bytes(d, Schedule::RUNS.stages) <= b.max_smem_per_block();
-    let runs = match Persist::parse("hopper_runs", crate::run_config::get().get(Key::HopperRuns))? {
-        Persist::Auto => run_share(&p.tables, kv.layout.page_size) >= 0.5,
-        Persist::On => true,
-        Persist::Off => false,
+    let runs = match AutoSwitch::parse("hopper_runs", crate::run_config::get().get(Key::HopperRuns))? {
+        AutoSwitch::Auto => run_share(&p.tables, kv.layout.page_size) >= 0.5,
+        AutoSwitch::On => true,
+        AutoSwitch::Off => false,
     };
     let base = if fits && runs {
         Schedule::RUNS
@@ -396,7 +396,7 @@ pub fn attend(
     let q_tma = q_tma_wanted()?;
     let max_keys = p.spans().iter().map(|&(_, prefix, n)| prefix + n).max().unwrap_or(0);
     sched.persist = persistent(
-        Persist::parse("prefill_persist", crate::run_config::get().get(Key::PrefillPersist))?,
+        AutoSwitch::parse("prefill_persist", crate::run_config::get().get(Key::PrefillPersist))?,
         matches!(p.scheme, crate::ops::attention::SoftmaxScheme::Sync),
         q_tma,
         &sched,
@@ -603,35 +603,43 @@ mod tests {
 
     #[test]
     fn the_persistent_kernel_takes_q_by_tma_and_auto_follows_the_measurements() {
-        assert_eq!(Persist::parse("prefill_persist", None).unwrap(), Persist::Auto);
-        assert_eq!(Persist::parse("prefill_persist", Some(" auto")).unwrap(), Persist::Auto);
-        assert_eq!(Persist::parse("prefill_persist", Some("0")).unwrap(), Persist::Off);
-        assert_eq!(Persist::parse("prefill_persist", Some("1")).unwrap(), Persist::On);
-        assert!(Persist::parse("prefill_persist", Some("yes")).is_err());
+        assert_eq!(AutoSwitch::parse("prefill_persist", None).unwrap(), AutoSwitch::Auto);
+        assert_eq!(
+            AutoSwitch::parse("prefill_persist", Some(" auto")).unwrap(),
+            AutoSwitch::Auto
+        );
+        assert_eq!(
+            AutoSwitch::parse("prefill_persist", Some("0")).unwrap(),
+            AutoSwitch::Off
+        );
+        assert_eq!(AutoSwitch::parse("prefill_persist", Some("1")).unwrap(), AutoSwitch::On);
+        assert!(AutoSwitch::parse("prefill_persist", Some("yes")).is_err());
         let (d, r) = (Schedule::DEFAULT, Schedule::RUNS);
         let long = PERSIST_AUTO_KEYS + 1;
         let on = |c, q_tma, s: &Schedule, keys| persistent(c, true, q_tma, s, keys).unwrap();
         // auto: up to the bound of the softmax, whatever the schedule; 1 and 0 for either.
-        assert!(on(Persist::Auto, true, &r, PERSIST_AUTO_KEYS));
-        assert!(on(Persist::Auto, true, &d, PERSIST_AUTO_KEYS));
-        assert!(!on(Persist::Auto, true, &d, long));
-        assert!(!on(Persist::Auto, true, &r, long));
-        assert!(on(Persist::On, true, &d, long));
-        assert!(!on(Persist::Off, true, &r, 1024));
+        assert!(on(AutoSwitch::Auto, true, &r, PERSIST_AUTO_KEYS));
+        assert!(on(AutoSwitch::Auto, true, &d, PERSIST_AUTO_KEYS));
+        assert!(!on(AutoSwitch::Auto, true, &d, long));
+        assert!(!on(AutoSwitch::Auto, true, &r, long));
+        assert!(on(AutoSwitch::On, true, &d, long));
+        assert!(!on(AutoSwitch::Off, true, &r, 1024));
         let on_async = |c, keys| persistent(c, false, true, &r, keys).unwrap();
-        assert!(on_async(Persist::Auto, PERSIST_AUTO_KEYS_ASYNC));
-        assert!(!on_async(Persist::Auto, PERSIST_AUTO_KEYS_ASYNC + 1));
-        assert!(on_async(Persist::On, long));
-        assert!(!on_async(Persist::Off, 1024));
+        assert!(on_async(AutoSwitch::Auto, PERSIST_AUTO_KEYS_ASYNC));
+        assert!(!on_async(AutoSwitch::Auto, PERSIST_AUTO_KEYS_ASYNC + 1));
+        assert!(on_async(AutoSwitch::On, long));
+        assert!(!on_async(AutoSwitch::Off, 1024));
         // Never when tracing, whatever was asked; auto without Q by TMA stays off, forced on it
         // is an error naming both switches.
-        for c in [Persist::Auto, Persist::On] {
+        for c in [AutoSwitch::Auto, AutoSwitch::On] {
             assert!(!on(c, true, &d.parse_diag(Some("3")).unwrap(), 1024), "trace");
         }
-        assert!(!on(Persist::Auto, false, &r, 1024));
-        let e = persistent(Persist::On, true, false, &r, 1024).unwrap_err().to_string();
+        assert!(!on(AutoSwitch::Auto, false, &r, 1024));
+        let e = persistent(AutoSwitch::On, true, false, &r, 1024)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("prefill_persist=1") && e.contains("hopper_q_tma=1"), "{e}");
-        assert!(on(Persist::On, true, &d.parse_diag(Some("1")).unwrap(), 1024));
+        assert!(on(AutoSwitch::On, true, &d.parse_diag(Some("1")).unwrap(), 1024));
         // Two Q tiles where they fit 227 KiB: d128 with two stages, d64 with three.
         assert_eq!(d.persistent().q_buffers(128), 2);
         assert_eq!(r.persistent().q_buffers(128), 1);
