@@ -7,6 +7,7 @@
 //   /tmp/read_bw sizes BYTES[,BYTES...]   the ceiling at each size (below)
 //   /tmp/read_bw layout HEADS TOKENS[,TOKENS...] [all]   the MHA decode pattern in fdpp's pool and
 //                                                         in SDPA's layout (all: every configuration)
+//   /tmp/read_bw gqa KV_HEADS TOKENS[,TOKENS...]   the GQA decode pattern's variants (below)
 //
 // `sizes`: the same sweep over a buffer of exactly BYTES, read again and again as a benchmark
 // reads one KV cache, each launch timed alone with events and the median of 20 taken, as `fdpp
@@ -206,6 +207,170 @@ static int layout_mode(int heads, const char* list) {
     return 0;
 }
 
+// `gqa`: what the grouped decode's access pattern costs, and the patterns it could take instead.
+// Why: the tensor-core pass streams at 85-97 % of a plain read of its bytes where SDPA reaches
+// 97-101 % (GQA, batch >= 16, H200); this separates the load pattern from the rest of the kernel.
+// On the H200 (reports/NOTES.md, session 39) whole lines gained only with twice the kernel's bytes
+// in flight, the block order that gained here did nothing in the kernel, and every prefetch
+// variant below was slower, in the mimic and in the kernel.
+// K and V pools of `tokens` rows of G kv heads x 256 bytes (d128 fp16, fdpp's token-major pool),
+// blocks of 4 warps, a warp step of 16 tokens x 256 bytes of one kv head (K and V), 16 loads of
+// 16 bytes per lane and step. FULL 0: lane (g, t) reads tokens g, g + 8 at 16-byte chunks
+// 4c + t (the tensor-core pass's fragments: a load instruction covers 8 tokens x 64 B, half of
+// each line); FULL 1: lane l reads tokens l / 8 + 4j at chunks l % 8 + 8c (4 tokens x 128 B,
+// whole lines). WARPS_HEADS 0: a block is one kv head, its warps take every fourth step (the
+// kernel's split); 1: a block is 4 kv heads, warp w kv head 4u + w, all warps step over the same
+// tokens (a token row's heads read side by side). SPLIT_FAST: consecutive blocks are splits of
+// one unit (the kernel's grid), else units of one split.
+template <bool FULL, bool WARPS_HEADS, bool SPLIT_FAST>
+__global__ void __launch_bounds__(128) read_gqa(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                                size_t tokens, int G, int splits, unsigned* out) {
+    const int units = WARPS_HEADS ? G / 4 : G;
+    const int unit = SPLIT_FAST ? blockIdx.x / splits : blockIdx.x % units;
+    const int split = SPLIT_FAST ? blockIdx.x % splits : blockIdx.x / units;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int head = WARPS_HEADS ? 4 * unit + warp : unit;
+    const size_t per = ((tokens + splits - 1) / splits + 15) / 16 * 16;
+    const size_t t0 = split * per, t1 = t0 + per < tokens ? t0 + per : tokens;
+    const size_t first = WARPS_HEADS ? t0 : t0 + 16 * warp, step = WARPS_HEADS ? 16 : 64;
+    unsigned acc = 0;
+    for (size_t base = first; base + 16 <= t1; base += step) {
+        uint4 r[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            size_t tok, chunk;
+            if (FULL) {
+                tok = base + lane / 8 + 4 * (i % 4);
+                chunk = lane % 8 + 8 * (i / 4);
+            } else {
+                tok = base + lane / 4 + 8 * (i % 2);
+                chunk = 4 * (i / 2) + lane % 4;
+            }
+            const size_t at = (tok * G + head) * 16 + chunk;
+            r[2 * i] = ld_nc_hint<128>(k + at);
+            r[2 * i + 1] = ld_nc_hint<128>(v + at);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <bool FULL, bool WARPS_HEADS, bool SPLIT_FAST>
+static double time_gqa(const uint4* p, size_t tokens, int G, int blocks, unsigned* out) {
+    const size_t pool = tokens * G * 16;
+    const int units = WARPS_HEADS ? G / 4 : G;
+    const int splits = std::max(1, blocks / units);
+    const std::vector<float> ms = time_launches(
+        [&] { read_gqa<FULL, WARPS_HEADS, SPLIT_FAST><<<units * splits, 128>>>(p, p + pool, tokens, G, splits, out); },
+        20);
+    return 2.0 * pool * 16 / (ms[ms.size() / 2] * 1e-3) / 1e12;
+}
+
+// The tensor-core pass's pattern (half lines, a block per kv head, the kernel's split order) with
+// the K and V rows of the step PF steps ahead requested into L2 first. KIND 0: one
+// `cp.async.bulk.prefetch.L2` of a key's whole 256-byte row from lane k < 16 (two full lines);
+// KIND 1: `prefetch.global.L2` of one 128-byte line per lane (key lane / 2, line lane % 2).
+template <int KIND>
+__global__ void __launch_bounds__(128) read_gqa_pf(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                                   size_t tokens, int G, int splits, int pf, unsigned* out) {
+    const int unit = blockIdx.x / splits, split = blockIdx.x % splits;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const size_t per = ((tokens + splits - 1) / splits + 15) / 16 * 16;
+    const size_t t0 = split * per, t1 = t0 + per < tokens ? t0 + per : tokens;
+    unsigned acc = 0;
+    for (size_t base = t0 + 16 * warp; base + 16 <= t1; base += 64) {
+        const size_t ahead = base + 64 * (size_t)pf;
+        if (pf > 0 && ahead + 16 <= t1) {
+            if (KIND == 0) {
+                if (lane < 16) {
+                    const size_t at = ((ahead + lane) * G + unit) * 16;
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 256;" ::"l"(k + at) : "memory");
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 256;" ::"l"(v + at) : "memory");
+                }
+            } else {
+                const size_t at = ((ahead + lane / 2) * G + unit) * 16 + 8 * (lane % 2);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(k + at));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(v + at));
+            }
+        }
+        uint4 r[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const size_t tok = base + lane / 4 + 8 * (i % 2), chunk = 4 * (i / 2) + lane % 4;
+            const size_t at = (tok * G + unit) * 16 + chunk;
+            r[2 * i] = ld_nc_hint<128>(k + at);
+            r[2 * i + 1] = ld_nc_hint<128>(v + at);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <int KIND>
+static double time_gqa_pf(const uint4* p, size_t tokens, int G, int blocks, int pf, unsigned* out) {
+    const size_t pool = tokens * G * 16;
+    const int splits = std::max(1, blocks / G);
+    const std::vector<float> ms = time_launches(
+        [&] { read_gqa_pf<KIND><<<G * splits, 128>>>(p, p + pool, tokens, G, splits, pf, out); }, 20);
+    return 2.0 * pool * 16 / (ms[ms.size() / 2] * 1e-3) / 1e12;
+}
+
+static int gqa_mode(int G, const char* list) {
+    if (G < 4 || G % 4 != 0) {
+        fprintf(stderr, "gqa: KV_HEADS must be a multiple of 4 (got %d)\n", G);
+        return 2;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::vector<size_t> toks;
+    for (const char* s = list; *s;) {
+        char* end = nullptr;
+        const long t = strtol(s, &end, 10);
+        if (end == s || t < 64) {
+            fprintf(stderr, "gqa: bad token count at '%s'\n", s);
+            return 2;
+        }
+        toks.push_back((size_t)t);
+        s = *end == ',' ? end + 1 : end;
+    }
+    const size_t most = *std::max_element(toks.begin(), toks.end());
+    unsigned* out;
+    const uint4* p = filled_buffer(2 * most * G * 256, &out);
+    printf("# device %s; K+V of %d kv heads d128 fp16; median TB/s of 20 launches\n", prop.name, G);
+    printf("tokens,bytes,blocks,order,half_1head,full_1head,half_4heads,full_4heads\n");
+    for (size_t t : toks) {
+        for (int blocks : {256, 512, 1024})
+            for (int sf = 0; sf < 2; ++sf) {
+                double r[4];
+                if (sf) {
+                    r[0] = time_gqa<false, false, true>(p, t, G, blocks, out);
+                    r[1] = time_gqa<true, false, true>(p, t, G, blocks, out);
+                    r[2] = time_gqa<false, true, true>(p, t, G, blocks, out);
+                    r[3] = time_gqa<true, true, true>(p, t, G, blocks, out);
+                } else {
+                    r[0] = time_gqa<false, false, false>(p, t, G, blocks, out);
+                    r[1] = time_gqa<true, false, false>(p, t, G, blocks, out);
+                    r[2] = time_gqa<false, true, false>(p, t, G, blocks, out);
+                    r[3] = time_gqa<true, true, false>(p, t, G, blocks, out);
+                }
+                printf("%zu,%zu,%d,%s,%.3f,%.3f,%.3f,%.3f\n", t, 2 * t * G * 256, blocks, sf ? "splits" : "units", r[0],
+                       r[1], r[2], r[3]);
+                fflush(stdout);
+            }
+        for (int blocks : {512, 1024})
+            for (int pf : {0, 1, 2, 4, 8})
+                printf("%zu,%d,prefetch %d steps ahead: bulk rows %.3f, lines %.3f\n", t, blocks, pf,
+                       time_gqa_pf<0>(p, t, G, blocks, pf, out), time_gqa_pf<1>(p, t, G, blocks, pf, out));
+        fflush(stdout);
+        char cfg[64] = "";
+        const double pl = best_read(p, 2 * t * G * 16, out, prop.multiProcessorCount, 20, cfg, sizeof cfg);
+        printf("# plain read of the same bytes: %.3f TB/s (%s)\n", pl, cfg);
+    }
+    return 0;
+}
+
 // U independent 16-byte loads in flight per thread, grid-stride; the xor of everything read is
 // written only if it equals a value it cannot plausibly take, so no load is dead code.
 template <int U>
@@ -298,6 +463,7 @@ static int sizes_mode(const char* list) {
 
 int main(int argc, char** argv) {
     if (argc > 2 && std::string(argv[1]) == "sizes") return sizes_mode(argv[2]);
+    if (argc > 3 && std::string(argv[1]) == "gqa") return gqa_mode(atoi(argv[2]), argv[3]);
     if (argc > 3 && std::string(argv[1]) == "layout") {
         g_layout_all = argc > 4 && std::string(argv[4]) == "all";
         return layout_mode(atoi(argv[2]), argv[3]);
