@@ -41,6 +41,15 @@ fn missing_file() {
     // The same for a path that only looks like one.
     let msg = ModelConfig::resolve("./nothing-here.json").unwrap_err().to_string();
     assert_has(&msg, &["nothing-here.json", "no such file"]);
+    // A bare GGUF file name that is not there is a missing file, not an unknown preset, and the
+    // message lists the forms --model takes.
+    let msg = ModelConfig::resolve("nothing-here.gguf").unwrap_err().to_string();
+    assert_has(&msg, &["nothing-here.gguf", "no such file", "GGUF file"]);
+    assert!(!msg.contains("unknown model preset"), "{msg}");
+    let msg = fdpp::model::spec::ModelSpec::resolve("Nothing-Here.GGUF")
+        .unwrap_err()
+        .to_string();
+    assert_has(&msg, &["Nothing-Here.GGUF", "no such file"]);
 }
 
 #[test]

@@ -40,7 +40,8 @@ pub enum BenchCommand {
 
 #[derive(Args, Debug)]
 pub struct GemmBenchArgs {
-    /// Preset name (see `fdpp shapes`).
+    /// Preset name (see `fdpp shapes`), a path to an HF config.json (or a directory holding
+    /// one), or a GGUF file: only its shapes are used.
     #[arg(long)]
     pub model: String,
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
@@ -88,7 +89,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
 }
 
-/// `--model`: a preset today; the one place to change when config.json paths are accepted.
+/// `--model`: a preset, an HF config.json (or its directory) or a GGUF file; only the shapes are used.
 pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
     Ok(ModelConfig::resolve(arg)?)
 }

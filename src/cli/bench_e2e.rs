@@ -46,7 +46,8 @@ pub enum ReuseChoice {
 // Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
 #[command(allow_negative_numbers = true)]
 pub struct E2eBenchArgs {
-    /// A preset name (with --random-weights), an HF model directory, or its config.json.
+    /// A preset name (with --random-weights), an HF model directory or its config.json, or a
+    /// GGUF file.
     #[arg(long)]
     pub model: String,
     /// Random weights generated on the device (no weight files needed).

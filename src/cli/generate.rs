@@ -34,8 +34,8 @@ const DEFAULT_RANDOM_PROMPT: usize = 16;
 // Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
 #[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
-    /// An HF model directory (config.json, *.safetensors, tokenizer.json), or a preset name
-    /// (with --random-weights).
+    /// An HF model directory (config.json, *.safetensors, tokenizer.json), a GGUF file, or a
+    /// preset name (with --random-weights).
     #[arg(long)]
     pub model: String,
     /// Random weights generated on the device (any preset or config), for benchmarks.

@@ -10,7 +10,7 @@ use crate::model::{LinearKind, ModelConfig, ModelShapes};
 
 #[derive(Args, Debug)]
 pub struct ShapesArgs {
-    /// Preset name, or a path to an HF config.json (or a directory holding one).
+    /// Preset name, a path to an HF config.json (or a directory holding one), or a GGUF file.
     #[arg(long)]
     pub model: String,
     #[arg(long, value_enum, default_value_t = Format::Md)]

@@ -23,7 +23,7 @@ use crate::tune::sweep::{self, SweepOpts};
 // Negative numbers (`--temperature -1`, `--phi -3`) parse as values, then are validated.
 #[command(allow_negative_numbers = true)]
 pub struct TuneArgs {
-    /// Preset name, or a path to an HF config.json (or a directory holding one).
+    /// Preset name, a path to an HF config.json (or a directory holding one), or a GGUF file.
     #[arg(long)]
     pub model: String,
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
@@ -92,7 +92,7 @@ pub fn default_report_dir(out: Option<&std::path::Path>, device_slug: &str) -> P
     }
 }
 
-/// `--model`: a preset or an HF config. The single place to switch to `ModelConfig::resolve`.
+/// `--model`: a preset, an HF config.json (or its directory) or a GGUF file (`ModelConfig::resolve`).
 pub fn load_model(arg: &str) -> anyhow::Result<ModelConfig> {
     Ok(ModelConfig::resolve(arg)?)
 }

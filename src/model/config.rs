@@ -78,7 +78,8 @@ const MAX_VOCAB: usize = 1 << 24;
 const MAX_LAYERS: usize = 1 << 14;
 
 impl ModelConfig {
-    /// `--model` argument: a preset name, a path to an HF config.json, or a directory holding one.
+    /// `--model` argument: a preset name, a path to an HF config.json, a directory holding one, or
+    /// a GGUF file.
     ///
     /// Presets win over paths of the same name; an argument that is neither gives the list of
     /// presets (for a bare word) or a missing-file error naming the path (for a path).
@@ -97,8 +98,8 @@ impl ModelConfig {
         if looks_like_path(arg) {
             return Err(FdppError::Config {
                 path: path.to_path_buf(),
-                msg: "no such file or directory; give a preset name, an HF config.json, or a \
-                      directory holding config.json"
+                msg: "no such file or directory; give a preset name, an HF config.json, a \
+                      directory holding config.json, or a GGUF file"
                     .into(),
             });
         }
@@ -198,7 +199,10 @@ impl ModelConfig {
 /// A bare word such as `llama2-7x` is a mistyped preset; anything with a separator or a `.json`
 /// ending was meant as a path.
 fn looks_like_path(arg: &str) -> bool {
-    arg.contains('/') || arg.contains(std::path::MAIN_SEPARATOR) || arg.ends_with(".json")
+    arg.contains('/')
+        || arg.contains(std::path::MAIN_SEPARATOR)
+        || arg.ends_with(".json")
+        || super::gguf::is_gguf_path(Path::new(arg))
 }
 
 /// `.../Llama-2-7b-hf/config.json` is called `Llama-2-7b-hf`; `fixtures/qwen2.json` is `qwen2`.

@@ -169,7 +169,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             return Err(FdppError::UnknownPreset {
                 name: name.into(),
                 known: format!(
-                    "{}; or give the path of an HF config.json or of a directory holding one",
+                    "{}; or give the path of an HF config.json, of a directory holding one, or of a GGUF file",
                     PRESET_NAMES.join(", ")
                 ),
             })
