@@ -513,12 +513,29 @@ impl RunConfig {
             })?;
             values.insert(k.key, (value.trim().to_string(), Source::Flag));
         }
+        for (key, (value, source)) in &values {
+            let k = info(*key);
+            check_value(k, value).map_err(|expected| {
+                let what = match source {
+                    Source::Flag => format!("--set {}={value}", k.name),
+                    Source::Env => format!("{}={value} (environment)", k.env),
+                };
+                FdppError::InvalidArgument(format!("{what}: expected {expected}"))
+            })?;
+        }
         Ok(RunConfig { values })
     }
 
+    /// The environment alone, unchecked (tests and library use: each switch's reader refuses a
+    /// bad value where it has a parser; the CLI builds with [`RunConfig::build`], which checks).
     pub fn from_env() -> Self {
-        // The environment alone cannot fail: only flags can name an unknown switch.
-        RunConfig::build(|v| std::env::var(v).ok(), &[]).unwrap_or_default()
+        let mut values = BTreeMap::new();
+        for k in KEYS {
+            if let Some(v) = std::env::var(k.env).ok().filter(|v| !v.trim().is_empty()) {
+                values.insert(k.key, (v.trim().to_string(), Source::Env));
+            }
+        }
+        RunConfig { values }
     }
 
     /// The value set for `key`, if any (a module applies its own default when None).
@@ -562,6 +579,25 @@ impl RunConfig {
             set.join(" ")
         }
     }
+}
+
+/// A switch whose `values` lists its choices (`auto|0|1`) takes only those, compared without case
+/// and with `-` as `_`; where 0 or 1 is a choice, on/off/true/false are too (the readers take
+/// them as 1 and 0). Other switches (numbers, paths) are checked where they are read. Why: a
+/// reader without a parser for its choices (decode_path) took a typo as its default, silently.
+fn check_value(k: &KeyInfo, value: &str) -> std::result::Result<(), String> {
+    let choices: Vec<&str> = k.values.split('|').collect();
+    let plain = |c: &str| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_');
+    if value.is_empty() || choices.len() < 2 || !choices.iter().all(|c| plain(c)) {
+        return Ok(());
+    }
+    let norm = |c: &str| c.to_ascii_lowercase().replace('-', "_");
+    let v = norm(value);
+    let boolean = choices.iter().any(|c| *c == "0" || *c == "1");
+    if choices.iter().any(|c| norm(c) == v) || (boolean && ["on", "off", "true", "false"].contains(&v.as_str())) {
+        return Ok(());
+    }
+    Err(format!("one of {}", k.values))
 }
 
 static CONFIG: OnceLock<RunConfig> = OnceLock::new();
@@ -625,6 +661,41 @@ mod tests {
         assert!(e.contains("unknown switch 'graph'") && e.contains("graphs"), "{e}");
         let e = RunConfig::build(env(&[]), &["graphs".into()]).unwrap_err().to_string();
         assert!(e.contains("NAME=VALUE"), "{e}");
+    }
+
+    #[test]
+    fn a_value_outside_a_switchs_choices_is_refused_with_them() {
+        let e = RunConfig::build(env(&[]), &["decode_path=lat".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--set decode_path=lat") && e.contains("latency|bandwidth"),
+            "{e}"
+        );
+        let e = RunConfig::build(env(&[("FDPP_GRAPHS", "maybe")]), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("FDPP_GRAPHS=maybe") && e.contains("1|0"), "{e}");
+        // What the readers take: the choices in any case, '-' for '_', on/off/true/false where
+        // 0 or 1 is a choice, an empty value (the default); free-form switches are theirs.
+        for ok in [
+            "decode_path=Bandwidth",
+            "softmax_windows=per-layer",
+            "graphs=off",
+            "fused_prefill=true",
+            "decode_tc=on",
+            "decode_bw_pipe=",
+            "cpu_threads=7",
+            "prefill_l2_share=0.5",
+            "tp_fail_at=1:40",
+            "cache_dir=/tmp/x",
+        ] {
+            assert!(RunConfig::build(env(&[]), &[ok.into()]).is_ok(), "{ok}");
+        }
+        for bad in ["prefill=cudnn", "hopper_diag=4", "gemm_fallback=cublas", "op_times=yes"] {
+            let e = RunConfig::build(env(&[]), &[bad.into()]).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("expected one of"), "{e}");
+        }
     }
 
     #[test]

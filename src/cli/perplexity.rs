@@ -407,7 +407,8 @@ mod tests {
 /// `fdpp perplexity`.
 #[derive(clap::Args, Debug)]
 pub struct PerplexityArgs {
-    /// A preset with --random-weights, an HF directory or a GGUF file.
+    /// An HF model directory (with its tokenizer.json) or a GGUF file: the text is tokenized by
+    /// the model's own tokenizer, which a preset does not have.
     #[arg(long)]
     pub model: String,
     /// The text to score (tokenized whole, no special tokens).
@@ -537,7 +538,8 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
     let spec = crate::model::spec::ModelSpec::resolve(&a.model)?;
     let tok_path = spec.tokenizer_path().with_context(|| {
         format!(
-            "'{}' has no tokenizer (tokenizer.json or a GGUF vocabulary): perplexity scores text",
+            "'{}' has no tokenizer (tokenizer.json or a GGUF vocabulary): perplexity scores text; \
+             give an HF model directory with tokenizer.json or a GGUF file",
             a.model
         )
     })?;
