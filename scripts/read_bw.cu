@@ -176,20 +176,27 @@ static double best_layout(const uint4* p, size_t tokens, int heads, int head_maj
     return best;
 }
 
-static int layout_mode(int heads, const char* list) {
-    cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    std::vector<size_t> toks;
+// A comma-separated list of token counts, each at least `least`, into toks; false (with the
+// offending text on stderr) otherwise.
+static bool token_counts(const char* list, long least, const char* mode, std::vector<size_t>& toks) {
     for (const char* s = list; *s;) {
         char* end = nullptr;
         const long v = strtol(s, &end, 10);
-        if (end == s || v < 16) {
-            fprintf(stderr, "layout: bad token count at '%s'\n", s);
-            return 2;
+        if (end == s || v < least) {
+            fprintf(stderr, "%s: bad token count at '%s' (at least %ld)\n", mode, s, least);
+            return false;
         }
         toks.push_back((size_t)v);
         s = *end == ',' ? end + 1 : end;
     }
+    return !toks.empty();
+}
+
+static int layout_mode(int heads, const char* list) {
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::vector<size_t> toks;
+    if (!token_counts(list, 16, "layout", toks)) return 2;
     const size_t most = *std::max_element(toks.begin(), toks.end());
     unsigned* out;
     const uint4* p = filled_buffer(2 * most * heads * 256, &out);
@@ -222,6 +229,32 @@ static int layout_mode(int heads, const char* list) {
 // kernel's split); 1: a block is 4 kv heads, warp w kv head 4u + w, all warps step over the same
 // tokens (a token row's heads read side by side). SPLIT_FAST: consecutive blocks are splits of
 // one unit (the kernel's grid), else units of one split.
+// One warp step of the mimic: this lane's 16 loads of 16 bytes of tokens base .. base + 15 of kv
+// head `head` (K and V), half lines or whole lines as FULL says; the xor of what it read.
+template <bool FULL>
+__device__ __forceinline__ unsigned gqa_step(const uint4* __restrict__ k, const uint4* __restrict__ v, size_t base,
+                                             int G, int head, int lane) {
+    uint4 r[16];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        size_t tok, chunk;
+        if (FULL) {
+            tok = base + lane / 8 + 4 * (i % 4);
+            chunk = lane % 8 + 8 * (i / 4);
+        } else {
+            tok = base + lane / 4 + 8 * (i % 2);
+            chunk = 4 * (i / 2) + lane % 4;
+        }
+        const size_t at = (tok * G + head) * 16 + chunk;
+        r[2 * i] = ld_nc_hint<128>(k + at);
+        r[2 * i + 1] = ld_nc_hint<128>(v + at);
+    }
+    unsigned acc = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+    return acc;
+}
+
 template <bool FULL, bool WARPS_HEADS, bool SPLIT_FAST>
 __global__ void __launch_bounds__(128) read_gqa(const uint4* __restrict__ k, const uint4* __restrict__ v,
                                                 size_t tokens, int G, int splits, unsigned* out) {
@@ -235,23 +268,7 @@ __global__ void __launch_bounds__(128) read_gqa(const uint4* __restrict__ k, con
     const size_t first = WARPS_HEADS ? t0 : t0 + 16 * warp, step = WARPS_HEADS ? 16 : 64;
     unsigned acc = 0;
     for (size_t base = first; base + 16 <= t1; base += step) {
-        uint4 r[16];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            size_t tok, chunk;
-            if (FULL) {
-                tok = base + lane / 8 + 4 * (i % 4);
-                chunk = lane % 8 + 8 * (i / 4);
-            } else {
-                tok = base + lane / 4 + 8 * (i % 2);
-                chunk = 4 * (i / 2) + lane % 4;
-            }
-            const size_t at = (tok * G + head) * 16 + chunk;
-            r[2 * i] = ld_nc_hint<128>(k + at);
-            r[2 * i + 1] = ld_nc_hint<128>(v + at);
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+        acc ^= gqa_step<FULL>(k, v, base, G, head, lane);
     }
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
@@ -294,16 +311,7 @@ __global__ void __launch_bounds__(128) read_gqa_pf(const uint4* __restrict__ k, 
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(v + at));
             }
         }
-        uint4 r[16];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const size_t tok = base + lane / 4 + 8 * (i % 2), chunk = 4 * (i / 2) + lane % 4;
-            const size_t at = (tok * G + unit) * 16 + chunk;
-            r[2 * i] = ld_nc_hint<128>(k + at);
-            r[2 * i + 1] = ld_nc_hint<128>(v + at);
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc ^= r[i].x ^ r[i].y ^ r[i].z ^ r[i].w;
+        acc ^= gqa_step<false>(k, v, base, G, unit, lane);
     }
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
@@ -325,16 +333,7 @@ static int gqa_mode(int G, const char* list) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     std::vector<size_t> toks;
-    for (const char* s = list; *s;) {
-        char* end = nullptr;
-        const long t = strtol(s, &end, 10);
-        if (end == s || t < 64) {
-            fprintf(stderr, "gqa: bad token count at '%s'\n", s);
-            return 2;
-        }
-        toks.push_back((size_t)t);
-        s = *end == ',' ? end + 1 : end;
-    }
+    if (!token_counts(list, 64, "gqa", toks)) return 2;
     const size_t most = *std::max_element(toks.begin(), toks.end());
     unsigned* out;
     const uint4* p = filled_buffer(2 * most * G * 256, &out);
