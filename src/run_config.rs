@@ -492,12 +492,7 @@ pub struct RunConfig {
 impl RunConfig {
     /// The `FDPP_*` environment, then `flags` (`NAME=VALUE` each, as `--set` takes them) over it.
     pub fn build(env: impl Fn(&str) -> Option<String>, flags: &[String]) -> Result<Self> {
-        let mut values = BTreeMap::new();
-        for k in KEYS {
-            if let Some(v) = env(k.env).filter(|v| !v.trim().is_empty()) {
-                values.insert(k.key, (v.trim().to_string(), Source::Env));
-            }
-        }
+        let mut values = env_values(env);
         for f in flags {
             let (name, value) = f.split_once('=').ok_or_else(|| {
                 FdppError::InvalidArgument(format!(
@@ -513,9 +508,9 @@ impl RunConfig {
             })?;
             values.insert(k.key, (value.trim().to_string(), Source::Flag));
         }
-        for (key, (value, source)) in &values {
+        for (key, (value, source)) in values.iter_mut() {
             let k = info(*key);
-            check_value(k, value).map_err(|expected| {
+            *value = canonical_value(k, value).map_err(|expected| {
                 let what = match source {
                     Source::Flag => format!("--set {}={value}", k.name),
                     Source::Env => format!("{}={value} (environment)", k.env),
@@ -529,13 +524,9 @@ impl RunConfig {
     /// The environment alone, unchecked (tests and library use: each switch's reader refuses a
     /// bad value where it has a parser; the CLI builds with [`RunConfig::build`], which checks).
     pub fn from_env() -> Self {
-        let mut values = BTreeMap::new();
-        for k in KEYS {
-            if let Some(v) = std::env::var(k.env).ok().filter(|v| !v.trim().is_empty()) {
-                values.insert(k.key, (v.trim().to_string(), Source::Env));
-            }
+        RunConfig {
+            values: env_values(|v| std::env::var(v).ok()),
         }
-        RunConfig { values }
     }
 
     /// The value set for `key`, if any (a module applies its own default when None).
@@ -581,23 +572,39 @@ impl RunConfig {
     }
 }
 
-/// A switch whose `values` lists its choices (`auto|0|1`) takes only those, compared without case
-/// and with `-` as `_`; where 0 or 1 is a choice, on/off/true/false are too (the readers take
-/// them as 1 and 0). Other switches (numbers, paths) are checked where they are read. Why: a
-/// reader without a parser for its choices (decode_path) took a typo as its default, silently.
-fn check_value(k: &KeyInfo, value: &str) -> std::result::Result<(), String> {
+/// Every switch the environment sets (a blank value is unset), trimmed.
+fn env_values(env: impl Fn(&str) -> Option<String>) -> BTreeMap<Key, (String, Source)> {
+    KEYS.iter()
+        .filter_map(|k| {
+            env(k.env)
+                .filter(|v| !v.trim().is_empty())
+                .map(|v| (k.key, (v.trim().to_string(), Source::Env)))
+        })
+        .collect()
+}
+
+/// A switch whose `values` lists its choices (`auto|0|1`) takes only those, and the value is
+/// stored as the choice it names: compared without case and with `-` as `_`, and on/true for
+/// 1, off/false for 0 where those are choices. So every reader sees its own spelling: a reader
+/// without a parser for its choices (decode_path) took a typo, or `Bandwidth`, as its default,
+/// silently. Other switches (numbers, paths) keep their value and are checked where they are read.
+fn canonical_value(k: &KeyInfo, value: &str) -> std::result::Result<String, String> {
     let choices: Vec<&str> = k.values.split('|').collect();
     let plain = |c: &str| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_');
     if value.is_empty() || choices.len() < 2 || !choices.iter().all(|c| plain(c)) {
-        return Ok(());
+        return Ok(value.to_string());
     }
-    let norm = |c: &str| c.to_ascii_lowercase().replace('-', "_");
-    let v = norm(value);
-    let boolean = choices.iter().any(|c| *c == "0" || *c == "1");
-    if choices.iter().any(|c| norm(c) == v) || (boolean && ["on", "off", "true", "false"].contains(&v.as_str())) {
-        return Ok(());
-    }
-    Err(format!("one of {}", k.values))
+    let v = value.to_ascii_lowercase().replace('-', "_");
+    let named = match v.as_str() {
+        "on" | "true" => "1",
+        "off" | "false" => "0",
+        other => other,
+    };
+    choices
+        .iter()
+        .find(|c| c.to_ascii_lowercase() == v || **c == named)
+        .map(|c| c.to_string())
+        .ok_or_else(|| format!("one of {}", k.values))
 }
 
 static CONFIG: OnceLock<RunConfig> = OnceLock::new();
@@ -682,7 +689,7 @@ mod tests {
             "decode_path=Bandwidth",
             "softmax_windows=per-layer",
             "graphs=off",
-            "fused_prefill=true",
+            "fused_prefill=ALL",
             "decode_tc=on",
             "decode_bw_pipe=",
             "cpu_threads=7",
@@ -692,7 +699,36 @@ mod tests {
         ] {
             assert!(RunConfig::build(env(&[]), &[ok.into()]).is_ok(), "{ok}");
         }
-        for bad in ["prefill=cudnn", "hopper_diag=4", "gemm_fallback=cublas", "op_times=yes"] {
+        // Stored as the choice it names, so that readers comparing exact strings see it.
+        let c = RunConfig::build(
+            env(&[("FDPP_GRAPHS", "off")]),
+            &[
+                "decode_path=Bandwidth".into(),
+                "softmax_windows=per-layer".into(),
+                "decode_tc=on".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.get(Key::DecodePath), Some("bandwidth"));
+        assert_eq!(c.get(Key::SoftmaxWindows), Some("per_layer"));
+        assert_eq!(c.get(Key::DecodeTc), Some("1"));
+        assert!(!c.on(Key::Graphs));
+        assert_eq!(
+            c.label(),
+            "graphs=0 decode_path=bandwidth decode_tc=1 softmax_windows=per_layer"
+        );
+        // on is no choice of decode_cluster (auto|0).
+        let e = RunConfig::build(env(&[]), &["decode_cluster=on".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("auto|0"), "{e}");
+        for bad in [
+            "prefill=cudnn",
+            "hopper_diag=4",
+            "gemm_fallback=cublas",
+            "op_times=yes",
+            "fused_prefill=true",
+        ] {
             let e = RunConfig::build(env(&[]), &[bad.into()]).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("expected one of"), "{e}");
         }
