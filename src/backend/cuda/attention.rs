@@ -394,12 +394,29 @@ pub fn decode(
     // the final plan: latency-bound async launches (small batch, short splits) take the latency
     // path's entries. Where the two plans' paths differ (GQA 32/8 at batch 9-16 with splits near
     // 128 keys) the occupancy was the other kernel's (2 blocks per SM on the latency path, 3 on
-    // the bandwidth path at four heads per block): a less exact count, not a wrong result.
+    // the bandwidth path at four heads per block): a less exact count, not a wrong result. MHA
+    // async at small batch fills one wave of the occupancy, so there a change of path to a kernel
+    // with fewer slots would overfill it (batch 1 at 2177-3072 keys: 24 splits of the bandwidth
+    // kernel's 6 per SM are ≤ 128 keys, the latency path's, whose kernel holds 5): planned again
+    // with that kernel's occupancy.
     let plan = if p.num_splits.is_none() {
-        let (sync0, async0, smem0) = entries_of(DecodePath::for_plan(&first, p.scheme, cus));
+        let path0 = DecodePath::for_plan(&first, p.scheme, cus);
+        let (sync0, async0, smem0) = entries_of(path0);
         let entry = if is_async { async0 } else { sync0 };
         let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (entry, smem0), src)?;
-        DecodePlan::with_max_heads(p, cus, Some(resident), mode.max_heads_per_block(d))
+        let plan = DecodePlan::with_max_heads(p, cus, Some(resident), mode.max_heads_per_block(d));
+        let path1 = DecodePath::for_plan(&plan, p.scheme, cus);
+        if is_async && hg == 1 && path1 != path0 {
+            let (_, async1, smem1) = entries_of(path1);
+            let r1 = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (async1, smem1), src)?;
+            if r1 < resident {
+                DecodePlan::with_max_heads(p, cus, Some(r1), mode.max_heads_per_block(d))
+            } else {
+                plan
+            }
+        } else {
+            plan
+        }
     } else {
         first
     };
