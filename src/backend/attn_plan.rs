@@ -114,6 +114,32 @@ impl DecodePlan {
         }
     }
 
+    /// This plan, made with `resident` blocks per SM of the kernel of path `first`, or, for an
+    /// MHA async launch whose split count moved it onto the other path (whose kernel holds
+    /// `resident_of(path)`, fewer), the plan made with that kernel's: one wave of the first
+    /// kernel would overfill the second's (batch 1 at 2177-3072 keys on 132 SMs: 24 splits at the
+    /// bandwidth kernel's 6 per SM are at most 128 keys, the latency path's, whose kernel holds 5).
+    pub fn replanned(
+        self,
+        p: &DecodeParams,
+        compute_units: usize,
+        max_hg: usize,
+        (first, resident): (DecodePath, usize),
+        resident_of: &mut dyn FnMut(DecodePath) -> Result<usize>,
+    ) -> Result<Self> {
+        let path = DecodePath::for_plan(&self, p.scheme, compute_units);
+        let mha_async = self.hg == 1 && matches!(p.scheme, SoftmaxScheme::Async { .. });
+        if !mha_async || path == first || p.num_splits.is_some() {
+            return Ok(self);
+        }
+        let other = resident_of(path)?;
+        Ok(if other < resident {
+            DecodePlan::with_max_heads(p, compute_units, Some(other), max_hg)
+        } else {
+            self
+        })
+    }
+
     /// Grid of attn_decode_sync / attn_decode_async.
     pub fn grid(&self) -> Result<(u32, u32, u32)> {
         let u = |v: usize, what: &str| {
@@ -650,6 +676,48 @@ mod tests {
             DecodePath::Bandwidth.entries(true),
             DecodePath::Bandwidth.entries(false)
         );
+    }
+
+    #[test]
+    fn an_mha_async_plan_moved_onto_the_latency_path_takes_that_kernels_occupancy() {
+        let l = PagedKvLayout::new(16, 1 << 14, 32, 128, DType::F16).unwrap();
+        let plan = |len: usize, scheme: SoftmaxScheme, kv: usize| {
+            let p = DecodeParams {
+                geom: AttnGeometry::new(32, kv, 128).unwrap(),
+                dtype: DType::F16,
+                scheme,
+                tables: tables(&l, &[len]),
+                num_splits: None,
+            };
+            let first = DecodePlan::new(&p, 132, None);
+            let path0 = DecodePath::by_shape(&first, p.scheme, 132);
+            let mut asked = Vec::new();
+            // 6 per SM on the bandwidth path, 5 on the latency path (session 40's registers).
+            let mut resident_of = |path: DecodePath| {
+                asked.push(path);
+                Ok(if path == DecodePath::Bandwidth { 6 } else { 5 })
+            };
+            let r0 = resident_of(path0).unwrap();
+            let made = DecodePlan::with_max_heads(&p, 132, Some(r0), 8);
+            let out = made.replanned(&p, 132, 8, (path0, r0), &mut resident_of).unwrap();
+            (
+                path0,
+                out.splits,
+                DecodePath::by_shape(&out, p.scheme, 132),
+                asked.len(),
+            )
+        };
+        let a = SoftmaxScheme::ASYNC_DEFAULT;
+        // 3072 keys: 17 splits (bandwidth), one wave of 6 per SM is 24 splits of 128 keys
+        // (latency, 5 per SM: 768 blocks over 660 slots), planned again at 5 per SM: 20.
+        assert_eq!(plan(3072, a, 32), (DecodePath::Bandwidth, 20, DecodePath::Bandwidth, 2));
+        // 4096 keys: 24 splits of 171 keys stay on the bandwidth path.
+        assert_eq!(plan(4096, a, 32), (DecodePath::Bandwidth, 24, DecodePath::Bandwidth, 1));
+        // 2048 keys: 17 splits of 121 (latency, 5 per SM): one wave of it, 20 splits, stays there.
+        assert_eq!(plan(2048, a, 32), (DecodePath::Latency, 20, DecodePath::Latency, 1));
+        // Sync keeps num_splits; GQA is left as it was.
+        assert_eq!(plan(3072, SoftmaxScheme::Sync, 32).1, num_splits(1, 32, 3072, 132));
+        assert_eq!(plan(3072, a, 8).3, 1);
     }
 
     #[test]

@@ -401,22 +401,20 @@ pub fn decode(
     // with that kernel's occupancy.
     let plan = if p.num_splits.is_none() {
         let path0 = DecodePath::for_plan(&first, p.scheme, cus);
-        let (sync0, async0, smem0) = entries_of(path0);
-        let entry = if is_async { async0 } else { sync0 };
-        let resident = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (entry, smem0), src)?;
-        let plan = DecodePlan::with_max_heads(p, cus, Some(resident), mode.max_heads_per_block(d));
-        let path1 = DecodePath::for_plan(&plan, p.scheme, cus);
-        if is_async && hg == 1 && path1 != path0 {
-            let (_, async1, smem1) = entries_of(path1);
-            let r1 = resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (async1, smem1), src)?;
-            if r1 < resident {
-                DecodePlan::with_max_heads(p, cus, Some(r1), mode.max_heads_per_block(d))
-            } else {
-                plan
-            }
-        } else {
-            plan
-        }
+        let mut resident_of = |path: DecodePath| {
+            let (sync_e, async_e, smem_e) = entries_of(path);
+            let entry = if is_async { async_e } else { sync_e };
+            resident_blocks(b, &mut sc, (p.dtype, d, hg), &uri, (entry, smem_e), src)
+        };
+        let resident = resident_of(path0)?;
+        let max_hg = mode.max_heads_per_block(d);
+        DecodePlan::with_max_heads(p, cus, Some(resident), max_hg).replanned(
+            p,
+            cus,
+            max_hg,
+            (path0, resident),
+            &mut resident_of,
+        )?
     } else {
         first
     };
