@@ -230,16 +230,15 @@ pub const GROUP_MAX_WAVES: usize = 4;
 /// fp16, d128, page 16, `bench attention --splits 1..8` (reports/NOTES.md, session 8).
 ///
 /// One head per block (MHA; 6-7 resident blocks per SM): with fewer (sequence, kv head) items
-/// than SMs, async takes as many splits as fill one wave of resident blocks (within the
-/// split-length bounds) and sync [`num_splits`]. num_splits' 4 per SM left a third of the async
-/// kernel's 6 slots per SM empty: on the H200 (session 40, 32 heads, d128, async µs at 17 / 20 /
-/// 24 splits) 1 · 4096 27.3 / 26.6 / 25.3, 1 · 16384 82.8 / 72.6 / 70.3; batch 2 at 9 / 12
-/// splits 45.0 / 40.1 (4096) and 142.0 / 129.5 (16384); batch 4 at 5 / 6 71.8 / 70.4 and 254.9 /
-/// 248.5; one wave is 24, 12 and 6. (A wave and a third, 32 splits, ran 84.8 at 1 · 16384, as the
-/// H100's 33 did against 17 in session 8; one wave was not measured on the H100.) Sync gained
-/// at 24 splits too (1 · 16384 83.0 → 71.0 µs), but its kernel holds 7 per SM and a wave of it
-/// (28) was not measured. Up to 1088 keys a batch-1 row keeps its 16-17 splits (the 64-key
-/// minimum split), so Llama2-7B's decode at 1024 tokens is unchanged.
+/// than SMs, as many splits as fill one wave of resident blocks (within the split-length
+/// bounds). [`num_splits`]' 4 per SM left a third of the kernels' slots empty (6 per SM async,
+/// 7 sync). On the H200 (sessions 40-41, 32 heads, d128, µs at num_splits' count / one wave):
+/// async 1 · 4096 27.6 / 25.3 (24 splits), 1 · 16384 82.6 / 70.3, 2 · 4096 45.3 / 40.3 (12),
+/// 4 · 16384 255.6 / 248.6 (6); sync 1 · 4096 27.8 / 25.0 (28), 1 · 16384 83.0 / 70.5, 2 · 4096
+/// 44.9 / 39.9 (14), 4 · 16384 255.3 / 246.9 (7). A wave and a third (32 splits) ran 84.8 async
+/// at 1 · 16384, as the H100's 33 did against 17 in session 8; one wave was not measured on the
+/// H100. Up to 1088 keys a batch-1 row keeps its 16-17 splits (the 64-key minimum split), so
+/// Llama2-7B's decode at 1024 tokens is unchanged.
 /// Otherwise, if the items fit one wave of resident blocks, as
 /// many splits as keep them in one wave: [`num_splits`]'s 8 per SM (1056 blocks) gave 1.2-1.9
 /// waves at batch 8-16 of 32 kv heads and measured 4-13 % slower (async at 8 · 1024 61.1 → 53.9
@@ -290,10 +289,7 @@ pub fn num_splits_resident(
             .unwrap_or(1);
     }
     if items < sms {
-        if async_scheme {
-            return (slots / items).min(max).clamp(1, MAX_SPLITS);
-        }
-        return num_splits(batch, kv_heads, kv_len, sm_count);
+        return (slots / items).min(max).clamp(1, MAX_SPLITS);
     }
     let want = if items <= slots {
         slots / items
@@ -733,16 +729,15 @@ mod tests {
 
     #[test]
     fn resident_split_counts_fill_one_wave_or_many() {
-        // Fewer items than SMs, async: one wave of resident blocks (792 slots at 6 per SM), where
-        // num_splits aims at 4 per SM; the 64-key minimum split still bounds it. Sync keeps
-        // num_splits.
+        // Fewer items than SMs: one wave of resident blocks (792 slots at 6 per SM, 924 at 7),
+        // where num_splits aims at 4 per SM; the 64-key minimum split still bounds it.
         assert_eq!(num_splits(1, 32, 4096, 132), 17);
         assert_eq!(num_splits_resident(1, 32, 4096, 132, 6, 1, 1, true), 24);
         assert_eq!(num_splits_resident(1, 32, 16384, 132, 6, 1, 1, true), 24);
-        assert_eq!(
-            num_splits_resident(1, 32, 16384, 132, 7, 1, 1, false),
-            num_splits(1, 32, 16384, 132)
-        );
+        assert_eq!(num_splits_resident(1, 32, 16384, 132, 7, 1, 1, false), 28);
+        assert_eq!(num_splits_resident(2, 32, 4096, 132, 7, 1, 1, false), 14);
+        assert_eq!(num_splits_resident(4, 32, 16384, 132, 7, 1, 1, false), 7);
+        assert_eq!(num_splits_resident(1, 32, 1024, 132, 7, 1, 1, false), 16);
         assert_eq!(num_splits_resident(2, 32, 16384, 132, 6, 1, 1, true), 12);
         assert_eq!(num_splits_resident(4, 32, 4096, 132, 6, 1, 1, true), 6);
         assert_eq!(num_splits_resident(1, 32, 1088, 132, 6, 1, 1, true), 17);

@@ -390,15 +390,14 @@ pub fn decode(
 
     let mut sc = b.attn.borrow_mut();
     // The split count from the occupancy of the kernel the shape's first plan takes
-    // (`num_splits_resident`; small batches keep `num_splits` whatever it is). Then the path of
-    // the final plan: latency-bound async launches (small batch, short splits) take the latency
-    // path's entries. Where the two plans' paths differ (GQA 32/8 at batch 9-16 with splits near
-    // 128 keys) the occupancy was the other kernel's (2 blocks per SM on the latency path, 3 on
-    // the bandwidth path at four heads per block): a less exact count, not a wrong result. MHA
-    // async at small batch fills one wave of the occupancy, so there a change of path to a kernel
-    // with fewer slots would overfill it (batch 1 at 2177-3072 keys: 24 splits of the bandwidth
-    // kernel's 6 per SM are ≤ 128 keys, the latency path's, whose kernel holds 5): planned again
-    // with that kernel's occupancy.
+    // (`num_splits_resident`). Then the path of the final plan: latency-bound async launches
+    // (small batch, short splits) take the latency path's entries. Where the two plans' paths
+    // differ (GQA 32/8 at batch 9-16 with splits near 128 keys) the occupancy was the other
+    // kernel's (2 blocks per SM on the latency path, 3 on the bandwidth path at four heads per
+    // block): a less exact count, not a wrong result. MHA at small batch fills one wave of the
+    // occupancy, so there an async change of path to a kernel with fewer slots would overfill it
+    // (batch 1 at 2177-3072 keys: 24 splits of the bandwidth kernel's 6 per SM are ≤ 128 keys,
+    // the latency path's, whose kernel holds 5): planned again with that kernel's occupancy.
     let plan = if p.num_splits.is_none() {
         let path0 = DecodePath::for_plan(&first, p.scheme, cus);
         let mut resident_of = |path: DecodePath| {
