@@ -34,6 +34,52 @@ pub struct Profile {
     /// Unified-max softmax parameters (FlashDecoding++ §3); filled by softmax calibration.
     #[serde(default)]
     pub softmax: Option<SoftmaxSection>,
+    /// Which main pass the one-head-per-block decode attention runs (MHA), timed on this
+    /// device; absent where the backend offers one pass only, and in profiles made before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_pass: Option<DecodePassSection>,
+}
+
+/// The decode attention of a model with one query head per kv head, timed on its two main
+/// passes (`tune::decode_pass`): the CUDA-core one and the tensor-core one. Which is faster
+/// depends on the card: on the H200 the tensor-core pass ran 2-19 % faster at batch 1-16 and 13 %
+/// slower at batch 32 (reports/NOTES.md, session 41); on the H100 of session 24 it was up to 14 %
+/// slower at batch 1.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodePassSection {
+    /// Keys per sequence of the timed launches.
+    pub kv_len: usize,
+    /// The softmax scheme timed (the engine's: the profile's async window, or the default one).
+    pub scheme: String,
+    /// The fdpp build that timed it (`tune --decode-pass` adds the section to a profile made by
+    /// another).
+    pub git_commit: String,
+    pub rows: Vec<DecodePassRow>,
+    /// The engine runs the tensor-core pass for decode batches up to this one: the largest
+    /// timed batch up to which it was never slower. None: the CUDA-core pass everywhere.
+    pub tensor_cores_up_to_batch: Option<usize>,
+}
+
+/// Median µs of one decode attention launch at `batch` sequences, per pass.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodePassRow {
+    pub batch: usize,
+    pub cuda_core_us: f64,
+    pub tensor_core_us: f64,
+}
+
+impl DecodePassSection {
+    /// The rule of `tensor_cores_up_to_batch` over `rows` (in any order): batches in increasing
+    /// order while the tensor-core pass is no slower; None when it loses at the smallest.
+    pub fn rule(rows: &[DecodePassRow]) -> Option<usize> {
+        let mut sorted: Vec<&DecodePassRow> = rows.iter().collect();
+        sorted.sort_by_key(|r| r.batch);
+        sorted
+            .iter()
+            .take_while(|r| r.tensor_core_us <= r.cuda_core_us)
+            .last()
+            .map(|r| r.batch)
+    }
 }
 
 /// Where and with what a profile was made.
@@ -590,6 +636,7 @@ impl Profile {
             },
             shapes: Vec::new(),
             softmax: None,
+            decode_pass: None,
         }
     }
 
@@ -948,6 +995,37 @@ pub fn classify_mismatches(made_on: &Provenance, current: &DeviceInfo, kernel_ha
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decode_pass_section_round_trips_and_its_absence_writes_nothing() {
+        let cfg = ModelConfig::resolve("llama2-7b").expect("preset");
+        let mut p = Profile::without_gemm(&crate::backend::cpu::CpuBackend::new(), &cfg, DType::F16);
+        let none = p.to_json().expect("json");
+        assert!(!none.contains("decode_pass"), "{none}");
+        assert_eq!(Profile::from_json(&none).expect("parse").decode_pass, None);
+        let rows = vec![
+            DecodePassRow {
+                batch: 1,
+                cuda_core_us: 14.2,
+                tensor_core_us: 13.1,
+            },
+            DecodePassRow {
+                batch: 32,
+                cuda_core_us: 133.0,
+                tensor_core_us: 152.0,
+            },
+        ];
+        p.decode_pass = Some(DecodePassSection {
+            kv_len: 1024,
+            scheme: "sync".into(),
+            git_commit: "abc".into(),
+            tensor_cores_up_to_batch: DecodePassSection::rule(&rows),
+            rows,
+        });
+        let back = Profile::from_json(&p.to_json().expect("json")).expect("parse");
+        assert_eq!(back.decode_pass, p.decode_pass);
+        assert_eq!(back.decode_pass.and_then(|d| d.tensor_cores_up_to_batch), Some(1));
+    }
 
     fn dev() -> DeviceInfo {
         DeviceInfo {

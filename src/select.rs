@@ -412,6 +412,7 @@ mod tests {
             },
             shapes,
             softmax: None,
+            decode_pass: None,
         }
     }
 

@@ -62,6 +62,33 @@ fn m_max_zero_is_a_clean_error() {
 }
 
 #[test]
+fn decode_pass_without_a_profile_names_the_file_and_the_tune_to_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("none.json");
+    let o = fdpp(
+        dir.path(),
+        &[
+            "tune",
+            "--model",
+            "llama2-7b",
+            "--backend",
+            "cpu",
+            "--decode-pass",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("none.json") && err.contains("fdpp tune --model llama2-7b"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(listing(dir.path()).is_empty(), "{:?}", listing(dir.path()));
+}
+
+#[test]
 fn unknown_model_is_a_clean_error() {
     let dir = tempfile::tempdir().unwrap();
     let o = fdpp(dir.path(), &["tune", "--model", "no-such-model", "--backend", "cpu"]);
@@ -145,6 +172,29 @@ fn small_cpu_tune_end_to_end() {
     let p = fdpp::profile::Profile::load(&profile).unwrap();
     assert_eq!(p.model.name, "tiny");
     assert_eq!(p.timing.reps, 1);
+    // Grouped heads: no decode pass to choose, and the tune says why.
+    assert!(
+        err.contains("decode pass: tiny groups 2 query heads per kv head"),
+        "{err}"
+    );
+    assert!(p.decode_pass.is_none());
+    // --decode-pass alone: the same reason, the profile left as it was.
+    let before = fs::read(&profile).unwrap();
+    let o = fdpp(
+        dir.path(),
+        &[
+            "tune",
+            "--model",
+            model.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--decode-pass",
+        ],
+    );
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("query heads per kv head"), "{err}");
+    assert_eq!(fs::read(&profile).unwrap(), before);
 
     let path = profile.to_str().unwrap();
     // show: md, csv, json.

@@ -14,7 +14,7 @@ use fdpp::dtype::DType;
 use fdpp::error::{FdppError, Result};
 use fdpp::model::{LinearKind, LinearShape, ModelArch, ModelConfig, ModelShapes};
 use fdpp::ops::gemm::{GemmDims, GemmImpl, GemmSpec};
-use fdpp::profile::{best_plain, FusedMeasurement, FusedOp, Profile, ShapeProfile};
+use fdpp::profile::{best_plain, DecodePassSection, FusedMeasurement, FusedOp, Profile, ShapeProfile};
 use fdpp::select::select_in;
 use fdpp::tune::fused::FUSED_MAX_M;
 use fdpp::tune::inflection_points;
@@ -395,6 +395,21 @@ fn shipped_profiles_are_unchanged() {
                     "{} {}",
                     path.display(),
                     sp.label()
+                );
+            }
+            // A decode-pass section holds what its own rows choose, and writes back unchanged.
+            if let Some(dp) = &p.decode_pass {
+                assert_eq!(
+                    DecodePassSection::rule(&dp.rows),
+                    dp.tensor_cores_up_to_batch,
+                    "{}",
+                    path.display()
+                );
+                assert_eq!(
+                    serde_json::to_value(dp).unwrap(),
+                    file["decode_pass"],
+                    "{}",
+                    path.display()
                 );
             }
             seen += 1;

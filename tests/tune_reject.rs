@@ -104,6 +104,7 @@ fn args(dir: &Path, m_max: usize) -> TuneArgs {
         format: Format::Csv,
         tp: 1,
         calibrate: Default::default(),
+        decode_pass: false,
     }
 }
 

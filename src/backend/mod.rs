@@ -144,6 +144,18 @@ pub trait Backend {
     /// refused). The CPU backend hashes its own version string.
     fn kernel_hash(&self) -> String;
 
+    /// Whether decode attention with one query head per kv head (MHA) at `head_dim` has a second
+    /// main pass here, the tensor-core one, for [`Backend::set_decode_tensor_cores`] to choose
+    /// (the tune times both: `tune::decode_pass`).
+    fn decode_pass_choice(&self, _head_dim: usize) -> bool {
+        false
+    }
+
+    /// One-head-per-block decode launches of up to `up_to_batch` sequences run the tensor-core
+    /// pass (None: the built-in rule, the CUDA-core pass); from a profile's `decode_pass`
+    /// section. The run-configuration switch `decode_tc`, when set, wins over it.
+    fn set_decode_tensor_cores(&self, _up_to_batch: Option<usize>) {}
+
     /// Uninitialised (or poisoned) buffer of `len` elements.
     fn alloc(&self, dtype: DType, len: usize) -> Result<Self::Buffer>;
     fn upload(&self, dtype: DType, bits: &[u16]) -> Result<Self::Buffer>;

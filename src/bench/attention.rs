@@ -597,6 +597,26 @@ impl<B: Backend> AttnInputs<B> {
         Ok(Checked { stats, nmse: err })
     }
 
+    /// Time one decode run `n` ways, interleaved as [`time_interleaved`] does, each call on the
+    /// next copy; `set(i)` runs before every call of candidate i (a backend setting that makes
+    /// the candidates differ: `tune::decode_pass` times the two main passes this way).
+    pub fn time_settings(
+        &mut self,
+        b: &B,
+        run: &VariantRun,
+        n: usize,
+        opts: TimingOpts,
+        rounds: usize,
+        set: &mut dyn FnMut(usize),
+    ) -> Vec<Result<Stats>> {
+        let t = time_interleaved(b, n, opts, rounds, &mut |i| {
+            set(i);
+            self.run_next(b, &run.params)
+        });
+        let _ = b.take_recomputed();
+        t
+    }
+
     /// Time every variant, interleaved as [`time_interleaved`] does, each run on the next copy;
     /// for a prefill also the cache write, as one more candidate (the second value).
     pub fn time(

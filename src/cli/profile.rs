@@ -310,6 +310,8 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                 rule: &'a str,
                 shapes: &'a [ShapeView],
                 softmax: Option<&'a crate::profile::SoftmaxSection>,
+                #[serde(skip_serializing_if = "Option::is_none")]
+                decode_pass: Option<&'a crate::profile::DecodePassSection>,
             }
             let s = Show {
                 provenance: pv,
@@ -318,6 +320,7 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                 rule: &p.timing.rule,
                 shapes: &shapes,
                 softmax: p.softmax.as_ref(),
+                decode_pass: p.decode_pass.as_ref(),
             };
             let mut j = serde_json::to_string_pretty(&s).map_err(|e| FdppError::InvalidArgument(e.to_string()))?;
             j.push('\n');
@@ -413,6 +416,14 @@ pub fn render(p: &Profile, format: Format) -> crate::Result<String> {
                 }
             }
             s += &softmax_md(p.softmax.as_ref());
+            if let Some(dp) = &p.decode_pass {
+                s += "\n## Decode attention pass\n\n```\n";
+                for l in crate::tune::decode_pass::describe(dp) {
+                    s += &l;
+                    s.push('\n');
+                }
+                s += "```\n";
+            }
             Ok(s)
         }
     }

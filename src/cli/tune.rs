@@ -56,6 +56,11 @@ pub struct TuneArgs {
     /// Softmax calibration (`--calibrate` and its options).
     #[command(flatten)]
     pub calibrate: super::calibrate::CalibrateArgs,
+    /// Time only the decode attention's two main passes (models with one query head per kv
+    /// head) into the existing profile at --out (or the default path), keeping its GEMM and
+    /// softmax sections; a whole tune does this after its sweep.
+    #[arg(long, conflicts_with = "calibrate")]
+    pub decode_pass: bool,
 }
 
 /// Seconds between progress lines when stderr is not a terminal (the bar is not drawn there).
@@ -114,6 +119,9 @@ pub fn run(a: TuneArgs) -> anyhow::Result<()> {
             );
         }
         return super::calibrate::run(&a);
+    }
+    if a.decode_pass {
+        return run_decode_pass(&a);
     }
     let whole = load_model(&a.model)?;
     // The shapes one rank runs: the engine looks its profile up by them.
@@ -239,6 +247,7 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
             ));
         }
     }
+    let decode_lines = add_decode_pass(b, cfg, a.dtype, &mut profile)?;
     profile.save(&profile_path)?;
 
     let records = records_of(&profile, &cfg.name);
@@ -248,12 +257,71 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
     let table = report::gemm_table(&records, a.format)?;
     let mut summary = summary_of(&profile);
     summary.extend(kept);
+    summary.extend(decode_lines);
     Ok(TuneOutcome {
         summary,
         profile,
         profile_path,
         report,
         table,
+    })
+}
+
+/// Time the decode attention's passes into `profile` (`tune::decode_pass`), with the softmax
+/// scheme the engine runs from it; the lines to print (the reason where nothing was timed).
+fn add_decode_pass<B: Backend>(
+    b: &B,
+    cfg: &ModelConfig,
+    dtype: DType,
+    profile: &mut Profile,
+) -> anyhow::Result<Vec<String>> {
+    use crate::tune::decode_pass;
+    if let Some(why) = decode_pass::skip_reason(b, cfg) {
+        return Ok(vec![why]);
+    }
+    let (scheme, _) = crate::engine::build::softmax_scheme(None, Some(profile))?;
+    eprintln!(
+        "decode pass: timing the CUDA-core and tensor-core passes at batch {:?} x {} keys",
+        decode_pass::BATCHES,
+        decode_pass::KV_LEN
+    );
+    let section = decode_pass::measure(b, cfg, dtype, scheme, &mut |batch| {
+        eprintln!("decode pass: batch {batch}");
+    })
+    .with_context(|| format!("timing the decode passes of {} on {}", cfg.name, b.info().name))?;
+    let lines = decode_pass::describe(&section);
+    profile.decode_pass = Some(section);
+    Ok(lines)
+}
+
+/// `tune --decode-pass`: the decode pass section alone, into the existing profile.
+fn run_decode_pass(a: &TuneArgs) -> anyhow::Result<()> {
+    if a.tp != 1 {
+        anyhow::bail!("--decode-pass with --tp {}: time the decode passes without --tp", a.tp);
+    }
+    let cfg = load_model(&a.model)?;
+    let (any, note) = backend::open(a.backend, a.device)?;
+    eprintln!("{note}");
+    crate::with_backend!(&any, b => {
+        let path = a.out.clone().unwrap_or_else(|| profile::default_path(&b.info().slug, &cfg.name));
+        let mut p = Profile::load(&path).with_context(|| {
+            format!(
+                "--decode-pass adds to an existing profile, and {} cannot be read; run `fdpp tune --model {}` \
+                 first (it times the decode passes too)",
+                path.display(),
+                a.model
+            )
+        })?;
+        p.check_model(&cfg)
+            .with_context(|| format!("{} is not a profile of {}", path.display(), cfg.name))?;
+        profile::check_writable(&path)?;
+        let lines = add_decode_pass(b, &cfg, a.dtype, &mut p)?;
+        p.save(&path)?;
+        for l in &lines {
+            eprintln!("{l}");
+        }
+        eprintln!("profile: {}", path.display());
+        Ok::<(), anyhow::Error>(())
     })
 }
 

@@ -215,6 +215,10 @@ fn assemble<'b, B: Backend>(
 ) -> Result<Model<'b, B>> {
     // What the profile does not cover (all of it without one) follows the backend's rule.
     let fallback = crate::select::Fallback::configured(b.info().backend)?;
+    let decode_tc_up_to = profile
+        .as_ref()
+        .and_then(|p| p.decode_pass.as_ref())
+        .and_then(|d| d.tensor_cores_up_to_batch);
     let linears = LinearPlanner::new(&spec.cfg, opts.dtype, profile).with_fallback(fallback);
     let mut model = Model::new(
         b,
@@ -226,6 +230,7 @@ fn assemble<'b, B: Backend>(
         opts.scheme,
     )?;
     model.set_layer_schemes(opts.layer_schemes.clone())?;
+    model.decode_tc_up_to = decode_tc_up_to;
     prepare_linears(b, &mut model)?;
     Ok(model)
 }

@@ -97,6 +97,11 @@ pub struct Model<'b, B: Backend> {
     /// Each layer's async window (FlashDecoding++ §3, calibrated per layer); empty: `scheme`
     /// for every layer. Read through [`Model::scheme_for`]: a sync `scheme` overrides them.
     pub layer_schemes: Vec<SoftmaxScheme>,
+    /// Decode batches up to this one run their one-head-per-block attention on the tensor-core
+    /// pass: the profile's `decode_pass` choice, timed on the device (`tune::decode_pass`). Set
+    /// on the backend before each decode attention, so that models with other profiles can
+    /// share it.
+    pub decode_tc_up_to: Option<usize>,
     /// Per-op device time when `FDPP_OP_TIMES` is set (see [`OpTimes`]).
     pub op_times: OpTimes,
     /// Softmax-input histograms, gathered while this is Some (see [`ScoreStats`]).
@@ -163,6 +168,7 @@ impl<'b, B: Backend> Model<'b, B> {
             linears,
             scheme,
             layer_schemes: Vec::new(),
+            decode_tc_up_to: None,
             op_times: OpTimes::from_env(),
             score_stats: RefCell::new(None),
             folded,
@@ -745,6 +751,7 @@ impl<'b, B: Backend> Model<'b, B> {
             }
             Attn::Decode(_, p) => {
                 let [q, out] = acts.many([s.q, s.attn])?;
+                b.set_decode_tensor_cores(self.decode_tc_up_to);
                 b.attention_decode_enqueue(p, q, cache, out)?
             }
         };

@@ -3,6 +3,7 @@
 //! inflection points M1/M2 (FlashDecoding++ §4) that `select` reads from the profile. Where the
 //! engine runs a gemv layout as a fused op at decode, that layout is timed fused too (`fused`).
 
+pub mod decode_pass;
 pub mod fused;
 pub mod grid;
 pub mod inflection;

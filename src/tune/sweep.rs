@@ -387,6 +387,7 @@ pub fn tune<B: Backend>(b: &B, cfg: &ModelConfig, opts: &SweepOpts, on_step: &mu
         },
         shapes: out,
         softmax: None,
+        decode_pass: None,
     })
 }
 

@@ -344,7 +344,7 @@ pub fn decode(
     let cus = b.info().compute_units as usize;
     let is_async = matches!(p.scheme, SoftmaxScheme::Async { .. });
     // The main pass (decode_tc.rs): the tensor-core one serves up to 8 heads per block.
-    let mode = TcMode::configured()?;
+    let mode = TcMode::for_launch(b.decode_tc_up_to(), g.group(), bsz)?;
     let first = DecodePlan::with_max_heads(p, cus, None, mode.max_heads_per_block(d));
     let hg = first.hg;
     let tc = mode.uses_tc(d, hg);

@@ -135,9 +135,23 @@ impl TcMode {
         }
     }
 
-    /// The process's run configuration's value.
-    pub fn configured() -> Result<Self> {
-        Self::parse(run_config::get().get(Key::DecodeTc))
+    /// The mode of one decode launch of `batch` sequences with `group` query heads per kv head:
+    /// the `decode_tc` switch's value when it is set; otherwise the tensor-core pass for one
+    /// head per kv head (MHA) up to `tc_up_to` sequences (a profile's `decode_pass` section,
+    /// `Backend::set_decode_tensor_cores`), and `Auto` elsewhere.
+    pub fn for_launch(tc_up_to: Option<usize>, group: usize, batch: usize) -> Result<Self> {
+        match run_config::get().get(Key::DecodeTc).map(str::trim) {
+            Some(v) if !v.is_empty() => Self::parse(Some(v)),
+            _ => Ok(Self::by_profile(tc_up_to, group, batch)),
+        }
+    }
+
+    /// [`Self::for_launch`] without the switch.
+    pub fn by_profile(tc_up_to: Option<usize>, group: usize, batch: usize) -> Self {
+        match tc_up_to {
+            Some(n) if group == 1 && batch <= n => TcMode::On,
+            _ => TcMode::Auto,
+        }
     }
 
     /// Most query heads per block the launcher may give a block at `head_dim`.
@@ -165,10 +179,29 @@ impl TcMode {
     }
 }
 
+/// Whether a one-head-per-block decode at `head_dim` can run the tensor-core pass (what
+/// `decode_tc=1` gives it), so that a tune can time it against the CUDA-core pass.
+pub fn tc_pass_available(head_dim: usize) -> bool {
+    TcMode::On.uses_tc(head_dim, 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::attn_plan::attn_heads_per_block_max;
+
+    #[test]
+    fn a_profiles_choice_moves_mha_launches_up_to_its_batch_only() {
+        // MHA up to the profile's batch: the tensor-core pass; past it, and GQA, the built-in rule.
+        assert_eq!(TcMode::by_profile(Some(16), 1, 1), TcMode::On);
+        assert_eq!(TcMode::by_profile(Some(16), 1, 16), TcMode::On);
+        assert_eq!(TcMode::by_profile(Some(16), 1, 17), TcMode::Auto);
+        assert_eq!(TcMode::by_profile(Some(16), 4, 1), TcMode::Auto);
+        assert_eq!(TcMode::by_profile(None, 1, 1), TcMode::Auto);
+        // On a one-head block, On is the tensor-core pass and Auto the CUDA-core one.
+        assert!(TcMode::On.uses_tc(128, 1) && !TcMode::Auto.uses_tc(128, 1));
+        assert!(tc_pass_available(64) && tc_pass_available(128));
+    }
     use crate::backend::cuda::sources::decode_heads_per_block;
 
     #[test]

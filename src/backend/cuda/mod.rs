@@ -94,6 +94,9 @@ pub struct CudaBackend {
     /// The running recompute total fetched with the last greedy choice (sample.rs), for the
     /// next `take_recomputed` (which then needs no device read of its own).
     fetched_recomputed: std::cell::Cell<Option<usize>>,
+    /// One-head-per-block decode launches of up to this many sequences run the tensor-core pass
+    /// (`Backend::set_decode_tensor_cores`; None: the built-in rule).
+    decode_tc_up_to: std::cell::Cell<Option<usize>>,
     /// Decode-step graphs (graph.rs).
     graphs: RefCell<Box<graph::Graphs>>,
     /// Queued greedy choices of the pipelined decode (sample.rs).
@@ -156,6 +159,7 @@ impl CudaBackend {
             clusters,
             argmax: RefCell::new(None),
             fetched_recomputed: std::cell::Cell::new(None),
+            decode_tc_up_to: std::cell::Cell::new(None),
             graphs: RefCell::new(Box::new(graph::Graphs::new(graph::graphs_wanted(
                 crate::run_config::get().get(crate::run_config::Key::Graphs),
             )))),
@@ -180,6 +184,11 @@ impl CudaBackend {
     /// Whether the device launches thread-block clusters (sm_90 and later).
     pub fn clusters(&self) -> bool {
         self.clusters
+    }
+
+    /// The profile's batch bound for the tensor-core pass of MHA decode (`set_decode_tensor_cores`).
+    pub fn decode_tc_up_to(&self) -> Option<usize> {
+        self.decode_tc_up_to.get()
     }
 
     /// Load (compiling or from the disk cache) the module of a kernel source.
@@ -256,6 +265,14 @@ impl Backend for CudaBackend {
 
     fn kernel_hash(&self) -> String {
         sources::kernel_hash()
+    }
+
+    fn decode_pass_choice(&self, head_dim: usize) -> bool {
+        decode_tc::tc_pass_available(head_dim)
+    }
+
+    fn set_decode_tensor_cores(&self, up_to_batch: Option<usize>) {
+        self.decode_tc_up_to.set(up_to_batch);
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<CudaBuffer> {
