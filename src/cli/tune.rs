@@ -247,7 +247,15 @@ pub fn run_with_backend<B: Backend>(b: &B, a: &TuneArgs, cfg: &ModelConfig) -> a
             ));
         }
     }
-    let decode_lines = add_decode_pass(b, cfg, a.dtype, &mut profile)?;
+    // The decode pass is an addition to the sweep: its failure costs the section (the engine
+    // then keeps the built-in pass), not the sweep.
+    let decode_lines = add_decode_pass(b, cfg, a.dtype, &mut profile).unwrap_or_else(|e| {
+        vec![format!(
+            "decode pass: not recorded ({e:#}); the engine keeps its built-in pass. `fdpp tune --model {} \
+             --decode-pass` times it again into this profile",
+            a.model
+        )]
+    });
     profile.save(&profile_path)?;
 
     let records = records_of(&profile, &cfg.name);
@@ -280,12 +288,12 @@ fn add_decode_pass<B: Backend>(
         return Ok(vec![why]);
     }
     let (scheme, _) = crate::engine::build::softmax_scheme(None, Some(profile))?;
+    let grid = decode_pass::Grid::default();
     eprintln!(
         "decode pass: timing the CUDA-core and tensor-core passes at batch {:?} x {} keys",
-        decode_pass::BATCHES,
-        decode_pass::KV_LEN
+        grid.batches, grid.kv_len
     );
-    let section = decode_pass::measure(b, cfg, dtype, scheme, &mut |batch| {
+    let section = decode_pass::measure(b, cfg, dtype, scheme, &grid, &mut |batch| {
         eprintln!("decode pass: batch {batch}");
     })
     .with_context(|| format!("timing the decode passes of {} on {}", cfg.name, b.info().name))?;

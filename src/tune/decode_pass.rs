@@ -19,14 +19,28 @@ use crate::ops::attention::{AttnGeometry, SoftmaxScheme};
 use crate::profile::{DecodePassRow, DecodePassSection};
 use crate::run_config::{self, Key};
 
-/// Decode batches timed, smallest first (the rule stops at the first the tensor-core pass loses).
-pub const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
-/// Keys per sequence of the timed launches: the decode of a 1024-token prompt, the engine's
-/// common case (at batch 1 the split count and so the pass matter most at short contexts).
-pub const KV_LEN: usize = 1024;
-/// Timed calls per pass and batch, and the rounds they are interleaved in.
-const REPS: usize = 40;
-const ROUNDS: usize = 4;
+/// What is timed: decode batches (smallest first: the rule stops at the first the tensor-core
+/// pass loses) at `kv_len` keys, `reps` calls per pass and batch in `rounds` interleaved rounds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Grid {
+    pub batches: Vec<usize>,
+    pub kv_len: usize,
+    pub reps: usize,
+    pub rounds: usize,
+}
+
+impl Default for Grid {
+    /// Batch 1-64 at 1024 keys (the decode of a 1024-token prompt, the engine's common case),
+    /// 40 calls per point.
+    fn default() -> Self {
+        Grid {
+            batches: vec![1, 2, 4, 8, 16, 32, 64],
+            kv_len: 1024,
+            reps: 40,
+            rounds: 4,
+        }
+    }
+}
 
 /// Why a tune has no decode-pass section: the model or the backend offers no choice.
 pub fn skip_reason<B: Backend>(b: &B, cfg: &ModelConfig) -> Option<String> {
@@ -53,14 +67,15 @@ pub fn skip_reason<B: Backend>(b: &B, cfg: &ModelConfig) -> Option<String> {
     None
 }
 
-/// Time both passes at [`BATCHES`] × [`KV_LEN`] with `scheme` (the engine's softmax), each
-/// checked against the f64 reference first. Batches whose cache does not fit the device are
-/// left out (and the larger ones with them). `on_batch` hears each batch before it runs.
+/// Time both passes over `grid` with `scheme` (the engine's softmax), each checked against the
+/// f64 reference first. Batches whose cache does not fit the device are left out (and the
+/// larger ones with them). `on_batch` hears each batch before it runs.
 pub fn measure<B: Backend>(
     b: &B,
     cfg: &ModelConfig,
     dtype: DType,
     scheme: SoftmaxScheme,
+    grid: &Grid,
     on_batch: &mut dyn FnMut(usize),
 ) -> Result<DecodePassSection> {
     let geom = AttnGeometry::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)?;
@@ -71,7 +86,7 @@ pub fn measure<B: Backend>(
     let cus = b.info().compute_units as usize;
     let mut rows = Vec::new();
     let result = (|| -> Result<()> {
-        for &batch in &BATCHES {
+        for &batch in &grid.batches {
             let case = AttnBenchCase {
                 phase: AttnPhase::Decode,
                 dtype,
@@ -79,7 +94,7 @@ pub fn measure<B: Backend>(
                 page_size: DEFAULT_PAGE_SIZE,
                 page_group: 1,
                 batch,
-                kv_len: KV_LEN,
+                kv_len: grid.kv_len,
             };
             let Ok(copies) = plan_copies(&case, b.info()) else {
                 break;
@@ -98,8 +113,13 @@ pub fn measure<B: Backend>(
                     ))
                 })?;
             }
-            let opts = TimingOpts { warmup: 3, reps: REPS };
-            let t = inputs.time_settings(b, &run, 2, opts, ROUNDS, &mut |i| b.set_decode_tensor_cores(pass(i)));
+            let opts = TimingOpts {
+                warmup: 3,
+                reps: grid.reps,
+            };
+            let t = inputs.time_settings(b, &run, 2, opts, grid.rounds, &mut |i| {
+                b.set_decode_tensor_cores(pass(i))
+            });
             let mut us = t.into_iter().map(|r| r.map(|s| s.median_us));
             let (Some(cc), Some(tc)) = (us.next(), us.next()) else {
                 return Err(FdppError::device(
@@ -120,13 +140,15 @@ pub fn measure<B: Backend>(
     result?;
     if rows.is_empty() {
         return Err(FdppError::InvalidArgument(format!(
-            "decode pass: not even batch 1 of {} at {KV_LEN} keys fits {}",
+            "decode pass: not even batch {} of {} at {} keys fits {}",
+            grid.batches.first().copied().unwrap_or(1),
             cfg.name,
+            grid.kv_len,
             b.info().name
         )));
     }
     Ok(DecodePassSection {
-        kv_len: KV_LEN,
+        kv_len: grid.kv_len,
         scheme: scheme.label(),
         git_commit: crate::provenance::BuildInfo::current().git_commit,
         tensor_cores_up_to_batch: DecodePassSection::rule(&rows),
@@ -186,6 +208,34 @@ mod tests {
         // Slower at batch 1: never.
         assert_eq!(DecodePassSection::rule(&[row(1, 12.0, 13.5), row(8, 40.0, 30.0)]), None);
         assert_eq!(DecodePassSection::rule(&[]), None);
+    }
+
+    #[test]
+    fn the_timing_runs_checks_and_records_every_batch_on_the_cpu() {
+        // The CPU backend has one pass, so both candidates run it: this exercises the inputs,
+        // the reference checks, the interleaved timing and the rule, not the choice.
+        let b = CpuBackend::new();
+        let mut cfg = ModelConfig::resolve("llama2-7b").expect("preset");
+        (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) = (3, 3, 64);
+        let grid = Grid {
+            batches: vec![1, 2, 5],
+            kv_len: 97,
+            reps: 2,
+            rounds: 2,
+        };
+        let mut heard = Vec::new();
+        let s = measure(&b, &cfg, DType::F16, SoftmaxScheme::ASYNC_DEFAULT, &grid, &mut |n| {
+            heard.push(n)
+        })
+        .expect("measured");
+        assert_eq!(heard, [1, 2, 5]);
+        assert_eq!(s.rows.iter().map(|r| r.batch).collect::<Vec<_>>(), [1, 2, 5]);
+        assert!(s.rows.iter().all(|r| r.cuda_core_us > 0.0 && r.tensor_core_us > 0.0));
+        assert_eq!(s.tensor_cores_up_to_batch, DecodePassSection::rule(&s.rows));
+        assert_eq!(
+            (s.kv_len, s.scheme.as_str()),
+            (97, SoftmaxScheme::ASYNC_DEFAULT.label().as_str())
+        );
     }
 
     #[test]
