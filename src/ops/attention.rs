@@ -237,8 +237,9 @@ pub const GROUP_MAX_WAVES: usize = 4;
 /// 4 · 16384 255.6 / 248.6 (6); sync 1 · 4096 27.8 / 25.0 (28), 1 · 16384 83.0 / 70.5, 2 · 4096
 /// 44.9 / 39.9 (14), 4 · 16384 255.3 / 246.9 (7). A wave and a third (32 splits) ran 84.8 async
 /// at 1 · 16384, as the H100's 33 did against 17 in session 8; one wave was not measured on the
-/// H100. Up to 1088 keys a batch-1 row keeps its 16-17 splits (the 64-key minimum split), so
-/// Llama2-7B's decode at 1024 tokens is unchanged.
+/// H100. Where the length cannot give a whole wave splits of 64+ keys (batch 1 below 1280 keys
+/// async on the latency path's 5 blocks per SM, 1536 on the bandwidth path's 6, 1792 sync at
+/// 7), the count stays [`num_splits`]', so Llama2-7B's decode at 1024 tokens is unchanged.
 /// Otherwise, if the items fit one wave of resident blocks, as
 /// many splits as keep them in one wave: [`num_splits`]'s 8 per SM (1056 blocks) gave 1.2-1.9
 /// waves at batch 8-16 of 32 kv heads and measured 4-13 % slower (async at 8 · 1024 61.1 → 53.9
@@ -289,7 +290,17 @@ pub fn num_splits_resident(
             .unwrap_or(1);
     }
     if items < sms {
-        return (slots / items).min(max).clamp(1, MAX_SPLITS);
+        // One wave once the length allows splits of 64+ keys for all of it; below that
+        // num_splits, whose count is already the length's bound there. (Taking the bound, a
+        // count that moves every 64 keys, would make the decode graph's launches new at every
+        // 64th step from 1088 to 1792 keys at batch 1; each new one runs eagerly, then is
+        // captured.)
+        let one_wave = (slots / items).clamp(1, MAX_SPLITS);
+        return if max >= one_wave {
+            one_wave
+        } else {
+            num_splits(batch, kv_heads, kv_len, sm_count)
+        };
     }
     let want = if items <= slots {
         slots / items
@@ -738,6 +749,10 @@ mod tests {
         assert_eq!(num_splits_resident(2, 32, 4096, 132, 7, 1, 1, false), 14);
         assert_eq!(num_splits_resident(4, 32, 16384, 132, 7, 1, 1, false), 7);
         assert_eq!(num_splits_resident(1, 32, 1024, 132, 7, 1, 1, false), 16);
+        // Between 1088 and 1792 keys sync cannot make 28 splits of 64+ keys: num_splits' 17.
+        assert_eq!(num_splits_resident(1, 32, 1280, 132, 7, 1, 1, false), 17);
+        assert_eq!(num_splits_resident(1, 32, 1791, 132, 7, 1, 1, false), 17);
+        assert_eq!(num_splits_resident(1, 32, 1792, 132, 7, 1, 1, false), 28);
         assert_eq!(num_splits_resident(2, 32, 16384, 132, 6, 1, 1, true), 12);
         assert_eq!(num_splits_resident(4, 32, 4096, 132, 6, 1, 1, true), 6);
         assert_eq!(num_splits_resident(1, 32, 1088, 132, 6, 1, 1, true), 17);
