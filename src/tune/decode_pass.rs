@@ -106,11 +106,14 @@ pub fn measure<B: Backend>(
             for i in 0..2 {
                 b.set_decode_tensor_cores(pass(i));
                 inputs.check(b, &run).map_err(|e| {
-                    FdppError::InvalidArgument(format!(
-                        "decode pass: the {} pass failed its reference check at {}: {e}",
-                        ["CUDA-core", "tensor-core"][i],
-                        case.label()
-                    ))
+                    FdppError::device(
+                        "decode pass",
+                        format!(
+                            "the {} pass failed its reference check at {}: {e}",
+                            ["CUDA-core", "tensor-core"][i],
+                            case.label()
+                        ),
+                    )
                 })?;
             }
             let opts = TimingOpts {
