@@ -189,6 +189,7 @@ pub fn tc_pass_available(head_dim: usize) -> bool {
 mod tests {
     use super::*;
     use crate::backend::attn_plan::attn_heads_per_block_max;
+    use crate::backend::cuda::sources::decode_heads_per_block;
 
     #[test]
     fn a_profiles_choice_moves_mha_launches_up_to_its_batch_only() {
@@ -202,7 +203,6 @@ mod tests {
         assert!(TcMode::On.uses_tc(128, 1) && !TcMode::Auto.uses_tc(128, 1));
         assert!(tc_pass_available(64) && tc_pass_available(128));
     }
-    use crate::backend::cuda::sources::decode_heads_per_block;
 
     #[test]
     fn the_stage_switch_parses_and_refuses_other_values() {
